@@ -9,21 +9,31 @@ from . import checkpoint
 from .accounting import Location, MemoryKind, MemoryLedger
 from .booster import Booster
 from .chunk import Chunk, ChunkState, GradState
-from .comm import CollectiveMismatchError, Communicator, PendingGather
+from .comm import Communicator, PendingGather
+from .errors import (
+    BudgetExceededError,
+    BudgetTooSmallError,
+    ChunkmemError,
+    CollectiveMismatchError,
+    IllegalTransition,
+    TraceDivergenceError,
+    UnmanageableParameter,
+)
 from .loss_scale import LossScaleConfig
-from .manager import ChunkManager, UnmanageableParameter
+from .manager import ChunkManager
 from .memory import describe_devices, device_capacity, device_free, host_memory
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
 from .plugin import ChunkPlugin
-from .runtime import BudgetExceededError, ChunkRuntime, TraceDivergenceError
+from .runtime import ChunkRuntime
 from .search import ChunkSizeSearch, search_chunk_size
 from .stats import Stats
-from .tensor_state import IllegalTransition, TensorInfo, TensorState
+from .tensor_state import TensorInfo, TensorState
 
 __all__ = [
     "Booster",
     "BudgetExceededError",
+    "BudgetTooSmallError",
     "Chunk",
     "ChunkManager",
     "ChunkOptimizer",
@@ -32,6 +42,7 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkedModel",
+    "ChunkmemError",
     "CollectiveMismatchError",
     "Communicator",
     "GradState",

@@ -14,13 +14,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveMismatchError", "Communicator", "PendingGather"]
+from .errors import CollectiveMismatchError
+
+__all__ = ["Communicator", "PendingGather"]
 
 T = TypeVar("T")
-
-
-class CollectiveMismatchError(RuntimeError):
-    """A chunk collective failed or timed out, and the ranks have compared what they ran."""
 
 
 class PendingGather:

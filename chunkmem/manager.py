@@ -11,18 +11,15 @@ import torch
 from .accounting import Location, MemoryLedger
 from .chunk import Chunk, ChunkState
 from .comm import Communicator, PendingGather
+from .errors import UnmanageableParameter
 from .search import group_key
 from .stats import Stats
 from .tensor_state import TensorInfo
 
-__all__ = ["ChunkManager", "UnmanageableParameter"]
+__all__ = ["ChunkManager"]
 
 log = logging.getLogger("chunkmem")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class UnmanageableParameter(ValueError):
-    """A parameter chunkmem cannot put in a chunk."""
 
 
 class ChunkManager:

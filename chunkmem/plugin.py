@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+import placement as placement_pkg
 from placement import (
     AutoPlacementConfig,
     ChunkPlacement,
@@ -25,6 +26,7 @@ from placement import (
 from .accounting import Location
 from .chunk import Chunk
 from .comm import Communicator
+from .errors import BudgetTooSmallError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .memory import device_capacity, device_free
@@ -131,7 +133,10 @@ class ChunkPlugin:
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, self._agreed_capacity(comm))
-        layout = policy.layout(specs, self._working_sets(model, manager))
+        try:
+            layout = policy.layout(specs, self._working_sets(model, manager))
+        except placement_pkg.BudgetTooSmallError as error:
+            raise BudgetTooSmallError.from_placement(error) from None
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
 

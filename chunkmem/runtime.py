@@ -41,22 +41,15 @@ from placement.policy import format_bytes
 
 from .accounting import Location, MemoryKind
 from .chunk import Chunk, ChunkState
+from .errors import BudgetExceededError, TraceDivergenceError
 from .manager import ChunkManager
 from .memory import NonModelSampler
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 
-__all__ = ["BudgetExceededError", "ChunkRuntime", "TraceDivergenceError"]
+__all__ = ["ChunkRuntime"]
 
 log = logging.getLogger("chunkmem")
-
-
-class BudgetExceededError(RuntimeError):
-    """An op cannot run within the device budget even after evicting everything evictable."""
-
-
-class TraceDivergenceError(RuntimeError):
-    """Ranks ran different ops on managed parameters in the same iteration."""
 
 
 class Mode(enum.Enum):

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["IllegalTransition", "TensorInfo", "TensorState"]
+from .errors import IllegalTransition
+
+__all__ = ["TensorInfo", "TensorState"]
 
 
 class TensorState(enum.Enum):
@@ -49,10 +51,6 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
     # Used again after its gradient arrived (recomputation, gradient accumulation), or reduced.
     _S.READY_FOR_REDUCE: frozenset({_S.COMPUTE, _S.HOLD}),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A parameter was asked to move between states the table does not connect."""
 
 
 @dataclass(eq=False, slots=True)
