@@ -29,11 +29,13 @@ class PendingGather:
         self,
         work: Any | None = None,
         event: torch.cuda.Event | None = None,
-        guard: Callable[[Callable[[], Any]], Any] | None = None,
+        comm: Communicator | None = None,
+        what: str = "gather",
     ) -> None:
         self._work = work
         self._event = event
-        self._guard = guard
+        self._comm = comm
+        self._what = what
 
     def is_completed(self) -> bool:
         """For statistics only: never base a decision on it (it differs between ranks)."""
@@ -49,11 +51,10 @@ class PendingGather:
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
         if self._work is not None:
-            work = self._work
-            if self._guard is None:
-                work.wait()
+            if self._comm is None:
+                self._work.wait()
             else:
-                self._guard(work.wait)
+                self._comm.wait(self._work, self._what)
 
 
 class Communicator:
@@ -147,15 +148,30 @@ class Communicator:
         event.record(self._side_stream)
         return event
 
-    def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool) -> Any | None:
+    def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool, what: str = "gather") -> Any | None:
         """Gather every rank's ``local`` shard into ``output`` (rank order). ``local`` may be this
-        rank's slot of ``output``. Returns the ``Work`` when ``async_op``."""
-        return self.guard(lambda: self._all_gather(output, local, group=self._group, async_op=async_op))
+        rank's slot of ``output``. Returns the ``Work`` when ``async_op`` (wait on it with
+        ``wait``)."""
+        work = self.guard(lambda: self._all_gather(output, local, group=self._group, async_op=True))
+        if async_op:
+            return work
+        self.wait(work, what)
+        return None
 
-    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        """``output`` = this rank's slot of the mean of ``full`` over ranks."""
-        self.guard(lambda: self._reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self._group))
-        output.div_(self._world_size)
+    def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, async_op: bool, what: str) -> Any | None:
+        """``output`` = this rank's slot of the sum of ``full`` over ranks. ``output`` may be this
+        rank's slot of ``full``. Returns the ``Work`` when ``async_op``."""
+        work = self.guard(
+            lambda: self._reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        )
+        if async_op:
+            return work
+        self.wait(work, what)
+        return None
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a collective started with ``async_op``; a failure names the ranks that departed."""
+        self.guard(work.wait)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """In place over ranks (no-op at world size 1)."""

@@ -43,6 +43,9 @@ class Stats:
     """Gradient buffers reduced into gradient shards."""
     grad_flushes: int = 0
     """Gradient buffers reduced early (before all their gradients arrived) to stay in budget."""
+    decision_work: int = 0
+    """Trace entries and device buffers the policy looked at while deciding (a cost count: per op
+    it is bounded by ``max_prefetch`` unless room must be made)."""
     trace_recordings: int = 0
     """Compute traces frozen (the first, and one per re-recording after a divergence)."""
     divergences: int = 0

@@ -15,11 +15,13 @@ from .snapshot import (
     Layout,
     OpSnapshot,
     ReleaseSnapshot,
+    Residency,
     ResidentChunk,
+    ResidentSet,
     WorkingSet,
 )
 from .static import StaticPolicy
-from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, TraceStep
+from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, TraceStep, step_digest
 
 __all__ = [
     "AutoPlacementConfig",
@@ -38,7 +40,9 @@ __all__ = [
     "PlacementConfig",
     "PlacementPolicy",
     "ReleaseSnapshot",
+    "Residency",
     "ResidentChunk",
+    "ResidentSet",
     "SimulationResult",
     "StaticPlacementConfig",
     "StaticPolicy",
@@ -48,4 +52,5 @@ __all__ = [
     "load_placement_config",
     "make_policy",
     "simulate",
+    "step_digest",
 ]

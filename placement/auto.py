@@ -40,6 +40,14 @@ class AutoPolicy(PlacementPolicy):
         cap = int(self._capacity * (1.0 - self._config.warmup_non_model_data_ratio))
         return cap if self._budget is None else min(cap, self._budget)
 
+    def needs_profile(self, trace: ComputeTrace | None) -> bool:
+        """Until non-model memory has been measured for the frozen trace."""
+        return not self.profiled(trace)
+
+    def observe_profile(self, trace: ComputeTrace, non_model_bytes: Sequence[int]) -> None:
+        """Non-model bytes measured at each position of ``trace`` (see ``observe_warmup``)."""
+        self.observe_warmup(trace, non_model_bytes)
+
     def observe_warmup(self, trace: ComputeTrace, non_model_bytes: Sequence[int]) -> None:
         """Non-model bytes measured at each position of ``trace`` (the maximum over ranks)."""
         if len(non_model_bytes) != len(trace):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -90,34 +91,41 @@ class PlacementPolicy(ABC):
     @abstractmethod
     def _decide_layout(self, working_sets: Sequence[WorkingSet]) -> Layout: ...
 
+    def needs_profile(self, trace: ComputeTrace | None) -> bool:
+        """Whether the runtime should measure non-model memory at each op of the next iteration
+        (whose trace is ``trace``, ``None`` while none is recorded) and report it to
+        ``observe_profile``. Policies that do not use it never ask."""
+        return False
+
+    def observe_profile(self, trace: ComputeTrace, non_model_bytes: Sequence[int]) -> None:
+        """Non-model bytes measured at each position of ``trace`` (agreed over ranks)."""
+        raise NotImplementedError(f"{type(self).__name__} does not use a non-model memory profile")
+
     def cap(self, position: int, trace: ComputeTrace | None) -> int | None:
         """Model-data cap at a position of ``trace``; the hard budget unless a policy knows better."""
         return self._budget
 
     def before_op(self, snap: OpSnapshot) -> FetchPlan:
         """Evict (furthest next use first) until the op fits under the cap, then choose
-        prefetches.
-        """
+        prefetches. The list of device buffers is only read when room must be made."""
         cap = self.cap(snap.position, snap.trace)
-        needed = set(snap.needed)
-        candidates = [
-            r
-            for r in snap.resident
-            if not r.held and not r.fetching and r.release_bytes > 0 and r.chunk_id not in needed
-        ]
         taken: list[ResidentChunk] = []
         used = snap.device_bytes + snap.needed_bytes
+        examined = 0
         if cap is not None and used > cap:
+            candidates = _evictable(snap)
+            examined += len(candidates)
             for victim in _victims(candidates, snap.trace, snap.position):
                 if used <= cap:
                     break
                 taken.append(victim)
                 used -= victim.release_bytes
-        prefetch = self._prefetch(snap, cap, used, candidates, taken)
+        prefetch, looked = self._prefetch(snap, cap, used, taken)
         return FetchPlan(
             evict=tuple(v.chunk_id for v in taken if v.kind is BufferKind.GATHERED),
-            flush=tuple(v.chunk_id for v in taken if v.kind is BufferKind.GRAD),
+            flush=tuple(v.chunk_id for v in taken if v.kind is not BufferKind.GATHERED),
             prefetch=prefetch,
+            examined=examined + looked,
         )
 
     @abstractmethod
@@ -129,47 +137,62 @@ class PlacementPolicy(ABC):
         return self.layout_decided[chunk_id].fetch_bytes(self._specs[chunk_id])
 
     def _prefetch(
-        self,
-        snap: OpSnapshot,
-        cap: int | None,
-        used: int,
-        candidates: list[ResidentChunk],
-        taken: list[ResidentChunk],
-    ) -> tuple[int, ...]:
-        """Gather the next ``max_prefetch`` chunks of the trace that are not on the device, into
-        free budget or into room made by evicting gathered chunks needed later than them. Room for
-        the gradient buffers that backward ops before the prefetched chunk's use will allocate is
-        kept free: those ops could not evict a gather still in flight."""
+        self, snap: OpSnapshot, cap: int | None, used: int, taken: list[ResidentChunk]
+    ) -> tuple[tuple[int, ...], int]:
+        """Gather the chunks of the next ``max_prefetch`` entries of the trace (first uses in a
+        pass, and uses in this pass of chunks evicted before them) that are not on the device,
+        into free budget or into room made by evicting gathered chunks needed later than them.
+        Room for the gradient buffers that backward ops before the prefetched chunk's use will
+        allocate is kept free: those ops could not evict a gather still in flight. Returns the
+        chunks and how many entries and buffers were looked at."""
         if self._max_prefetch == 0 or snap.trace is None:
-            return ()
+            return (), 0
         layout = self.layout_decided
         trace = snap.trace
-        gone = {v.chunk_id for v in taken}
-        on_device = {r.chunk_id for r in snap.resident if r.kind is BufferKind.GATHERED} - gone
-        on_device.update(snap.needed)
-        with_grad = (set(snap.grad_buffers) | set(snap.needed if snap.phase is Phase.BACKWARD else ())) - {
-            v.chunk_id for v in taken if v.kind is BufferKind.GRAD
-        }
-        evictable = [c for c in candidates if c.kind is BufferKind.GATHERED and c not in taken]
-        reserve, scanned = 0, snap.position
+        residency = snap.residency
+        gone = {v.chunk_id for v in taken if v.kind is BufferKind.GATHERED}
+        flushed = {v.chunk_id for v in taken if v.kind is not BufferKind.GATHERED}
+        needed = set(snap.needed)
+        grads_now = needed if snap.phase is Phase.BACKWARD else set()
+        counted: set[int] = set()
+        reserve, scanned, examined = 0, snap.position, 0
+        evictable: list[ResidentChunk] | None = None
         chosen: list[int] = []
-        for position, chunk_id in trace.upcoming(snap.position):
-            if len(chosen) == self._max_prefetch:
+        entries = trace.entries_after(snap.position)
+        entry = next(entries, None)
+        # Chunks evicted earlier (or by this plan) that an op of this pass needs again come in
+        # order with the entries: prefetching past them would pin room they need.
+        reuses = [*residency.awaited(), *_reuses(trace, taken, snap.position)]
+        heapq.heapify(reuses)
+        for _ in range(self._max_prefetch):
+            if reuses and (entry is None or reuses[0] < entry):
+                position, chunk_id = heapq.heappop(reuses)
+            elif entry is not None:
+                position, chunk_id = entry
+                entry = next(entries, None)
+            else:
                 break
-            while scanned < position:
-                scanned += 1
-                step = trace[scanned]
-                if step.phase is Phase.BACKWARD:
-                    for c in step.chunks:
-                        if c not in with_grad and self._specs[c].trainable:
-                            with_grad.add(c)
-                            reserve += layout[c].grad_buffer_bytes(self._specs[c])
-            if chunk_id in on_device or layout[chunk_id].keep_gathered:
+            examined += 1
+            for _, c in trace.grad_entries_in(scanned, position):
+                examined += 1
+                if c in counted or c in grads_now or not self._specs[c].trainable:
+                    continue
+                if residency.has_grad_buffer(c) and c not in flushed:
+                    continue
+                counted.add(c)
+                reserve += layout[c].grad_buffer_bytes(self._specs[c])
+            scanned = position
+            if chunk_id in needed or chunk_id in chosen or layout[chunk_id].keep_gathered:
+                continue
+            if residency.is_gathered(chunk_id) and chunk_id not in gone:
                 continue
             cost = self.fetch_cost(chunk_id)
             if cost == 0:
                 continue
             if cap is not None and used + cost + reserve > cap:
+                if evictable is None:
+                    evictable = [c for c in _evictable(snap) if c.kind is BufferKind.GATHERED and c not in taken]
+                    examined += len(evictable)
                 room = [
                     v
                     for v in _victims(evictable, trace, snap.position)
@@ -187,12 +210,13 @@ class PlacementPolicy(ABC):
                 for victim in victims:
                     taken.append(victim)
                     evictable.remove(victim)
-                    on_device.discard(victim.chunk_id)
+                    gone.add(victim.chunk_id)
+                for reuse in _reuses(trace, victims, snap.position):
+                    heapq.heappush(reuses, reuse)
                 used -= freed
             chosen.append(chunk_id)
-            on_device.add(chunk_id)
             used += cost
-        return tuple(chosen)
+        return tuple(chosen), examined
 
     def minimum_budget(self, layout: Layout, working_sets: Sequence[WorkingSet]) -> tuple[int, int, WorkingSet | None]:
         """What ``layout`` needs on the device: ``(minimum, at_rest, largest working set)`` where
@@ -223,10 +247,32 @@ class PlacementPolicy(ABC):
             )
 
 
+def _reuses(trace: ComputeTrace, taken: Sequence[ResidentChunk], position: int) -> list[tuple[int, int]]:
+    """Where the gathered buffers evicted by this plan are needed again in the same pass."""
+    out = []
+    for victim in taken:
+        if victim.kind is BufferKind.GATHERED and trace.used_again_in_pass(victim.chunk_id, position):
+            nxt = trace.next_use(victim.chunk_id, position)
+            assert nxt is not None, "used again in the pass but no next use"
+            out.append((nxt, victim.chunk_id))
+    return out
+
+
+def _evictable(snap: OpSnapshot) -> list[ResidentChunk]:
+    """Buffers that can be given back now: not used by a running op, not still arriving, not
+    needed by this op, and actually holding bytes."""
+    needed = set(snap.needed)
+    return [
+        r
+        for r in snap.residency.buffers()
+        if not r.held and not r.fetching and r.release_bytes > 0 and r.chunk_id not in needed
+    ]
+
+
 def _next_use(trace: ComputeTrace | None, buffer: ResidentChunk, position: int) -> float:
     """When the buffer is needed again: any use for a gathered buffer, a backward use for a
-    gradient buffer. Never again is infinitely far."""
-    if trace is None:
+    gradient buffer, never for one whose reduction is in flight. Never again is infinitely far."""
+    if trace is None or buffer.kind is BufferKind.REDUCING:
         return float("inf")
     phase = Phase.BACKWARD if buffer.kind is BufferKind.GRAD else None
     nxt = trace.next_use(buffer.chunk_id, position, phase)
@@ -236,9 +282,9 @@ def _next_use(trace: ComputeTrace | None, buffer: ResidentChunk, position: int) 
 def _victims(candidates: Sequence[ResidentChunk], trace: ComputeTrace | None, position: int) -> list[ResidentChunk]:
     """Eviction order: with a trace, furthest next use first (never again first: Belady), gathered
     buffers before gradient buffers at equal distance (re-gathering is cheaper than reducing
-    twice); while recording, least recently used first. Ties break on chunk id so every rank
-    agrees."""
-    kind_order = {BufferKind.GATHERED: 0, BufferKind.GRAD: 1}
+    twice; finishing a reduction in flight costs only the wait); while recording, least recently
+    used first. Ties break on chunk id so every rank agrees."""
+    kind_order = {BufferKind.GATHERED: 0, BufferKind.REDUCING: 1, BufferKind.GRAD: 2}
     if trace is None:
         return sorted(candidates, key=lambda r: (r.last_use, kind_order[r.kind], r.chunk_id))
     return sorted(candidates, key=lambda r: (-_next_use(trace, r, position), kind_order[r.kind], r.chunk_id))

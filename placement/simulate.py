@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .policy import PlacementPolicy
-from .snapshot import BufferKind, ChunkSpec, OpSnapshot, ReleaseSnapshot, ResidentChunk, WorkingSet
+from .snapshot import BufferKind, ChunkSpec, OpSnapshot, ReleaseSnapshot, ResidentChunk, ResidentSet, WorkingSet
 from .trace import ComputeTrace, Phase
 
 __all__ = ["SimulationResult", "simulate"]
@@ -63,6 +63,7 @@ def simulate(
         gathered: dict[int, int] = {}  # chunk id -> last use position (-1: prefetched, unused)
         fetching: set[int] = set()
         grads: dict[int, int] = {}
+        awaited: dict[int, int] = {}  # evicted chunk -> its next use in the same pass
 
         def device_bytes(gathered: dict[int, int] = gathered, grads: dict[int, int] = grads) -> int:
             return (
@@ -93,8 +94,11 @@ def simulate(
                     phase=step.phase,
                     needed=step.chunks,
                     needed_bytes=need,
-                    resident=tuple(resident),
-                    grad_buffers=frozenset(grads),
+                    residency=ResidentSet(
+                        tuple(resident),
+                        frozenset(grads),
+                        tuple(sorted((p, c) for c, p in awaited.items() if p > position and c not in gathered)),
+                    ),
                     device_bytes=device_bytes(),
                     trace=trace,
                 )
@@ -102,6 +106,8 @@ def simulate(
             for c in plan.evict:
                 del gathered[c]
                 fetching.discard(c)
+                if trace.used_again_in_pass(c, position):
+                    awaited[c] = trace.next_use(c, position) or -1
             for c in plan.flush:
                 del grads[c]
                 flushes += 1
@@ -125,7 +131,13 @@ def simulate(
             if budget is not None and device_bytes() > budget:
                 over = True
             release = policy.after_op(
-                ReleaseSnapshot(position=position, phase=step.phase, finished=step.chunks, in_backward=False)
+                ReleaseSnapshot(
+                    position=position,
+                    phase=step.phase,
+                    finished=step.chunks,
+                    in_backward=step.in_backward_pass,
+                    trace=trace,
+                )
             )
             for c in release:
                 gathered.pop(c, None)

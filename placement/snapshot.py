@@ -8,8 +8,11 @@ collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .trace import ComputeTrace, Phase
 
@@ -21,7 +24,9 @@ __all__ = [
     "Layout",
     "OpSnapshot",
     "ReleaseSnapshot",
+    "Residency",
     "ResidentChunk",
+    "ResidentSet",
     "WorkingSet",
 ]
 
@@ -138,6 +143,9 @@ class BufferKind(enum.Enum):
     GRAD = "grad"
     """A flat gradient buffer; evicting it reduces what it holds into the gradient shard early (one
     more reduction; later gradients go to a fresh buffer)."""
+    REDUCING = "reducing"
+    """A gradient buffer whose reduction is in flight; evicting it waits for the reduction to end
+    (it is never needed again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +164,51 @@ class ResidentChunk:
     """Trace position of the chunk's most recent use in this iteration (-1: not used yet)."""
 
 
+class Residency(Protocol):
+    """What is on the device, as a policy may ask it. Queries about one chunk are cheap; the full
+    list of buffers is built only when asked for (when room must be made), so an op that fits
+    costs the policy nothing proportional to the number of chunks."""
+
+    def is_gathered(self, chunk_id: int) -> bool:
+        """The chunk's full buffer is on the device or being gathered into it."""
+        ...
+
+    def has_grad_buffer(self, chunk_id: int) -> bool:
+        """The chunk's gradient buffer exists (flushable or not)."""
+        ...
+
+    def buffers(self) -> Sequence[ResidentChunk]:
+        """Every device buffer that could be given back: gathered buffers, and gradient buffers
+        when a reduction is allowed now (not inside ``no_sync`` on several ranks)."""
+        ...
+
+    def awaited(self) -> Sequence[tuple[int, int]]:
+        """``(position, chunk_id)`` of chunks evicted earlier in this pass that an op ahead still
+        needs, earliest first (not the first use of a chunk in a pass, so not a trace entry)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentSet:
+    """A :class:`Residency` given as plain data (hand-made snapshots, replays)."""
+
+    resident: tuple[ResidentChunk, ...] = ()
+    grad_buffers: frozenset[int] = frozenset()
+    evicted_reuses: tuple[tuple[int, int], ...] = ()
+
+    def is_gathered(self, chunk_id: int) -> bool:
+        return any(r.chunk_id == chunk_id and r.kind is BufferKind.GATHERED for r in self.resident)
+
+    def has_grad_buffer(self, chunk_id: int) -> bool:
+        return chunk_id in self.grad_buffers
+
+    def buffers(self) -> Sequence[ResidentChunk]:
+        return self.resident
+
+    def awaited(self) -> Sequence[tuple[int, int]]:
+        return self.evicted_reuses
+
+
 @dataclass(frozen=True, slots=True)
 class OpSnapshot:
     """The state before an op runs: what it needs and what is on the device."""
@@ -165,11 +218,8 @@ class OpSnapshot:
     needed: tuple[int, ...]
     needed_bytes: int
     """Device bytes that must still be allocated for the op to run (gathers and gradient buffers)."""
-    resident: tuple[ResidentChunk, ...]
-    """Buffers that could be evicted or flushed (gradient buffers only when a reduction is
-    allowed now, i.e. not inside ``no_sync`` on several ranks)."""
-    grad_buffers: frozenset[int]
-    """Chunks whose gradient buffer exists (flushable or not)."""
+    residency: Residency
+    """What is on the device now (read-only; see :class:`Residency`)."""
     device_bytes: int
     """Accounted chunk bytes on the device now."""
     trace: ComputeTrace | None
@@ -186,6 +236,8 @@ class ReleaseSnapshot:
     in_backward: bool
     """The autograd engine is running: a forward op now is a recomputation (activation
     checkpointing) whose backward follows shortly."""
+    trace: ComputeTrace | None = None
+    """The frozen trace while this iteration follows it; ``None`` while recording."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,4 +248,8 @@ class FetchPlan:
 
     evict: tuple[int, ...] = ()
     flush: tuple[int, ...] = ()
+    """Gradient buffers to reduce now, or whose reduction in flight to finish."""
     prefetch: tuple[int, ...] = ()
+    examined: int = dataclasses.field(default=0, compare=False)
+    """How many trace entries and device buffers the decision looked at: the cost of deciding,
+    which the runtime counts (not part of the decision)."""

@@ -28,10 +28,11 @@ def _first_fraction(specs: Sequence[ChunkSpec], frac: float) -> set[int]:
 
 
 class StaticPolicy(PlacementPolicy):
-    """ZeRO-3 by default: gather per use, release after use. ``shard_param_frac`` keeps the first
-    chunks gathered; ``offload_optim_frac`` and ``offload_param_frac`` move the next ones' optimizer
-    side and parameter shard to the host. With a ``device_budget`` it evicts idle gathered chunks,
-    furthest next use first, and prefetches ``max_prefetch`` chunks ahead."""
+    """ZeRO-3 by default: gather at a chunk's first use in a pass, release after its last.
+    ``shard_param_frac`` keeps the first chunks gathered; ``offload_optim_frac`` and
+    ``offload_param_frac`` move the next ones' optimizer side and parameter shard to the host. With
+    a ``device_budget`` it evicts idle gathered chunks, furthest next use first, and prefetches
+    ``max_prefetch`` chunks ahead."""
 
     def __init__(self, config: StaticPlacementConfig) -> None:
         super().__init__(config.max_prefetch, None if config.device_budget is None else int(config.device_budget))
@@ -63,10 +64,12 @@ class StaticPolicy(PlacementPolicy):
         return Layout(tuple(placements))
 
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
-        """Release after use (ZeRO-3), except chunks kept gathered and during recomputation."""
+        """Release a chunk once no op of the current pass uses it again (so it is gathered once
+        per pass), except chunks kept gathered. While recording there is no future to consult:
+        release after every op, except during recomputation, whose backward comes next and needs
+        the same chunks."""
         layout = self.layout_decided
-        if snap.phase is Phase.FORWARD and snap.in_backward:
-            # Recomputation under activation checkpointing: the backward of this op comes next and
-            # needs the same chunks; releasing now would gather them twice.
-            return ()
-        return tuple(c for c in snap.finished if not layout[c].keep_gathered)
+        finished = [c for c in snap.finished if not layout[c].keep_gathered]
+        if snap.trace is None:
+            return () if snap.phase is Phase.FORWARD and snap.in_backward else tuple(finished)
+        return tuple(c for c in finished if not snap.trace.used_again_in_pass(c, snap.position))

@@ -4,6 +4,12 @@ A trace is recorded during the first iteration (forward and backward) and frozen
 follow it with a :class:`TraceCursor`; when an iteration departs from it (a different op order, a
 branch not taken) the cursor reports the divergence, stops serving the frozen trace for the rest of
 that iteration and records a new one, as DeepSpeed's parameter coordinator does.
+
+An iteration is a sequence of **passes**: a forward pass, then the backward pass (which includes the
+forward ops that activation checkpointing recomputes inside it), then with gradient accumulation
+another forward pass, and so on. A chunk's **entry** is its first use in a pass: where it must be on
+the device when chunks are released at the end of their use in each pass, and so what prefetch
+looks ahead at. The trace indexes entries once, so a look-ahead of ``k`` costs ``O(k)`` per op.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import bisect
 import enum
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ComputeTrace", "CursorMode", "Divergence", "Phase", "TraceCursor", "TraceStep"]
+__all__ = ["ComputeTrace", "CursorMode", "Divergence", "Phase", "TraceCursor", "TraceStep", "step_digest"]
 
 
 class Phase(enum.Enum):
@@ -31,23 +38,61 @@ class TraceStep:
 
     phase: Phase
     chunks: tuple[int, ...]
+    recompute: bool = False
+    """A forward op run by the autograd engine during backward (activation-checkpointing
+    recomputation): it belongs to the backward pass."""
+
+    @property
+    def in_backward_pass(self) -> bool:
+        return self.phase is Phase.BACKWARD or self.recompute
+
+    def describe(self) -> str:
+        kind = "recomputed forward" if self.recompute else self.phase.value
+        return f"{kind} op on chunks {self.chunks}"
+
+
+def step_digest(step: TraceStep) -> bytes:
+    """The bytes a step contributes to an op-sequence digest (the same on every rank)."""
+    kind = b"r" if step.recompute else step.phase.value[:1].encode()
+    return kind + b"[" + ",".join(map(str, step.chunks)).encode() + b"]"
 
 
 class ComputeTrace:
-    """An immutable recorded sequence of :class:`TraceStep` with next-use queries."""
+    """An immutable recorded sequence of :class:`TraceStep` with next-use, pass and entry queries."""
 
     def __init__(self, steps: Sequence[TraceStep]) -> None:
         self._steps: tuple[TraceStep, ...] = tuple(steps)
         positions: dict[tuple[int, Phase | None], list[int]] = {}
+        passes: list[int] = []
+        entries: list[tuple[int, int]] = []
+        grad_entries: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        seen_backward: set[int] = set()
+        current, backward = -1, None
         for index, step in enumerate(self._steps):
+            if step.in_backward_pass is not backward:
+                current, backward = current + 1, step.in_backward_pass
+                seen.clear()
+                seen_backward.clear()
+            passes.append(current)
             for chunk_id in step.chunks:
                 positions.setdefault((chunk_id, None), []).append(index)
                 positions.setdefault((chunk_id, step.phase), []).append(index)
+                if chunk_id not in seen:
+                    seen.add(chunk_id)
+                    entries.append((index, chunk_id))
+                if step.phase is Phase.BACKWARD and chunk_id not in seen_backward:
+                    seen_backward.add(chunk_id)
+                    grad_entries.append((index, chunk_id))
         self._positions = {key: tuple(p) for key, p in positions.items()}
+        self._passes = tuple(passes)
+        self._entries = tuple(entries)
+        self._entry_positions = tuple(p for p, _ in entries)
+        self._grad_entries = tuple(grad_entries)
+        self._grad_entry_positions = tuple(p for p, _ in grad_entries)
         h = hashlib.blake2b(digest_size=8)
         for step in self._steps:
-            h.update(step.phase.value.encode())
-            h.update(b"[" + ",".join(map(str, step.chunks)).encode() + b"]")
+            h.update(step_digest(step))
         self._digest = int.from_bytes(h.digest(), "little", signed=True)
 
     def __len__(self) -> int:
@@ -79,16 +124,28 @@ class ComputeTrace:
         i = bisect.bisect_right(positions, after)
         return positions[i] if i < len(positions) else None
 
-    def upcoming(self, after: int) -> Iterator[tuple[int, int]]:
-        """Yield ``(position, chunk_id)`` for each chunk at its first use after ``after``, in
-        trace order, each chunk once. Stops at the end of the iteration: fetching across the
-        optimizer step would read parameters that the step is about to change."""
-        seen: set[int] = set()
-        for index in range(after + 1, len(self._steps)):
-            for chunk_id in self._steps[index].chunks:
-                if chunk_id not in seen:
-                    seen.add(chunk_id)
-                    yield index, chunk_id
+    def pass_of(self, position: int) -> int:
+        """Index of the pass (forward, backward, forward...) that ``position`` belongs to."""
+        return self._passes[position]
+
+    def used_again_in_pass(self, chunk_id: int, position: int) -> bool:
+        """Whether an op after ``position`` in the same pass uses ``chunk_id``: if not, a chunk
+        released now is not needed again before the pass ends."""
+        nxt = self.next_use(chunk_id, position)
+        return nxt is not None and self._passes[nxt] == self._passes[position]
+
+    def entries_after(self, after: int) -> Iterator[tuple[int, int]]:
+        """Yield ``(position, chunk_id)`` for each chunk's first use in its pass, strictly after
+        ``after``, in trace order. Stops at the end of the iteration."""
+        start = bisect.bisect_right(self._entry_positions, after)
+        return itertools.islice(self._entries, start, None)
+
+    def grad_entries_in(self, after: int, until: int) -> Iterator[tuple[int, int]]:
+        """``(position, chunk_id)`` for each chunk's first backward-phase use in a pass (where its
+        gradient buffer is allocated) in ``(after, until]``."""
+        start = bisect.bisect_right(self._grad_entry_positions, after)
+        stop = bisect.bisect_right(self._grad_entry_positions, until)
+        return itertools.islice(self._grad_entries, start, stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +162,7 @@ class Divergence:
         """One line for the log: where, what was expected, what ran."""
 
         def fmt(step: TraceStep | None) -> str:
-            return "end of iteration" if step is None else f"{step.phase.value} op on chunks {step.chunks}"
+            return "end of iteration" if step is None else step.describe()
 
         return f"at position {self.position} expected {fmt(self.expected)}, got {fmt(self.actual)}"
 

@@ -347,7 +347,9 @@ def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
     with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot refresh"):
         chunk.refresh()
     chunk.gather(async_op=False)
-    with pytest.raises(RuntimeError, match=r"chunk 3 \(rank 0, state gathered\): cannot gather; it needs state rel"):
+    with pytest.raises(
+        RuntimeError, match=r"chunk 3 \(rank 0, state gathered\): cannot gather in state gathered; it needs state rel"
+    ):
         chunk.gather(async_op=False)
     with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot reduce gradients in gradient state none"):
         chunk.reduce_grad()

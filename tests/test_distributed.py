@@ -247,11 +247,11 @@ class DelayedCommunicator(Communicator):
         self.delay = delay
         self.delayed = 0
 
-    def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool) -> Any:
+    def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool, what: str = "gather") -> Any:
         if not async_op:
-            return super().all_gather(output, local, async_op=False)
+            return super().all_gather(output, local, async_op=False, what=what)
         staging = torch.empty_like(output)
-        work = super().all_gather(staging, local.clone(), async_op=True)
+        work = super().all_gather(staging, local.clone(), async_op=True, what=what)
         output.fill_(float("nan"))
         self.delayed += 1
         return _DelayedWork(work, output, staging, self.delay)

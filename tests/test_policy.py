@@ -42,6 +42,7 @@ from placement import (
     OpSnapshot,
     PlacementPolicy,
     ReleaseSnapshot,
+    ResidentSet,
     StaticPlacementConfig,
     StaticPolicy,
     WorkingSet,
@@ -66,8 +67,7 @@ def test_before_op_evicts_furthest_next_use_first() -> None:
         phase=F,
         needed=(3,),
         needed_bytes=S,
-        resident=(resident(0, last_use=0), resident(1, last_use=1), resident(2, last_use=2)),
-        grad_buffers=frozenset(),
+        residency=ResidentSet((resident(0, last_use=0), resident(1, last_use=1), resident(2, last_use=2)), frozenset()),
         device_bytes=3 * S,
         trace=trace,
     )
@@ -82,8 +82,7 @@ def test_before_op_without_trace_evicts_least_recently_used() -> None:
         phase=F,
         needed=(3,),
         needed_bytes=S,
-        resident=(resident(0, last_use=5), resident(1, last_use=2), resident(2, last_use=6)),
-        grad_buffers=frozenset(),
+        residency=ResidentSet((resident(0, last_use=5), resident(1, last_use=2), resident(2, last_use=6)), frozenset()),
         device_bytes=3 * S,
         trace=None,
     )
@@ -98,13 +97,15 @@ def test_before_op_never_evicts_held_fetching_or_needed() -> None:
         phase=F,
         needed=(3, 2),
         needed_bytes=S,
-        resident=(
-            resident(0, held=True),
-            resident(1, fetching=True),
-            resident(2),
-            resident(4, nbytes=0),
+        residency=ResidentSet(
+            (
+                resident(0, held=True),
+                resident(1, fetching=True),
+                resident(2),
+                resident(4, nbytes=0),
+            ),
+            frozenset(),
         ),
-        grad_buffers=frozenset(),
         device_bytes=3 * S,
         trace=trace,
     )
@@ -119,8 +120,7 @@ def test_before_op_flushes_gradient_buffers_after_gathered_at_equal_distance() -
         phase=B,
         needed=(2,),
         needed_bytes=2 * S,
-        resident=(resident(0, last_use=2), resident(0, kind=BufferKind.GRAD, last_use=2)),
-        grad_buffers=frozenset(),
+        residency=ResidentSet((resident(0, last_use=2), resident(0, kind=BufferKind.GRAD, last_use=2)), frozenset()),
         device_bytes=2 * S,
         trace=trace,
     )
@@ -137,8 +137,7 @@ def test_before_op_within_cap_does_nothing() -> None:
         phase=F,
         needed=(1,),
         needed_bytes=S,
-        resident=(resident(0, last_use=0),),
-        grad_buffers=frozenset(),
+        residency=ResidentSet((resident(0, last_use=0),), frozenset()),
         device_bytes=S,
         trace=trace,
     )

@@ -83,7 +83,8 @@ step_strategy = st.builds(
     TraceStep,
     st.sampled_from([F, B]),
     st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True).map(tuple),
-)
+    st.booleans(),  # recompute (in backward: a forward op the autograd engine runs)
+).filter(lambda step: step.phase is F or not step.recompute)
 steps_strategy = st.lists(step_strategy, max_size=12)
 
 
@@ -101,40 +102,64 @@ def test_next_use_matches_linear_scan(steps: list[TraceStep], chunk: int, after:
     assert ComputeTrace(steps).next_use(chunk, after, phase) == expected
 
 
-def test_upcoming_first_uses_in_order() -> None:
-    trace = ComputeTrace(STEPS)
-    assert list(trace.upcoming(-1)) == [(0, 0), (1, 1), (1, 3), (2, 2)]
-    # After position 1: chunk 2 at 2, then 1 and 3 at their next use (4), then 0 at 5 - each once.
-    assert list(trace.upcoming(1)) == [(2, 2), (4, 1), (4, 3), (5, 0)]
-    assert list(trace.upcoming(3)) == [(4, 1), (4, 3), (5, 0)]
-    assert list(trace.upcoming(4)) == [(5, 0)]
+def reference_passes(steps: list[TraceStep]) -> list[int]:
+    """Pass index of each step: a new pass starts whenever an op's side (backward pass: backward
+    ops and recomputed forward ops; forward pass: the rest) differs from the previous op's."""
+    out, current, side = [], -1, None
+    for step in steps:
+        mine = step.phase is B or step.recompute
+        if mine is not side:
+            current, side = current + 1, mine
+        out.append(current)
+    return out
 
 
-@pytest.mark.parametrize("after", [5, 6, 100])
-def test_upcoming_stops_at_end_of_iteration(after: int) -> None:
-    # No wrap-around into the next iteration.
-    assert list(ComputeTrace(STEPS).upcoming(after)) == []
+def test_entries_are_first_uses_per_pass() -> None:
+    # Forward 0, 1+3, 2, 0 again (tied weights), then backward in reverse.
+    steps = [fwd(0), fwd(1, 3), fwd(2), fwd(0), bwd(0), bwd(2), bwd(1, 3), bwd(0)]
+    trace = ComputeTrace(steps)
+    assert list(trace.entries_after(-1)) == [(0, 0), (1, 1), (1, 3), (2, 2), (4, 0), (5, 2), (6, 1), (6, 3)]
+    assert list(trace.entries_after(3)) == [(4, 0), (5, 2), (6, 1), (6, 3)]
+    assert list(trace.entries_after(7)) == []  # no wrap-around into the next iteration
+    assert trace.used_again_in_pass(0, 0)  # the tied weight at op 3
+    assert not trace.used_again_in_pass(0, 3)  # next use is in the backward pass
+    assert not trace.used_again_in_pass(0, 7)
 
 
-def test_upcoming_is_lazy_generator() -> None:
-    it = ComputeTrace(STEPS).upcoming(-1)
-    assert next(it) == (0, 0)
-    assert next(it) == (1, 1)
+def test_recomputation_belongs_to_the_backward_pass() -> None:
+    recompute = TraceStep(F, (1,), recompute=True)
+    steps = [fwd(0), fwd(1), bwd(2), recompute, bwd(1), bwd(0)]
+    trace = ComputeTrace(steps)
+    assert [trace.pass_of(i) for i in range(len(steps))] == [0, 0, 1, 1, 1, 1]
+    # Gathered once for the recomputation, kept for its backward: one entry, and the gradient
+    # buffer is allocated at the first backward-phase use.
+    assert list(trace.entries_after(1)) == [(2, 2), (3, 1), (5, 0)]
+    assert list(trace.grad_entries_in(-1, 5)) == [(2, 2), (4, 1), (5, 0)]
+    assert trace.used_again_in_pass(1, 3)
+    assert recompute.in_backward_pass and recompute != TraceStep(F, (1,))
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(steps=steps_strategy, after=st.integers(-1, 13))
-def test_upcoming_matches_first_uses(steps: list[TraceStep], after: int) -> None:
+@given(steps=steps_strategy, after=st.integers(-1, 13), until=st.integers(-1, 13))
+def test_pass_queries_match_brute_force(steps: list[TraceStep], after: int, until: int) -> None:
     trace = ComputeTrace(steps)
-    got = list(trace.upcoming(after))
-    chunks = [c for _, c in got]
-    assert len(chunks) == len(set(chunks)), "each chunk once"
-    assert [p for p, _ in got] == sorted(p for p, _ in got), "in trace order"
-    for position, chunk in got:
-        assert position > after
-        assert trace.next_use(chunk, after) == position, "at its first use after `after`"
-    used_later = {c for i, s in enumerate(steps) if i > after for c in s.chunks}
-    assert set(chunks) == used_later
+    passes = reference_passes(steps)
+    assert [trace.pass_of(i) for i in range(len(steps))] == passes
+    entries, grad_entries, seen, seen_grad = [], [], set(), set()
+    for i, step in enumerate(steps):
+        for c in step.chunks:
+            if (passes[i], c) not in seen:
+                seen.add((passes[i], c))
+                entries.append((i, c))
+            if step.phase is B and (passes[i], c) not in seen_grad:
+                seen_grad.add((passes[i], c))
+                grad_entries.append((i, c))
+    assert list(trace.entries_after(after)) == [e for e in entries if e[0] > after]
+    assert list(trace.grad_entries_in(after, until)) == [e for e in grad_entries if after < e[0] <= until]
+    for i, step in enumerate(steps):
+        for c in step.chunks:
+            again = any(c in steps[j].chunks and passes[j] == passes[i] for j in range(i + 1, len(steps)))
+            assert trace.used_again_in_pass(c, i) == again
 
 
 def test_digest_equal_for_equal_traces() -> None:
@@ -173,7 +198,7 @@ def test_empty_trace() -> None:
     assert len(trace) == 0
     assert trace.chunk_ids() == frozenset()
     assert trace.next_use(0, -1) is None
-    assert list(trace.upcoming(-1)) == []
+    assert list(trace.entries_after(-1)) == []
     assert trace.digest == ComputeTrace(()).digest
     assert trace.digest != ComputeTrace([fwd(0)]).digest
 

@@ -1,0 +1,257 @@
+"""``ChunkGrads``: a chunk's flat fp32 gradient buffer and its reduction into the gradient shard.
+
+States (``GradState``), changed only through the transition table below:
+
+* ``NONE`` --allocate--> ``ACCUMULATING``: gradients are added into the flat buffer as autograd
+  produces them (each parameter's first gradient is copied into its slice, nothing is zeroed).
+* ``ACCUMULATING`` --start reducing--> ``REDUCING``: the reduce-scatter over ranks is in flight
+  (asynchronous); the buffer is still allocated. --finish reducing--> ``REDUCED``: this rank's
+  slot, averaged over ranks, is in the fp32 gradient shard where the master lives; the buffer is
+  freed.
+* From ``REDUCED``, more gradients (accumulation across backward passes without ``no_sync``) go to a
+  fresh buffer (``REDUCED_ACCUMULATING``) whose reduction is added to the shard
+  (``REDUCING_ON_REDUCED``, then ``REDUCED``).
+* ``zero`` drops everything (not while a reduction is in flight).
+
+At world size 1 with the master on the device the gradient shard is the whole chunk: gradients
+accumulate straight into it and reducing moves nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .accounting import Location, MemoryKind, MemoryLedger
+from .chunk_layout import ChunkLayout
+from .comm import Communicator
+from .shard import MASTER_DTYPE, ShardStore
+from .state_machine import StateMachine, Transition
+from .stats import Stats
+from .tensor_state import TensorInfo
+
+__all__ = ["ChunkGrads", "GradState"]
+
+
+class GradState(enum.Enum):
+    """Where a chunk's gradients are since the last ``zero_grad``."""
+
+    NONE = "none"
+    """No gradient since the last zero_grad."""
+    ACCUMULATING = "accumulating"
+    """The flat fp32 gradient buffer is receiving gradients."""
+    REDUCING = "reducing"
+    """The buffer's reduction over ranks is in flight."""
+    REDUCED = "reduced"
+    """Gradients are reduced into the fp32 gradient shard; no buffer."""
+    REDUCED_ACCUMULATING = "reduced_accumulating"
+    """A reduced shard exists and a new buffer receives more gradients (accumulation across
+    backward passes without ``no_sync``); its reduction is added to the shard."""
+    REDUCING_ON_REDUCED = "reducing_on_reduced"
+    """That buffer's reduction is in flight; it will be added to the shard."""
+
+
+_G = GradState
+_IN_FLIGHT = "Finish the reduction in flight first (finish_reduce)."
+_TABLE: dict[str, Transition[GradState]] = {
+    "allocate a gradient buffer": Transition(
+        {_G.NONE: _G.ACCUMULATING, _G.REDUCED: _G.REDUCED_ACCUMULATING},
+        "A buffer already receives gradients, or a reduction is in flight.",
+    ),
+    "accumulate": Transition(
+        {_G.ACCUMULATING: _G.ACCUMULATING, _G.REDUCED_ACCUMULATING: _G.REDUCED_ACCUMULATING},
+        "Allocate a gradient buffer first (prepare_grad).",
+    ),
+    "reduce gradients": Transition(
+        {_G.ACCUMULATING: _G.REDUCING, _G.REDUCED_ACCUMULATING: _G.REDUCING_ON_REDUCED},
+        "Only a buffer receiving gradients can be reduced (finish_reduce ends one in flight).",
+    ),
+    "finish reducing gradients": Transition(
+        {_G.REDUCING: _G.REDUCED, _G.REDUCING_ON_REDUCED: _G.REDUCED}, "Start the reduction first (start_reduce)."
+    ),
+    "forget gradients": Transition(
+        {s: _G.NONE for s in (_G.NONE, _G.ACCUMULATING, _G.REDUCED, _G.REDUCED_ACCUMULATING)}, _IN_FLIGHT
+    ),
+}
+_ACCEPTING = frozenset({GradState.ACCUMULATING, GradState.REDUCED_ACCUMULATING})
+_REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
+
+
+class ChunkGrads:
+    """The gradient side of one trainable chunk; see the module docstring."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        comm: Communicator,
+        ledger: MemoryLedger,
+        stats: Stats,
+        owner: Callable[[], str],
+    ) -> None:
+        self._layout = layout
+        self._comm = comm
+        self._ledger = ledger
+        self._stats = stats
+        self._owner = owner
+        self._machine = StateMachine(GradState.NONE, _TABLE, owner, kind="gradient state")
+        self._store: ShardStore | None = None
+        self._buffer: torch.Tensor | None = None
+        self._work: Any = None
+        self._has_grad: list[bool] = []
+        self._filled: list[bool] = []  # per parameter: its slice of the buffer holds data
+
+    @property
+    def state(self) -> GradState:
+        return self._machine.state
+
+    def close(self, store: ShardStore) -> None:
+        """The chunk's parameters are final and its shard exists."""
+        self._store = store
+        n = len(self._layout.tensors)
+        self._has_grad = [False] * n
+        self._filled = [False] * n
+
+    @property
+    def _shard(self) -> ShardStore:
+        assert self._store is not None, f"{self._owner()}: gradients used before close()"
+        return self._store
+
+    def _require_trainable(self, verb: str) -> None:
+        if not self._layout.trainable:
+            raise RuntimeError(f"{self._owner()}: cannot {verb}; its parameters do not require grad")
+
+    @property
+    def buffer_is_shard(self) -> bool:
+        """World size 1 with the master on the device: gradients accumulate straight into the
+        gradient shard and reducing is a no-op."""
+        return self._comm.world_size == 1 and self._shard.master_location is Location.DEVICE
+
+    @property
+    def accepting(self) -> bool:
+        """A buffer receives gradients now."""
+        return self._machine.state in _ACCEPTING
+
+    @property
+    def reducing(self) -> bool:
+        """A reduction is in flight."""
+        return self._machine.state in _REDUCING
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
+        return 0 if not self._layout.trainable or self.buffer_is_shard else self._layout.grad_bytes
+
+    @property
+    def held_device_bytes(self) -> int:
+        """Device bytes the buffer holds now (freed by reducing it, or by finishing its reduction)."""
+        return self.buffer_bytes if self.accepting or self.reducing else 0
+
+    # --- verbs ----------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Make the flat buffer ready to receive gradients. Nothing is zeroed here: each
+        parameter's first gradient is copied into its slice, and slices that got none are zeroed
+        when the buffer is reduced."""
+        self._require_trainable("allocate a gradient buffer")
+        self._machine.require("allocate a gradient buffer")
+        if self.buffer_is_shard:
+            self._buffer = self._shard.grad
+            # On top of a reduced shard, slices holding earlier gradients keep accumulating.
+            reduced = self._machine.state is GradState.REDUCED
+            self._filled = [reduced and has for has in self._has_grad]
+        else:
+            self._ledger.alloc(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+            self._buffer = torch.empty(self._layout.capacity, dtype=MASTER_DTYPE, device=self._comm.device)
+            self._filled = [False] * len(self._filled)
+        self._machine.move("allocate a gradient buffer")
+
+    def accumulate(self, info: TensorInfo, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into its slice of the flat buffer."""
+        self._require_trainable(f"accumulate '{info.name}'")
+        self._machine.require("accumulate", f"'{info.name}'")
+        assert self._buffer is not None, f"{self._owner()}: accumulating without a buffer"
+        target = self._buffer[info.offset : info.offset + info.numel].view(info.shape)
+        if self._filled[info.index]:
+            target.add_(grad)
+        else:
+            target.copy_(grad)
+            self._filled[info.index] = True
+        self._has_grad[info.index] = True
+
+    def start_reduce(self) -> None:
+        """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it)."""
+        self._require_trainable("reduce gradients")
+        self._machine.require("reduce gradients")
+        buffer = self._buffer
+        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        for info, filled in zip(self._layout.tensors, self._filled, strict=True):
+            if not filled:
+                buffer[info.offset : info.offset + info.numel].zero_()
+        buffer[self._layout.used :].zero_()
+        if not self.buffer_is_shard and self._comm.world_size > 1:
+            begin, end = self._layout.shard_range
+            self._work = self._comm.reduce_scatter_sum(
+                buffer[begin:end], buffer, async_op=True, what=f"gradient reduction of chunk {self._layout.chunk_id}"
+            )
+            self._stats.reduce_scatter_bytes += self._layout.grad_bytes
+        self._machine.move("reduce gradients")
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction, move this rank's averaged slot into the gradient shard (added to
+        what an earlier reduction left there) and free the buffer."""
+        self._machine.require("finish reducing gradients")
+        buffer = self._buffer
+        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        if not self.buffer_is_shard:
+            if self._work is not None:
+                self._comm.wait(self._work, f"gradient reduction of chunk {self._layout.chunk_id}")
+                self._work = None
+            begin, end = self._layout.shard_range
+            reduced = buffer[begin:end]
+            if self._comm.world_size > 1:
+                reduced.div_(self._comm.world_size)
+            shard = self._shard.grad
+            if self._shard.master_location is Location.HOST:
+                self._stats.d2h_bytes += reduced.numel() * reduced.element_size()
+            if self._machine.state is GradState.REDUCING:
+                shard.copy_(reduced)
+            else:
+                shard.add_(reduced.to(shard.device))
+            self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+        self._buffer = None
+        self._stats.grad_reductions += 1
+        self._machine.move("finish reducing gradients")
+
+    def zero(self) -> None:
+        """Forget gradients: the buffer is dropped and the shard's content no longer counts."""
+        if not self._layout.trainable:
+            return
+        self._machine.require("forget gradients")
+        if self._buffer is not None and not self.buffer_is_shard:
+            self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+        self._buffer = None
+        self._has_grad = [False] * len(self._has_grad)
+        self._machine.move("forget gradients")
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """The reduced fp32 gradient shard."""
+        if self._machine.state is not GradState.REDUCED:
+            raise RuntimeError(
+                f"{self._owner()}: has no reduced gradient shard (gradient state {self._machine.state.value}); "
+                "finish the backward pass first"
+            )
+        return self._shard.grad
+
+    @property
+    def params_with_grad(self) -> tuple[bool, ...]:
+        """Per parameter: received a gradient since the last zero_grad (on this rank)."""
+        return tuple(self._has_grad)
+
+    def set_params_with_grad(self, flags: tuple[bool, ...]) -> None:
+        """Adopt the flags agreed over ranks (a parameter with a gradient on any rank has one)."""
+        if len(flags) != len(self._has_grad):
+            raise ValueError(f"{self._owner()}: {len(flags)} flags for {len(self._has_grad)} parameters")
+        self._has_grad = list(flags)

@@ -1,0 +1,173 @@
+"""``IterationTracker``: where the runtime is in a training step, and which compute trace it follows.
+
+A **training iteration** runs from the first grad-enabled forward after an optimizer step to the next
+step (or to a ``zero_grad`` after a backward): every micro-batch of gradient accumulation and every
+forward call of the step is in it, so the trace is the same from step to step. An **inference**
+forward (grad disabled) is an iteration of its own, on a trace of its own, after which whatever was
+running before it goes on.
+
+Within an iteration the tracker follows the frozen trace op by op (or records one), keeps a digest
+of the op sequence (ranks compare it), and numbers iterations so that messages and cross-rank
+checks can say which one they mean. It knows nothing about chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from placement import ComputeTrace, Divergence, Phase, TraceCursor, TraceStep, step_digest
+
+__all__ = ["IterationKind", "IterationTracker", "Mode", "Where"]
+
+
+class Mode(enum.Enum):
+    """Which part of an iteration the runtime is in."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class IterationKind(enum.Enum):
+    TRAINING = "training"
+    INFERENCE = "inference"
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """A point in the run, for messages and cross-rank checks."""
+
+    kind: IterationKind
+    iteration: int
+    """Training iterations begun so far minus one (the current one), or inference forwards."""
+    position: int
+    """Index of the latest op in the iteration (-1 before the first)."""
+
+    def describe(self) -> str:
+        op = "before its first op" if self.position < 0 else f"op {self.position}"
+        return f"{self.kind.value} iteration {self.iteration}, {op}"
+
+
+class IterationTracker:
+    """See the module docstring. ``report`` is called with every divergence from a frozen trace."""
+
+    def __init__(self, report: Callable[[Divergence], None]) -> None:
+        self._report = report
+        self._train = TraceCursor()
+        self._infer = TraceCursor()
+        self._cursor: TraceCursor | None = None
+        self._mode = Mode.IDLE
+        self._resume: tuple[TraceCursor | None, Mode] = (None, Mode.IDLE)
+        self._iterations = {IterationKind.TRAINING: -1, IterationKind.INFERENCE: -1}
+        self._digest = hashlib.blake2b(digest_size=8)
+
+    # --- where we are ---------------------------------------------------------------------------
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def kind(self) -> IterationKind | None:
+        """The kind of iteration running, ``None`` between iterations."""
+        if self._cursor is None:
+            return None
+        return IterationKind.TRAINING if self._cursor is self._train else IterationKind.INFERENCE
+
+    @property
+    def training(self) -> bool:
+        return self._cursor is self._train
+
+    @property
+    def trace(self) -> ComputeTrace | None:
+        """The frozen trace while the current iteration follows it, else ``None``."""
+        return self._cursor.trace if self._cursor is not None else None
+
+    @property
+    def last_training_trace(self) -> ComputeTrace | None:
+        """The most recently frozen training trace."""
+        return self._train.last_frozen
+
+    @property
+    def position(self) -> int:
+        return self._cursor.position if self._cursor is not None else -1
+
+    @property
+    def recording(self) -> bool:
+        """The current iteration has no trace to follow (it records one)."""
+        return self._cursor is not None and self._cursor.trace is None
+
+    def where(self) -> Where:
+        kind = self.kind or IterationKind.TRAINING
+        return Where(kind, self._iterations[kind], self.position)
+
+    @property
+    def digest(self) -> int:
+        """Digest of the ops of the current training iteration (signed 63-bit)."""
+        return int.from_bytes(self._digest.digest(), "little", signed=True) >> 1
+
+    # --- transitions ------------------------------------------------------------------------------
+    def begin_forward(self, grad_enabled: bool) -> bool:
+        """A forward starts. Returns whether it begins a new iteration (training or inference)."""
+        if not grad_enabled:
+            self._resume = (self._cursor, self._mode)
+            self._begin(self._infer, IterationKind.INFERENCE)
+            self._mode = Mode.FORWARD
+            return True
+        new = self._cursor is not self._train
+        if new:
+            self._begin(self._train, IterationKind.TRAINING)
+            self._digest = hashlib.blake2b(digest_size=8)
+        self._mode = Mode.FORWARD
+        return new
+
+    def _begin(self, cursor: TraceCursor, kind: IterationKind) -> None:
+        self._note(cursor.begin_iteration())
+        self._iterations[kind] += 1
+        self._cursor = cursor
+
+    def end_forward(self) -> bool:
+        """A forward returned. An inference iteration ends here (returns True) and what ran
+        before it goes on."""
+        if self._cursor is not self._infer:
+            return False
+        self._note(self._infer.end_iteration())
+        self._cursor, self._mode = self._resume
+        return True
+
+    def begin_backward(self) -> None:
+        if self._mode is Mode.FORWARD:
+            self._mode = Mode.BACKWARD
+
+    def end_backward(self) -> None:
+        self._mode = Mode.IDLE
+
+    def end_training_iteration(self) -> ComputeTrace | None:
+        """Close the training iteration (optimizer step, or zero_grad after a backward). Returns
+        the trace frozen from it when it was recorded, else ``None``."""
+        if self._cursor is not self._train:
+            return None
+        cursor = self._train
+        recording = cursor.recording
+        self._cursor = None
+        self._mode = Mode.IDLE
+        self._note(cursor.end_iteration())
+        return cursor.last_frozen if recording else None
+
+    def observe(self, phase: Phase, chunk_ids: tuple[int, ...], recompute: bool) -> int:
+        """One hooked op: advance the cursor (reporting a divergence) and return its position
+        (-1 outside any iteration)."""
+        cursor = self._cursor
+        if cursor is None:
+            return -1
+        step = TraceStep(phase, chunk_ids, recompute)
+        if cursor is self._train:
+            self._digest.update(step_digest(step))
+        self._note(cursor.observe(step))
+        return cursor.position
+
+    def _note(self, divergence: Divergence | None) -> None:
+        if divergence is not None:
+            self._report(divergence)
