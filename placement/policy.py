@@ -52,6 +52,7 @@ class PlacementPolicy(ABC):
         self._budget = budget
         self._specs: tuple[ChunkSpec, ...] = ()
         self._layout: Layout | None = None
+        self._fetches_cost = False
 
     @property
     def max_prefetch(self) -> int:
@@ -78,15 +79,21 @@ class PlacementPolicy(ABC):
         layout = self._decide_layout(working_sets)
         if self._budget is not None:
             self._check_budget(layout, working_sets, self._budget)
-        self._layout = layout
+        self._adopt(layout)
         return layout
+
+    def _adopt(self, layout: Layout) -> None:
+        self._layout = layout
+        # Nothing to prefetch when no gather allocates or moves anything (world size 1 with every
+        # compute-dtype shard on the device).
+        self._fetches_cost = any(p.fetch_bytes(s) > 0 for p, s in zip(layout.placements, self._specs, strict=True))
 
     def adopt_layout(self, layout: Layout) -> None:
         """The runtime could not realize the decided layout (no room on the device for some
         chunks, which it kept on the host); decide from what is actually there."""
         if len(layout.placements) != len(self._specs):
             raise ValueError(f"adopt_layout: {len(layout.placements)} placements for {len(self._specs)} chunks")
-        self._layout = layout
+        self._adopt(layout)
 
     @abstractmethod
     def _decide_layout(self, working_sets: Sequence[WorkingSet]) -> Layout: ...
@@ -145,7 +152,7 @@ class PlacementPolicy(ABC):
         Room for the gradient buffers that backward ops before the prefetched chunk's use will
         allocate is kept free: those ops could not evict a gather still in flight. Returns the
         chunks and how many entries and buffers were looked at."""
-        if self._max_prefetch == 0 or snap.trace is None:
+        if self._max_prefetch == 0 or snap.trace is None or not self._fetches_cost:
             return (), 0
         layout = self.layout_decided
         trace = snap.trace

@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import enum
 import hashlib
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -137,15 +136,16 @@ class ComputeTrace:
     def entries_after(self, after: int) -> Iterator[tuple[int, int]]:
         """Yield ``(position, chunk_id)`` for each chunk's first use in its pass, strictly after
         ``after``, in trace order. Stops at the end of the iteration."""
-        start = bisect.bisect_right(self._entry_positions, after)
-        return itertools.islice(self._entries, start, None)
+        entries = self._entries
+        for index in range(bisect.bisect_right(self._entry_positions, after), len(entries)):
+            yield entries[index]
 
     def grad_entries_in(self, after: int, until: int) -> Iterator[tuple[int, int]]:
         """``(position, chunk_id)`` for each chunk's first backward-phase use in a pass (where its
         gradient buffer is allocated) in ``(after, until]``."""
         start = bisect.bisect_right(self._grad_entry_positions, after)
         stop = bisect.bisect_right(self._grad_entry_positions, until)
-        return itertools.islice(self._grad_entries, start, stop)
+        return iter(self._grad_entries[start:stop])
 
 
 @dataclass(frozen=True, slots=True)
