@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError
+from .rank_checks import RankChecks
 
 __all__ = ["Communicator", "PendingGather"]
 
@@ -57,10 +58,21 @@ class PendingGather:
                 self._comm.wait(self._work, self._what)
 
 
+_POLL = datetime.timedelta(seconds=1)
+
+
+def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The process group's timeout (the cross-rank checks wait as long as its collectives would)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return datetime.timedelta(minutes=30)
+
+
 class Communicator:
     """The process group chunks are sharded over, and how collectives are issued on it."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, check_plans: bool = False) -> None:
         self._group = group
         self._device = device
         initialized = dist.is_available() and dist.is_initialized()
@@ -73,13 +85,23 @@ class Communicator:
         self._reduce_scatter: Callable[..., Any] = (
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         )
-        # A separate small group on which ranks can still talk after a chunk collective failed, to
-        # say which of them departed from the compute trace.
-        self._side = None
+        # Cross-rank checks on small gloo groups of their own, on which ranks can still talk after
+        # a chunk collective failed.
+        self._checks: RankChecks | None = None
         self._divergence: str | None = None
+        self._poll_waits = False
         if self._world_size > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world_size))
-            self._side = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=60))
+            pg = group if group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(pg)
+            self._checks = RankChecks(ranks, self._rank, _timeout(pg), check_plans)
+            # Waits on gloo block this thread: they wake up now and then to look for alarms. NCCL
+            # waits only order streams, so they never block here.
+            self._poll_waits = dist.get_backend(pg) == "gloo"
+
+    @property
+    def checks(self) -> RankChecks | None:
+        """The cross-rank checks (``None`` at world size 1)."""
+        return self._checks
 
     def note_divergence(self, description: str | None) -> None:
         """What this rank reports if a collective of the current iteration fails: where it
@@ -97,8 +119,9 @@ class Communicator:
     def _explain(self, error: RuntimeError) -> Exception:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         notes: list[Any] = [None] * self._world_size
+        side = self._checks.side_group if self._checks is not None else None
         try:
-            dist.all_gather_object(notes, self._divergence, group=self._side)
+            dist.all_gather_object(notes, self._divergence, group=side)
         except RuntimeError as side_error:
             return CollectiveMismatchError(
                 f"rank {self._rank}: a chunk collective failed ({first_line}) and the other ranks could not be "
@@ -152,6 +175,8 @@ class Communicator:
         """Gather every rank's ``local`` shard into ``output`` (rank order). ``local`` may be this
         rank's slot of ``output``. Returns the ``Work`` when ``async_op`` (wait on it with
         ``wait``)."""
+        if self._checks is not None:
+            self._checks.collective(what, output.numel())
         work = self.guard(lambda: self._all_gather(output, local, group=self._group, async_op=True))
         if async_op:
             return work
@@ -161,6 +186,8 @@ class Communicator:
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, async_op: bool, what: str) -> Any | None:
         """``output`` = this rank's slot of the sum of ``full`` over ranks. ``output`` may be this
         rank's slot of ``full``. Returns the ``Work`` when ``async_op``."""
+        if self._checks is not None:
+            self._checks.collective(what, full.numel())
         work = self.guard(
             lambda: self._reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         )
@@ -170,39 +197,63 @@ class Communicator:
         return None
 
     def wait(self, work: Any, what: str) -> None:
-        """Wait for a collective started with ``async_op``; a failure names the ranks that departed."""
-        self.guard(work.wait)
+        """Wait for a collective started with ``async_op``; a failure names the ranks that departed.
+        On gloo the wait wakes up every second to act on an alarm from a rank that departed from
+        the trace (a collective it will never join would otherwise block until the timeout)."""
+        if not self._poll_waits or self._checks is None:
+            self.guard(work.wait)
+            return
+        while True:
+            try:
+                work.wait(timeout=_POLL)
+                return
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower() or work.is_completed():
+                    raise self._explain(error) from error
+            self._checks.poll()
+
+    def _tag(self, what: str, numel: int) -> None:
+        if self._checks is not None:
+            self._checks.collective(what, numel)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """In place over ranks (no-op at world size 1)."""
         if self._world_size > 1:
-            self.guard(lambda: dist.all_reduce(tensor, op=op, group=self._group))
+            self._tag(f"all_reduce {op}", tensor.numel())
+            work = self.guard(lambda: dist.all_reduce(tensor, op=op, group=self._group, async_op=True))
+            self.wait(work, "all_reduce")
 
     def all_gather_tensors(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of a small tensor, in rank order."""
         if self._world_size == 1:
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self._world_size)]
-        self.guard(lambda: dist.all_gather(out, tensor, group=self._group))
+        self._tag("all_gather of small tensors", tensor.numel())
+        work = self.guard(lambda: dist.all_gather(out, tensor, group=self._group, async_op=True))
+        self.wait(work, "all_gather")
         return out
 
     def reduce_to_first(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks into rank 0's copy (other ranks' copies are undefined after)."""
         if self._world_size > 1:
             first = dist.get_global_rank(self._group, 0) if self._group is not None else 0
-            self.guard(lambda: dist.reduce(tensor, dst=first, group=self._group))
+            self._tag("reduce", tensor.numel())
+            work = self.guard(lambda: dist.reduce(tensor, dst=first, group=self._group, async_op=True))
+            self.wait(work, "reduce")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (small metadata only)."""
         if self._world_size == 1:
             return [obj]
         out: list[Any] = [None] * self._world_size
+        self._tag("all_gather_object", 0)
         self.guard(lambda: dist.all_gather_object(out, obj, group=self._group))
         return out
 
     def barrier(self) -> None:
         """Wait for every rank (no-op at world size 1)."""
         if self._world_size > 1:
+            self._tag("barrier", 0)
             self.guard(lambda: dist.barrier(group=self._group))
 
     def maybe_side_stream(self, use: bool) -> Any:

@@ -45,9 +45,13 @@ class Where:
     """Training iterations begun so far minus one (the current one), or inference forwards."""
     position: int
     """Index of the latest op in the iteration (-1 before the first)."""
+    between: bool = False
+    """No iteration runs: the point is after iteration ``iteration`` ended."""
 
     def describe(self) -> str:
-        op = "before its first op" if self.position < 0 else f"op {self.position}"
+        if self.between:
+            return f"after {self.kind.value} iteration {self.iteration}"
+        op = "its start" if self.position < 0 else f"op {self.position}"
         return f"{self.kind.value} iteration {self.iteration}, {op}"
 
 
@@ -100,8 +104,21 @@ class IterationTracker:
         return self._cursor is not None and self._cursor.trace is None
 
     def where(self) -> Where:
-        kind = self.kind or IterationKind.TRAINING
+        kind = self.kind
+        if kind is None:
+            return Where(IterationKind.TRAINING, self._iterations[IterationKind.TRAINING], -1, between=True)
         return Where(kind, self._iterations[kind], self.position)
+
+    def next_forward(self, grad_enabled: bool) -> Where:
+        """Where a forward starting now will run: a new inference iteration, the training
+        iteration under way (another micro-batch), or the next training iteration."""
+        if not grad_enabled:
+            kind = IterationKind.INFERENCE
+            return Where(kind, self._iterations[kind] + 1, -1)
+        kind = IterationKind.TRAINING
+        if self._cursor is self._train:
+            return Where(kind, self._iterations[kind], self.position)
+        return Where(kind, self._iterations[kind] + 1, -1)
 
     @property
     def digest(self) -> int:

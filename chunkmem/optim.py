@@ -316,11 +316,21 @@ class ChunkOptimizer:
         self._unscaled = True
 
     def _account_state(self) -> None:
+        """Account optimizer state per location: the largest figure over ranks, so that every
+        rank's ledger, and every placement decision made from it, is the same (a rank's pieces
+        of a chunk, and their per-tensor state such as Adam's step, differ from rank to rank)."""
         per_location: Counter[Location] = Counter()
         for piece in self._pieces:
             for value in self._optim.state.get(piece.tensor, {}).values():
                 if isinstance(value, torch.Tensor):
                     per_location[piece.chunk.store.master_location] += value.numel() * value.element_size()
+        comm = self._runtime.manager.comm
+        if comm.world_size > 1:
+            largest = torch.tensor(
+                [per_location[location] for location in Location], dtype=torch.int64, device=comm.device
+            )
+            comm.all_reduce(largest, dist.ReduceOp.MAX)
+            per_location = Counter(dict(zip(Location, largest.tolist(), strict=True)))
         ledger = self._runtime.manager.ledger
         for location in Location:
             delta = per_location[location] - self._accounted[location]

@@ -79,6 +79,9 @@ class ChunkPlugin:
         process_group: the group to shard over (default: the default group when
             ``torch.distributed`` is initialized, else world size 1), or a ``Communicator``.
         loss_scale: fp16 dynamic loss scaling settings.
+        check_plans: agree a fingerprint of every placement plan across ranks before carrying it
+            out, and raise on the first difference (a debugging and testing aid: one small
+            collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class ChunkPlugin:
         chunk_size: int | None = None,
         process_group: dist.ProcessGroup | Communicator | None = None,
         loss_scale: LossScaleConfig | None = None,
+        check_plans: bool | None = None,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
@@ -100,6 +104,9 @@ class ChunkPlugin:
         self.chunk_size = chunk_size
         self._process_group = process_group
         self.loss_scale = loss_scale or LossScaleConfig()
+        if check_plans is None:
+            check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
+        self.check_plans = check_plans
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -121,7 +128,7 @@ class ChunkPlugin:
         comm = (
             self._process_group
             if isinstance(self._process_group, Communicator)
-            else Communicator(self._process_group, _compute_device())
+            else Communicator(self._process_group, _compute_device(), check_plans=self.check_plans)
         )
         device = comm.device
         dtype = self.compute_dtype

@@ -25,7 +25,7 @@ from hooks import ParamOpHook, bind, to_hooked, unhooked
 from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
 
 from .errors import TraceDivergenceError
-from .executor import PlanCheck, PlanExecutor
+from .executor import PlanExecutor
 from .grad_router import GradientRouter
 from .iteration import IterationTracker, Mode
 from .manager import ChunkManager
@@ -47,7 +47,6 @@ class ChunkRuntime(ParamOpHook):
         policy: PlacementPolicy,
         layout: Layout,
         stats: Stats,
-        check: PlanCheck | None = None,
     ) -> None:
         self._manager = manager
         self._policy = policy
@@ -57,6 +56,10 @@ class ChunkRuntime(ParamOpHook):
         self._rank = self._comm.rank
         self._tracker = IterationTracker(self._report)
         self._grads = GradientRouter(manager, stats)
+        self._checks = self._comm.checks
+        if self._checks is not None:
+            self._checks.follow(self._tracker.where, lambda: self._tracker.recording)
+        check = self._checks if self._checks is not None and self._checks.check_plans else None
         self._executor = PlanExecutor(manager, policy, layout, self._grads, stats, check)
         self._sampler: NonModelSampler | None = None
         params = [info.param for info in manager.infos]
@@ -103,12 +106,21 @@ class ChunkRuntime(ParamOpHook):
         return self._stats.snapshot()
 
     # --- iterations -------------------------------------------------------------------------
+    def agree_entry(self, name: str, detail: str = "") -> None:
+        """Before an entry point that issues collectives (forward, backward, optimizer step, state
+        dict, checkpoint): every rank must be at the same one (see ``RankChecks``)."""
+        if self._checks is not None:
+            self._checks.entry(name, detail)
+
     def begin_forward(self) -> None:
         """Called by the model wrapper when its forward starts."""
+        grad_enabled = torch.is_grad_enabled()
+        if self._checks is not None:
+            detail = "grad enabled" if grad_enabled else "grad disabled"
+            self._checks.entry("forward", detail, self._tracker.next_forward(grad_enabled))
         if self._tracker.mode is Mode.BACKWARD:
             self.finish_backward()
         self._check_requires_grad()
-        grad_enabled = torch.is_grad_enabled()
         if self._tracker.begin_forward(grad_enabled):
             self._executor.begin_iteration()
             if grad_enabled:
@@ -160,6 +172,7 @@ class ChunkRuntime(ParamOpHook):
         """Before the optimizer reads gradients: finish the backward, reduce buffers still pending
         (the last backward ran under ``no_sync``), and release gathered chunks: the step makes
         them stale, and its optimizer state needs the room the placement reserved for it."""
+        self.agree_entry("optimizer step")
         self.finish_backward()
         if self._grads.accepting or self._grads.reducing:
             self._grads.reduce_all()
@@ -238,6 +251,8 @@ class ChunkRuntime(ParamOpHook):
     def _report(self, divergence: Divergence) -> None:
         self._stats.divergences += 1
         self._comm.note_divergence(divergence.describe())
+        if self._checks is not None:
+            self._checks.diverged(divergence.describe())
         self._executor.wait_all()
         log.warning(
             "chunkmem: rank %d: this iteration departed from the recorded compute trace %s; prefetch is off "
@@ -264,6 +279,8 @@ class ChunkRuntime(ParamOpHook):
                 "not supported: the second-order graph reads parameters long after their chunks are released. "
                 "Compute the penalty without create_graph, or train that model without chunkmem."
             )
+        if self._tracker.mode is Mode.FORWARD:
+            self.agree_entry("backward")
         self._tracker.begin_backward()
         self._before(params, Phase.BACKWARD)
 
@@ -284,7 +301,13 @@ class ChunkRuntime(ParamOpHook):
         infos = [self._manager.info(p) for p in params]
         chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
         recompute = phase is Phase.FORWARD and _in_backward()
+        if self._checks is not None and self._tracker.kind is None:
+            # Outside any forward of the boosted model (a submodule called directly): nothing
+            # else tells the ranks that they do the same, so every such op is agreed.
+            self._checks.entry("an op on managed parameters outside the boosted model's forward", f"{chunk_ids}")
         position = self._tracker.observe(phase, chunk_ids, recompute)
+        if self._checks is not None and self._checks.alarmed:
+            self._checks.poll()
         self._executor.before_op(infos, chunk_ids, position, phase, self._tracker.trace)
         if self._sampler is not None and self._tracker.training:
             self._sampler.sample()

@@ -13,6 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Every multi-rank test agrees each placement plan across ranks: a rank-local input to a decision
+# fails the test at the op where the plans first differ.
+os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

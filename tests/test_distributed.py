@@ -234,11 +234,12 @@ class _DelayedWork:
     def is_completed(self) -> bool:
         return self._done
 
-    def wait(self) -> None:
+    def wait(self, timeout: Any = None) -> bool:
         time.sleep(self._delay)
         self._work.wait()
         self._output.copy_(self._staging)
         self._done = True
+        return True
 
 
 class DelayedCommunicator(Communicator):
