@@ -21,7 +21,7 @@ from .errors import (
 )
 from .loss_scale import LossScaleConfig
 from .manager import ChunkManager
-from .memory import describe_devices, device_capacity, device_free, host_memory
+from .memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
 from .plugin import ChunkPlugin
@@ -62,5 +62,6 @@ __all__ = [
     "device_capacity",
     "device_free",
     "host_memory",
+    "process_capacity",
     "search_chunk_size",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "device_free",
     "host_memory",
     "nvml_memory",
+    "process_capacity",
 ]
 
 log = logging.getLogger("chunkmem")
@@ -87,6 +88,21 @@ def device_capacity(device: torch.device) -> int:
     return device_memory(device).total
 
 
+def process_capacity(device: torch.device) -> int:
+    """Bytes of the compute device this process may use now: what is free (other processes
+    count) plus what this process already holds, capped by its per-process memory fraction on a
+    GPU (``torch.cuda.set_per_process_memory_fraction``)."""
+    if device.type == "cuda":
+        memory = device_memory(device)
+        usable = memory.free + torch.cuda.memory_reserved(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            usable = min(usable, int(fraction(device) * memory.total))
+        return min(usable, memory.total)
+    memory = host_memory()
+    return min(memory.total, memory.free + psutil.Process().memory_info().rss)
+
+
 def device_free(device: torch.device) -> int:
     """Free bytes of the compute device now."""
     return device_memory(device).free
@@ -148,11 +164,16 @@ class NonModelSampler:
     def reset(self) -> None:
         """Forget the samples (a new measured iteration starts)."""
         self._samples.clear()
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     def sample(self) -> None:
-        """Record non-model bytes at the current hook position."""
+        """Record non-model bytes at the current hook position: on CUDA the allocator's peak since
+        the previous sample (the op in between made its temporaries) less the chunk bytes now.
+        Resets the allocator's peak statistics while measuring."""
         if self._device.type == "cuda":
-            used = torch.cuda.memory_allocated(self._device) - self._ledger.device_bytes
+            used = torch.cuda.max_memory_allocated(self._device) - self._ledger.device_bytes
+            torch.cuda.reset_peak_memory_stats(self._device)
         else:
             used = self._live_bytes
         self._samples.append(max(0, int(used)))

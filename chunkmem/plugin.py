@@ -29,7 +29,7 @@ from .comm import Communicator
 from .errors import BudgetTooSmallError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
-from .memory import device_capacity, device_free
+from .memory import device_free, process_capacity
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
 from .runtime import ChunkRuntime
@@ -82,6 +82,11 @@ class ChunkPlugin:
         check_plans: agree a fingerprint of every placement plan across ranks before carrying it
             out, and raise on the first difference (a debugging and testing aid: one small
             collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
+        gradient_accumulation: plan for ``booster.no_sync``: micro-batches accumulate full
+            gradient buffers for every chunk until the synchronised backward, so the placement
+            leaves room for all of them at once (the auto policy moves optimizer sides to the host
+            until they fit; a budget that cannot hold them is refused here). Without it,
+            entering ``no_sync`` under a budget that cannot hold them is refused there.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class ChunkPlugin:
         process_group: dist.ProcessGroup | Communicator | None = None,
         loss_scale: LossScaleConfig | None = None,
         check_plans: bool | None = None,
+        gradient_accumulation: bool = False,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
@@ -107,6 +113,7 @@ class ChunkPlugin:
         if check_plans is None:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
+        self.gradient_accumulation = gradient_accumulation
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -141,7 +148,7 @@ class ChunkPlugin:
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, self._agreed_capacity(comm))
         try:
-            layout = policy.layout(specs, self._working_sets(model, manager))
+            layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         layout = self._fit_to_device(layout, specs, comm)
@@ -223,8 +230,9 @@ class ChunkPlugin:
 
     @staticmethod
     def _agreed_capacity(comm: Communicator) -> int:
-        """The smallest device capacity over ranks, so every rank's policy decides the same."""
-        capacity = torch.tensor([device_capacity(comm.device)], dtype=torch.int64, device=comm.device)
+        """What this process may use of the device, smallest over ranks, so every rank's policy
+        decides the same."""
+        capacity = torch.tensor([process_capacity(comm.device)], dtype=torch.int64, device=comm.device)
         comm.all_reduce(capacity, dist.ReduceOp.MIN)
         return int(capacity[0])
 

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from hooks import ParamOpHook, bind, to_hooked, unhooked
 from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
+from placement.policy import format_bytes
 
-from .errors import TraceDivergenceError
+from .errors import BudgetTooSmallError, TraceDivergenceError
 from .executor import PlanExecutor
 from .grad_router import GradientRouter
 from .iteration import IterationTracker, Mode
@@ -89,7 +90,22 @@ class ChunkRuntime(ParamOpHook):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients accumulate locally; no gradient collective until the block exits."""
+        """Gradients accumulate locally; no gradient collective until the block exits. Refused up
+        front when the device budget cannot hold every chunk's gradient buffer at once."""
+        budget = self._policy.budget
+        if self._comm.world_size > 1 and budget is not None:
+            need = self._policy.accumulation_need()
+            if need.minimum > budget:
+                raise BudgetTooSmallError(
+                    f"rank {self._rank}: no_sync under device_budget={budget} ({format_bytes(budget)}): gradient "
+                    f"accumulation without communication needs at least {need.minimum} "
+                    f"({format_bytes(need.minimum)}): {need.describe()}. Boost with "
+                    "ChunkPlugin(gradient_accumulation=True) so the placement makes room for the buffers (the auto "
+                    "policy moves optimizer state to the host), raise device_budget, or accumulate with synchronised "
+                    "backward passes (without no_sync).",
+                    budget,
+                    need.minimum,
+                )
         with self._grads.no_sync():
             yield
 
@@ -131,6 +147,7 @@ class ChunkRuntime(ParamOpHook):
         self._sampler = None
         if self._policy.needs_profile(self._tracker.last_training_trace):
             self._sampler = NonModelSampler(self._comm.device, self._ledger)
+            self._sampler.reset()
 
     def _check_requires_grad(self) -> None:
         with unhooked():

@@ -5,7 +5,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
-from .policy import BudgetTooSmallError, PlacementPolicy, make_policy
+from .policy import BudgetNeed, BudgetTooSmallError, PlacementPolicy, make_policy
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,
@@ -26,6 +26,7 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 __all__ = [
     "AutoPlacementConfig",
     "AutoPolicy",
+    "BudgetNeed",
     "BudgetTooSmallError",
     "BufferKind",
     "ChunkPlacement",

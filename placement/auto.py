@@ -3,14 +3,17 @@ current trace position; when it does not, the chunk needed furthest in the futur
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from .config import AutoPlacementConfig
-from .policy import PlacementPolicy
+from .policy import PlacementPolicy, format_bytes
 from .snapshot import ChunkPlacement, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace
 
 __all__ = ["AutoPolicy"]
+
+log = logging.getLogger("chunkmem")
 
 
 class AutoPolicy(PlacementPolicy):
@@ -24,13 +27,20 @@ class AutoPolicy(PlacementPolicy):
         if device_capacity is None or device_capacity <= 0:
             raise ValueError(
                 f"AutoPolicy: device_capacity must be a positive byte count, got {device_capacity}; "
-                "pass the compute device's total memory (chunkmem.memory.device_capacity())"
+                "pass what the process may use of the compute device (chunkmem.memory.process_capacity())"
             )
         super().__init__(config.max_prefetch, None if config.device_budget is None else int(config.device_budget))
         self._config = config
-        self._capacity = device_capacity
+        limit = config.total_limit
+        self._capacity = device_capacity if limit is None else min(device_capacity, int(limit))
         self._profile_digest: int | None = None
         self._non_model: tuple[int, ...] = ()
+        self._warned = False
+
+    @property
+    def capacity(self) -> int:
+        """Device bytes the caps are derived from (what the process may use, within total_limit)."""
+        return self._capacity
 
     @property
     def config(self) -> AutoPlacementConfig:
@@ -54,6 +64,20 @@ class AutoPolicy(PlacementPolicy):
             raise ValueError(f"observe_warmup: {len(non_model_bytes)} samples for a trace of {len(trace)} positions")
         self._profile_digest = trace.digest
         self._non_model = tuple(int(b) for b in non_model_bytes)
+        steady = int(self._capacity * self._config.steady_device_cap_ratio)
+        peak = max(self._non_model, default=0)
+        if self._budget is not None and self._budget + peak > steady and not self._warned:
+            self._warned = True
+            log.warning(
+                "chunkmem: device_budget=%s plus the %s of non-model data (activations, temporaries) measured at "
+                "the peak is more than the %s this process may use (steady_device_cap_ratio of %s capacity): model "
+                "data is kept under %s where non-model data peaks, below the budget",
+                format_bytes(self._budget),
+                format_bytes(peak),
+                format_bytes(steady),
+                format_bytes(self._capacity),
+                format_bytes(max(0, steady - peak)),
+            )
 
     @property
     def non_model_profile(self) -> tuple[int, ...]:
@@ -88,15 +112,17 @@ class AutoPolicy(PlacementPolicy):
         # Prefetch needs room for what a gather allocates: nothing when every chunk's device master
         # is the gathered chunk itself (world size 1, fp32).
         fetched = max((device.fetch_bytes(s) for s in specs), default=0)
-        if self.minimum_budget(everything, working_sets)[0] + self._max_prefetch * fetched <= self._warmup_cap():
+        accumulate = self._accumulate
+        if self.minimum_budget(everything, working_sets, accumulate).minimum + self._max_prefetch * fetched <= (
+            self._warmup_cap()
+        ):
             return everything
         headroom = self._max_prefetch * max((s.gathered_bytes for s in specs), default=0)
         cap = self._warmup_cap() - headroom
         placements = [host] * len(specs)
         for spec in specs:
             placements[spec.chunk_id] = device
-            minimum, _, _ = self.minimum_budget(Layout(tuple(placements)), working_sets)
-            if minimum > cap:
+            if self.minimum_budget(Layout(tuple(placements)), working_sets, accumulate).minimum > cap:
                 placements[spec.chunk_id] = host
         return Layout(tuple(placements))
 

@@ -92,6 +92,11 @@ class AutoPlacementConfig(_Config):
     steady_device_cap_ratio: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
     """After warmup, model data at each trace position is kept within this fraction of device
     capacity minus the non-model data measured at that position."""
+    total_limit: Budget | None = None
+    """Optional limit on everything this process keeps on the device (model data plus activations
+    and other non-model data), in bytes or a string such as ``"20GiB"``; the capacity the ratios
+    above apply to is the smaller of it and what the process may use (free device memory at boost
+    plus what it holds, within its per-process memory fraction)."""
 
 
 PlacementConfig = Annotated[StaticPlacementConfig | AutoPlacementConfig, Field(discriminator="policy")]

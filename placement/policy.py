@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .config import AutoPlacementConfig, StaticPlacementConfig
 from .snapshot import (
@@ -20,7 +21,7 @@ from .snapshot import (
 )
 from .trace import ComputeTrace, Phase
 
-__all__ = ["BudgetTooSmallError", "PlacementPolicy", "format_bytes", "make_policy"]
+__all__ = ["BudgetNeed", "BudgetTooSmallError", "PlacementPolicy", "format_bytes", "make_policy"]
 
 
 class BudgetTooSmallError(ValueError):
@@ -53,6 +54,8 @@ class PlacementPolicy(ABC):
         self._specs: tuple[ChunkSpec, ...] = ()
         self._layout: Layout | None = None
         self._fetches_cost = False
+        self._working_sets: tuple[WorkingSet, ...] = ()
+        self._accumulate = False
 
     @property
     def max_prefetch(self) -> int:
@@ -69,16 +72,23 @@ class PlacementPolicy(ABC):
             raise RuntimeError(f"{type(self).__name__}: call layout() before asking for decisions")
         return self._layout
 
-    def layout(self, specs: Sequence[ChunkSpec], working_sets: Sequence[WorkingSet]) -> Layout:
+    def layout(
+        self, specs: Sequence[ChunkSpec], working_sets: Sequence[WorkingSet], accumulate: bool = False
+    ) -> Layout:
         """Decide where every chunk lives between uses, and refuse a budget that cannot run the
-        largest working set under that placement (``BudgetTooSmallError``)."""
+        largest working set under that placement (``BudgetTooSmallError``). With ``accumulate``
+        the placement also leaves room for every chunk's gradient buffer at once: gradient
+        accumulation without communication (``no_sync``) keeps them all until the synchronised
+        backward."""
         self._specs = tuple(specs)
         for index, spec in enumerate(self._specs):
             if spec.chunk_id != index:
                 raise ValueError(f"layout: chunk specs must be indexed by chunk id, got {spec.chunk_id} at {index}")
+        self._working_sets = tuple(working_sets)
+        self._accumulate = accumulate
         layout = self._decide_layout(working_sets)
         if self._budget is not None:
-            self._check_budget(layout, working_sets, self._budget)
+            self._check_budget(layout, working_sets, self._budget, accumulate)
         self._adopt(layout)
         return layout
 
@@ -225,33 +235,74 @@ class PlacementPolicy(ABC):
             used += cost
         return tuple(chosen), examined
 
-    def minimum_budget(self, layout: Layout, working_sets: Sequence[WorkingSet]) -> tuple[int, int, WorkingSet | None]:
-        """What ``layout`` needs on the device: ``(minimum, at_rest, largest working set)`` where
-        the minimum is what stays between uses plus the largest single-op working set (gathered
-        parameters and gradient buffers of one module's chunks)."""
+    def minimum_budget(
+        self, layout: Layout, working_sets: Sequence[WorkingSet], accumulate: bool = False
+    ) -> BudgetNeed:
+        """What ``layout`` needs on the device: what stays between uses, plus the largest
+        single-op working set (gathered parameters and gradient buffers of one module's chunks);
+        with ``accumulate``, every trainable chunk's gradient buffer at once instead of the
+        working set's own."""
         at_rest = layout.at_rest_bytes(self._specs)
+        grads = sum(layout[s.chunk_id].grad_buffer_bytes(s) for s in self._specs if s.trainable) if accumulate else 0
         worst, worst_need = None, 0
         for ws in working_sets:
             need = sum(
-                layout[c].fetch_bytes(self._specs[c]) + layout[c].grad_buffer_bytes(self._specs[c]) for c in ws.chunks
+                layout[c].fetch_bytes(self._specs[c])
+                + (0 if accumulate else layout[c].grad_buffer_bytes(self._specs[c]))
+                for c in ws.chunks
             )
             if need > worst_need:
                 worst, worst_need = ws, need
-        return at_rest + worst_need, at_rest, worst
+        return BudgetNeed(at_rest, grads, worst_need, worst)
 
-    def _check_budget(self, layout: Layout, working_sets: Sequence[WorkingSet], budget: int) -> None:
-        minimum, at_rest, worst = self.minimum_budget(layout, working_sets)
-        if minimum > budget:
-            label, chunks = (worst.label, worst.chunks) if worst is not None else ("-", ())
+    def accumulation_need(self) -> BudgetNeed:
+        """What the decided layout needs while gradients accumulate under ``no_sync``."""
+        return self.minimum_budget(self.layout_decided, self._working_sets, accumulate=True)
+
+    def _check_budget(self, layout: Layout, working_sets: Sequence[WorkingSet], budget: int, accumulate: bool) -> None:
+        need = self.minimum_budget(layout, working_sets, accumulate)
+        if need.minimum > budget:
             raise BudgetTooSmallError(
-                f"device_budget={budget} ({format_bytes(budget)}) is below the minimum of {minimum} "
-                f"({format_bytes(minimum)}) this placement needs: {format_bytes(at_rest)} stay on the device "
-                f"between uses, and the largest single-op working set, module '{label}' on chunks "
-                f"{tuple(chunks)}, needs {format_bytes(minimum - at_rest)} for its gathered parameters and "
-                "gradient buffers. Raise device_budget, offload more to the host, or use a smaller chunk_size.",
+                f"device_budget={budget} ({format_bytes(budget)}) is below the minimum of {need.minimum} "
+                f"({format_bytes(need.minimum)}) this placement needs: {need.describe()}. Raise device_budget, "
+                "offload more to the host, or use a smaller chunk_size.",
                 budget,
-                minimum,
+                need.minimum,
             )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetNeed:
+    """Device bytes a layout needs, by cause."""
+
+    at_rest: int
+    """What stays on the device between uses."""
+    grad_buffers: int
+    """Every trainable chunk's gradient buffer at once (gradient accumulation under ``no_sync``);
+    0 when gradient buffers come and go with the working set."""
+    working_set: int
+    """The largest single-op working set."""
+    worst: WorkingSet | None
+
+    @property
+    def minimum(self) -> int:
+        return self.at_rest + self.grad_buffers + self.working_set
+
+    def describe(self) -> str:
+        """The causes that apply, for messages."""
+        parts = [f"{format_bytes(self.at_rest)} stay on the device between uses"]
+        if self.grad_buffers:
+            parts.append(
+                f"{format_bytes(self.grad_buffers)} of gradient buffers accumulate under no_sync until the "
+                "synchronised backward"
+            )
+        if self.worst is not None:
+            what = "gathered parameters" if self.grad_buffers else "gathered parameters and gradient buffers"
+            parts.append(
+                f"the largest single-op working set, module '{self.worst.label}' on chunks {self.worst.chunks}, "
+                f"needs {format_bytes(self.working_set)} for its {what}"
+            )
+        return ", ".join(parts[:-1]) + (", and " if len(parts) > 1 else "") + parts[-1]
 
 
 def _reuses(trace: ComputeTrace, taken: Sequence[ResidentChunk], position: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import RankFailure, run_ranks
+from distributed import run_ranks
 from models import boost
 
 from placement import AutoPlacementConfig, StaticPlacementConfig

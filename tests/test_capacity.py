@@ -1,0 +1,67 @@
+"""What the auto policy may use: the process's capacity (free device memory plus what the process
+holds, within its memory fraction) and an optional total limit on model plus non-model bytes.
+When the budget plus measured non-model memory exceeds it, the policy warns once with the three
+figures and keeps model data lower instead of running out of memory. Tested on the CPU with the
+capacity substituted through ``total_limit``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models import adamw_two_groups, assert_state_close, batches, boost, gpt2, train_chunked, train_reference
+
+from chunkmem import process_capacity
+from placement import AutoPlacementConfig
+from placement.policy import format_bytes
+
+BUDGET = 3_000_000
+
+
+def test_memory_the_process_holds_counts_as_usable_by_it() -> None:
+    before = process_capacity(torch.device("cpu"))
+    held = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
+    during = process_capacity(torch.device("cpu"))
+    del held
+    # Free memory fell by what the process took, and what it holds counts: capacity stays put.
+    assert abs(during - before) < 96 * 2**20
+
+
+def _train(limit: int | None) -> tuple[object, int, list[float]]:
+    model = gpt2(n_layer=4)
+    placement = AutoPlacementConfig(device_budget=BUDGET, total_limit=limit)
+    chunked, optimizer, booster = boost(
+        model, adamw_two_groups, precision="fp32", chunk_size=4_000, placement=placement
+    )
+    data = batches(5, batch=8, seq=32)
+    train_chunked(chunked, optimizer, booster, data[:2])  # warmup measures non-model memory
+    ledger = chunked.runtime.manager.ledger
+    ledger.reset_peak()
+    losses = train_chunked(chunked, optimizer, booster, data[2:])
+    return chunked, ledger.peak_device_bytes, losses
+
+
+def test_budget_plus_non_model_over_the_limit_warns_once_and_lowers_model_data(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    expected = train_reference(gpt2(n_layer=4), adamw_two_groups, batches(5, batch=8, seq=32))
+    _, unlimited_peak, _ = _train(None)
+    limit = 6_000_000
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        chunked, peak, losses = _train(limit)
+    profile = chunked.runtime.policy.non_model_profile
+    assert max(profile) + BUDGET > 0.9 * limit  # the case under test
+    warnings = [r.getMessage() for r in caplog.records if "non-model data" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not per step
+    for figure in (BUDGET, max(profile), int(0.9 * limit)):
+        assert format_bytes(figure) in warnings[0]
+    # Where activations peak the cap leaves less than the budget for model data: the policy kept
+    # less on the device than it does with room to spare, and the result is the same.
+    trace = chunked.runtime.trace
+    assert min(chunked.runtime.policy.cap(p, trace) for p in range(len(profile))) < BUDGET
+    assert peak < unlimited_peak <= BUDGET
+    assert losses == pytest.approx(expected[2:], rel=1e-5)
+    reference = gpt2(n_layer=4)
+    train_reference(reference, adamw_two_groups, batches(5, batch=8, seq=32))
+    assert_state_close(chunked.state_dict(), reference.state_dict(), 1e-4, 1e-5)
