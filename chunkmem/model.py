@@ -62,6 +62,18 @@ def _castable(value: torch.dtype, target: torch.dtype) -> bool:
     return target.is_floating_point or target.is_complex or not value.is_floating_point
 
 
+def _refuse_placeholder_state(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """On the wrapped module: its parameters hold placeholders (their values live in chunks), so
+    its own ``state_dict()`` would silently save garbage. ``keep_vars=True`` (the parameter
+    objects, which chunkmem itself reads) is allowed."""
+    if not keep_vars:
+        raise NotSupportedError(
+            f"state_dict() of the {type(module).__name__} inside a boosted model refused: its parameters live "
+            "sharded in chunks and hold placeholders. Use model.state_dict() (full values on every rank; a "
+            "collective), booster.save_model(model, path), model.save_pretrained(directory) or model.plain_copy()."
+        )
+
+
 class ChunkedModel(torch.nn.Module):
     """What ``Booster.boost`` returns for the model: call it like the original module; attribute
     lookups that the wrapper does not answer go to the module (``model.config``...)."""
@@ -80,6 +92,7 @@ class ChunkedModel(torch.nn.Module):
         self._device = runtime.manager.comm.device
         self._buffer_dtypes = dict(buffer_dtypes)
         self._markers = GradientMarkers((info.name, info.param) for info in runtime.manager.infos)
+        self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -327,7 +340,11 @@ class ChunkedModel(torch.nn.Module):
         memo: dict[int, Any] = {}
         for info in self._runtime.manager.infos:
             memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
-        plain = copy.deepcopy(self.module, memo)
+        self._guard_inner_state.remove()  # the copy holds real values: no guard there
+        try:
+            plain = copy.deepcopy(self.module, memo)
+        finally:
+            self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
         for module_name, module in plain.named_modules():
             for name, buf in list(module.named_buffers(recurse=False)):
                 if buf is not None:

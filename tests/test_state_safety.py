@@ -99,6 +99,8 @@ def test_model_moves_and_casts_are_refused_with_what_to_do() -> None:
         with pytest.raises(NotSupportedError, match=r"ChunkPlugin\(precision=\.\.\.\).*model\.plain_copy") as error:
             call()
         assert "boosted model refused" in str(error.value), name
+    with pytest.raises(NotSupportedError, match=r"hold placeholders.*model\.state_dict\(\)"):
+        chunked.module.state_dict()  # used to return NaN placeholders silently
     assert_identical(raw_state(chunked, optimizer), before)
     train_chunked(chunked, optimizer, booster, batches(1, seed=4))
 
