@@ -78,9 +78,10 @@ def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> Los
     )
 
 
-# Chunks are flat buffers indexed by a 32-bit offset in fused kernels; far below that, a chunk larger
-# than the model is pure padding (see ``ChunkPlugin.configure``).
+# Chunks are flat buffers indexed by a 32-bit offset in fused kernels; far below that, a chunk much
+# larger than the model is mostly padding (see ``ChunkPlugin._check_chunk_size``).
 MAX_CHUNK_SIZE = 2**31 - 1
+_PADDING_FACTOR = 4
 
 
 def _compute_device() -> torch.device:
@@ -102,8 +103,8 @@ class ChunkPlugin:
         precision: compute dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``; master weights, gradients
             and optimizer states are fp32 in every case. ``None`` (default): fp32 on a CPU, bf16 on
             a GPU that supports it, else fp32.
-        chunk_size: elements per chunk, at most the model's parameter count (a larger chunk is
-            padding); ``None`` searches the size that wastes the least padding.
+        chunk_size: elements per chunk, at most 4x the model's parameter count (beyond that a
+            chunk is mostly padding); ``None`` searches the size that wastes the least padding.
         process_group: the group to shard over (default: the default group when
             ``torch.distributed`` is initialized, else world size 1), or a ``Communicator``.
         loss_scale: fp16 dynamic loss scaling settings: a ``LossScaleConfig`` or a mapping of its
@@ -221,18 +222,19 @@ class ChunkPlugin:
 
     # --- pieces of configure ----------------------------------------------------------------
     def _check_chunk_size(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> None:
-        """A chunk larger than the whole model (and its largest parameter) holds nothing but padding
-        beyond the model, yet is allocated in full on every rank: refuse it before allocating."""
+        """A chunk is allocated in full on every rank. One much larger than the whole model (and its
+        largest parameter) is nearly all padding, a typo rather than a choice (``10**9`` for a
+        million-parameter model allocates gigabytes): refuse it before allocating anything."""
         assert self.chunk_size is not None, "only an explicit chunk_size is checked"
         total = sum(p.numel() for _, p in named)
-        largest = max(p.numel() for _, p in named)
-        limit = -(-max(total, largest) // world_size) * world_size
-        if self.chunk_size > limit:
+        model = max(total, max(p.numel() for _, p in named))
+        if self.chunk_size > _PADDING_FACTOR * model:
             nbytes = self.chunk_size * (MASTER_DTYPE.itemsize + self.compute_dtype.itemsize)
             raise ValueError(
-                f"chunk_size={self.chunk_size} elements is larger than the whole model ({total} parameter elements): "
-                f"each chunk would allocate about {nbytes / 2**30:.1f} GiB, almost all of it padding. Use a "
-                f"chunk_size of at most {limit}, or chunk_size=None to search the size that wastes the least padding."
+                f"chunk_size={self.chunk_size} elements is more than {_PADDING_FACTOR}x the whole model ({total} "
+                f"parameter elements): most of every chunk would be padding, yet each is allocated in full (about "
+                f"{nbytes / 2**30:.2f} GiB). Use a chunk_size of at most {model}, or chunk_size=None to search the "
+                "size that wastes the least padding."
             )
 
     def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> int:
