@@ -36,8 +36,10 @@ class Booster:
         lr_scheduler: Any = None,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None, Any, Any, Any]:
         """Put the model's parameters in chunks and point the optimizer at the master shards. The
-        optimizer must be built over ``model.parameters()`` and not have stepped yet; an LR scheduler
-        built on it keeps working (the optimizer object is kept)."""
+        optimizer must be built over ``model.parameters()``. The returned optimizer is a
+        ``torch.optim.Optimizer`` sharing the given optimizer's param groups, so an LR scheduler
+        built before or after boosting works; the given optimizer object itself must not be stepped
+        any more (it raises)."""
         boosted_model, boosted_optimizer = self.plugin.configure(model, optimizer)
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
@@ -56,13 +58,15 @@ class Booster:
         with model.runtime.no_sync():
             yield
 
-    # --- checkpoints (see chunkmem.checkpoint: PyTorch formats, atomic writes) ---------------
+    # --- checkpoints (see chunkmem.checkpoint: PyTorch formats, verified, transactional) --------
     def save_model(self, model: ChunkedModel, path: str | os.PathLike[str]) -> None:
-        """Write the full fp32 state dict (every rank calls it; rank 0 writes)."""
+        """Write the full fp32 state dict and its manifest (every rank calls it; the state is
+        gathered to rank 0 chunk by chunk and written there)."""
         checkpoint.save_model(model, path)
 
     def load_model(self, model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
-        """Load full weights saved by ``save_model`` (or a plain PyTorch ``state_dict``) on every rank."""
+        """Load full weights saved by ``save_model`` (or a plain PyTorch ``state_dict``) on every
+        rank; a corrupted or mismatched file is refused before anything is written."""
         return checkpoint.load_model(model, path, strict=strict)
 
     def save_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
@@ -75,8 +79,12 @@ class Booster:
 
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
         """Write the scheduler's state (every rank calls it; rank 0 writes)."""
-        checkpoint.save_lr_scheduler(lr_scheduler, path, optimizer.communicator)
+        checkpoint.save_lr_scheduler(lr_scheduler, path, optimizer)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike[str]) -> None:
-        """Load a scheduler state written by ``save_lr_scheduler``."""
-        checkpoint.load_lr_scheduler(lr_scheduler, path)
+    def load_lr_scheduler(
+        self, lr_scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None
+    ) -> None:
+        """Load a scheduler state written by ``save_lr_scheduler``. Pass the boosted ``optimizer``
+        when the scheduler was built on the optimizer object given to ``boost``, so the ranks agree
+        and the file's step is checked against the model and optimizer loaded with it."""
+        checkpoint.load_lr_scheduler(lr_scheduler, path, optimizer)

@@ -10,11 +10,19 @@ import placement
 __all__ = [
     "BudgetExceededError",
     "BudgetTooSmallError",
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
     "ChunkmemError",
     "CollectiveMismatchError",
     "IllegalTransition",
+    "NotSupportedError",
+    "ShardedGradientError",
+    "StateDictMismatchError",
     "TraceDivergenceError",
     "UnmanageableParameter",
+    "UnscaledBackwardError",
 ]
 
 
@@ -49,3 +57,44 @@ class UnmanageableParameter(ChunkmemError, ValueError):
 
 class IllegalTransition(ChunkmemError, RuntimeError):
     """A parameter was asked to move between states the table does not connect."""
+
+
+class NotSupportedError(ChunkmemError, RuntimeError):
+    """Something plain PyTorch allows that a boosted model or optimizer cannot do; the message
+    names the supported way (``model.to()`` after boosting, stepping the optimizer object that was
+    passed to ``boost``...)."""
+
+
+class ShardedGradientError(NotSupportedError):
+    """Per-parameter gradient values were read (``torch.nn.utils.clip_grad_norm_``, ``p.grad``):
+    chunkmem keeps gradients sharded in chunks, so ``p.grad`` holds no values. Use
+    ``optimizer.clip_grad_norm(max_norm)``."""
+
+
+class UnscaledBackwardError(NotSupportedError):
+    """fp16 gradients were computed by a plain ``loss.backward()``, without the loss scaling of
+    ``booster.backward(loss, optimizer)``; the optimizer refuses to step on them."""
+
+
+class StateDictMismatchError(ChunkmemError, RuntimeError):
+    """A state dict does not fit the model, optimizer or scheduler it is loaded into (keys, shapes,
+    dtypes, parameter groups, optimizer state). Raised before anything is written: the target is
+    unchanged. A ``RuntimeError``, like ``torch.nn.Module.load_state_dict``'s."""
+
+
+class CheckpointError(ChunkmemError, RuntimeError):
+    """A checkpoint file could not be written or loaded; every rank raises it with the same message.
+    Nothing was changed by the refused load."""
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint file differs from what was saved (checksum, size), is truncated or unreadable."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint file was saved for another model, by another kind of save (a model file given
+    to ``load_optimizer``), or at another step than the files loaded with it."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A save failed on some rank (disk full, unwritable path); the previous file is unchanged."""

@@ -1,32 +1,82 @@
 """``ChunkedModel``: the user's module with its parameters in chunks.
 
 Forward casts floating inputs to the compute dtype, moves tensors to the compute device and delimits
-the iteration for the runtime. ``state_dict`` returns full fp32 values under the module's own names
-on every rank; ``load_state_dict`` writes them back into the master shards.
+the iteration for the runtime.
+
+State: ``state_dict()`` returns full fp32 values under the module's own names on every rank (as
+DDP-like wrappers do; a collective), gathered one chunk at a time; checkpoint saves use the same
+gather to rank 0 only (``chunkmem.checkpoint``). ``load_state_dict`` is transactional: every key,
+shape and dtype is checked on every rank, and the ranks agree, before any value is written.
+
+Plain-module interop: ``plain_copy()`` builds an ordinary ``nn.Module`` with full fp32 weights (on
+rank 0, chunk by chunk) for evaluation or export; ``save_pretrained`` and ``generate`` work on a
+boosted Hugging Face model. What cannot apply to chunked parameters is refused with the way to do
+it: ``.to()`` / ``.half()`` / ``.cuda()``, and reading per-parameter gradient values (see
+``chunkmem.grad_markers``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
-from .accounting import Location
+from .checkpoint.agreement import agree, on_first_rank
+from .checkpoint.files import TensorEntry
+from .checkpoint.gather import Destination, gather_full
 from .chunk import ChunkState
+from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
+from .grad_markers import GradientMarkers, clear_markers
 from .runtime import ChunkRuntime
 from .shard import MASTER_DTYPE
 from .stats import Stats
+from .tensor_state import TensorInfo
 
-__all__ = ["ChunkedModel"]
+__all__ = ["ChunkedModel", "StagedModelLoad"]
+
+_MAX_LISTED = 12
+
+
+@dataclass(frozen=True)
+class StagedModelLoad:
+    """A validated model state, ready to write: what goes into each parameter and buffer."""
+
+    params: list[tuple[TensorInfo, torch.Tensor]]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    missing: list[str]
+    unexpected: list[str]
+
+
+def _castable(value: torch.dtype, target: torch.dtype) -> bool:
+    """What a copy may convert without losing the kind of number (floats into an integer buffer,
+    complex into real, anything into bool or bool into numbers are refused)."""
+    if (value == torch.bool) != (target == torch.bool) or value.is_complex != target.is_complex:
+        return False
+    return target.is_floating_point or target.is_complex or not value.is_floating_point
+
+
+def _refuse_placeholder_state(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """On the wrapped module: its parameters hold placeholders (their values live in chunks), so
+    its own ``state_dict()`` would silently save garbage. ``keep_vars=True`` (the parameter
+    objects, which chunkmem itself reads) is allowed."""
+    if not keep_vars:
+        raise NotSupportedError(
+            f"state_dict() of the {type(module).__name__} inside a boosted model refused: its parameters live "
+            "sharded in chunks and hold placeholders. Use model.state_dict() (full values on every rank; a "
+            "collective), booster.save_model(model, path), model.save_pretrained(directory) or model.plain_copy()."
+        )
 
 
 class ChunkedModel(torch.nn.Module):
     """What ``Booster.boost`` returns for the model: call it like the original module; attribute
-    lookups that the wrapper does not answer go to the module (``model.config``, ``generate``...).
-    """
+    lookups that the wrapper does not answer go to the module (``model.config``...)."""
 
     def __init__(
         self,
@@ -41,6 +91,8 @@ class ChunkedModel(torch.nn.Module):
         self._compute_dtype = compute_dtype
         self._device = runtime.manager.comm.device
         self._buffer_dtypes = dict(buffer_dtypes)
+        self._markers = GradientMarkers((info.name, info.param) for info in runtime.manager.infos)
+        self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -53,6 +105,11 @@ class ChunkedModel(torch.nn.Module):
     @property
     def runtime(self) -> ChunkRuntime:
         return self._runtime
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where ops run (inputs are moved there)."""
+        return self._device
 
     def _prepare(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -74,82 +131,263 @@ class ChunkedModel(torch.nn.Module):
         """Counters since boosting; see :class:`chunkmem.Stats`."""
         return self._runtime.stats()
 
-    # --- checkpoints ------------------------------------------------------------------------
-    def _full_masters(self) -> dict[int, torch.Tensor]:
-        """Each parameter's full fp32 values on the CPU, keyed by ``id(param)``. A collective:
-        every rank must call it."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients in the chunks (what ``optimizer.zero_grad()`` does): gradients would
+        otherwise keep accumulating across steps."""
+        self._runtime.zero_grad()
+        if set_to_none:
+            clear_markers(self.parameters())
+
+    # --- moves and casts are the plugin's ---------------------------------------------------
+    def _same_device(self, device: torch.device) -> bool:
+        if device.type != self._device.type:
+            return False
+        if device.type != "cuda":
+            return True
+        current = torch.cuda.current_device()
+        mine = self._device.index if self._device.index is not None else current
+        return (device.index if device.index is not None else current) == mine
+
+    def _refuse_conversion(self, call: str) -> NotSupportedError:
+        return NotSupportedError(
+            f"{call} on a boosted model refused: chunkmem decides where each parameter lives (fp32 master shards "
+            f"spread over the ranks, placed on the device or the host by the placement policy) and computes in the "
+            f"precision the plugin chose ({str(self._compute_dtype).removeprefix('torch.')} on {self._device}). "
+            "Inputs are moved to the compute device by the model itself. To compute in another dtype, boost with "
+            "ChunkPlugin(precision=...); the compute device is the local GPU (LOCAL_RANK) or the CPU. For an ordinary "
+            "module with full weights on a device or dtype of your choice, use model.plain_copy(device=...)."
+        )
+
+    def to(self, *args: Any, **kwargs: Any) -> ChunkedModel:  # type: ignore[override]
+        """Accepted only when it changes nothing (the compute device and dtype already); anything
+        else raises ``NotSupportedError`` saying what to do."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if (device is None or self._same_device(torch.device(device))) and dtype in (None, self._compute_dtype):
+            return self
+        shown = ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise self._refuse_conversion(f"model.to({shown})")
+
+    def cpu(self) -> ChunkedModel:
+        return self.to("cpu")
+
+    def cuda(self, device: int | torch.device | None = None) -> ChunkedModel:
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        return self.to(target)
+
+    def half(self) -> ChunkedModel:
+        return self.to(torch.float16)
+
+    def float(self) -> ChunkedModel:
+        return self.to(torch.float32)
+
+    def double(self) -> ChunkedModel:
+        return self.to(torch.float64)
+
+    def bfloat16(self) -> ChunkedModel:
+        return self.to(torch.bfloat16)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ChunkedModel:
+        raise self._refuse_conversion(f"a conversion of every parameter ({getattr(fn, '__name__', 'fn')})")
+
+    # --- full state -------------------------------------------------------------------------
+    def state_spec(self) -> list[TensorEntry]:
+        """Name, shape and dtype of every ``state_dict`` entry (parameters as fp32 masters,
+        buffers in their original dtype), without gathering anything."""
         manager = self._runtime.manager
-        comm = manager.comm
-        values: dict[int, torch.Tensor] = {}
-        for chunk in manager.chunks:
-            if comm.world_size == 1:
-                full = chunk.store.master.cpu()
+        out: list[TensorEntry] = []
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if manager.manages(tensor):
+                out.append((name, tuple(manager.info(tensor).shape), str(MASTER_DTYPE)))
             else:
-                staged = chunk.store.master_location is Location.HOST
-                nbytes = (chunk.capacity + (chunk.shard_numel if staged else 0)) * MASTER_DTYPE.itemsize
-                with self._runtime.transient(nbytes, f"gathering chunk {chunk.chunk_id} for a state dict"):
-                    gathered = torch.empty(chunk.capacity, dtype=MASTER_DTYPE, device=comm.device)
-                    comm.all_gather(gathered, chunk.store.master.to(comm.device), async_op=False)
-                    full = gathered.cpu()
-                    del gathered
+                out.append((name, tuple(tensor.shape), str(self._buffer_dtypes.get(name, tensor.dtype))))
+        return out
+
+    def _gather_params(self, destination: Destination, what: str) -> dict[int, torch.Tensor]:
+        """Each parameter's full fp32 values on the CPU, keyed by ``id(param)``, on the ranks
+        ``destination`` names (empty elsewhere); one chunk at a time. A collective."""
+        self._runtime.agree_entry(what)
+        self._runtime.finish_backward()
+        runtime = self._runtime
+        values: dict[int, torch.Tensor] = {}
+        for chunk in runtime.manager.chunks:
+            full = gather_full(runtime, chunk, chunk.store.master, destination, what)
+            if full is None:
+                continue
             for info in chunk.tensors:
                 values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
         return values
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """Full fp32 parameters and buffers under the wrapped module's own names, on the CPU, on
-        every rank (a collective: call it on all ranks)."""
-        self._runtime.finish_backward()
-        values = self._full_masters()
-        out = {} if destination is None else destination
+    def full_state_dict(self, destination: Destination = Destination.EVERY_RANK) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters and buffers (original dtypes) under the module's own names, on
+        the CPU, on the ranks ``destination`` names (``{}`` elsewhere). A collective."""
+        values = self._gather_params(destination, "gathering a state dict")
+        if not destination.receives(self._runtime.manager.comm.rank):
+            return {}
+        out: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             if id(tensor) in values:
-                out[prefix + name] = values[id(tensor)]
+                out[name] = values[id(tensor)]
             else:
-                dtype = self._buffer_dtypes.get(name, tensor.dtype)
-                out[prefix + name] = tensor.detach().to("cpu", dtype).clone()
+                out[name] = tensor.detach().to("cpu", self._buffer_dtypes.get(name, tensor.dtype)).clone()
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load full values (as produced by ``state_dict`` or by the unwrapped module) into the
-        master shards and buffers."""
-        if assign:
-            raise ValueError("ChunkedModel.load_state_dict does not support assign=True; values are copied in")
-        runtime = self._runtime
-        runtime.finish_backward()
-        manager = runtime.manager
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Full fp32 parameters and buffers under the wrapped module's own names, on the CPU, on
+        every rank (a collective: call it on all ranks). ``booster.save_model`` gathers the same
+        on rank 0 only."""
+        out = {} if destination is None else destination
+        for name, value in self.full_state_dict(Destination.EVERY_RANK).items():
+            out[prefix + name] = value
+        return out
+
+    def stage_load(self, state_dict: Any, strict: bool, source: str) -> StagedModelLoad:
+        """Check every key, shape and dtype of ``state_dict`` against the model; raise
+        :class:`StateDictMismatchError` listing every problem. Writes nothing."""
+        model_name = type(self.module).__name__
+        if not isinstance(state_dict, Mapping):
+            raise StateDictMismatchError(f"{source} is a {type(state_dict).__name__}, not a state dict")
         own = self.module.state_dict(keep_vars=True)
+        if {"state", "param_groups"} <= set(state_dict) and not set(own) & set(state_dict):
+            raise StateDictMismatchError(
+                f"{source} holds an optimizer state (keys 'state' and 'param_groups'), not a model state: load it "
+                "with booster.load_optimizer / optimizer.load_state_dict"
+            )
+        manager = self._runtime.manager
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
+        problems: list[str] = []
+        if strict and missing:
+            problems.append(f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing[:_MAX_LISTED])}")
+        if strict and unexpected:
+            problems.append(f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected[:_MAX_LISTED])}")
+        params: list[tuple[TensorInfo, torch.Tensor]] = []
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, target in own.items():
+            if name not in state_dict:
+                continue
+            value = state_dict[name]
+            managed = manager.manages(target)
+            shape = tuple(manager.info(target).shape) if managed else tuple(target.shape)
+            dtype = MASTER_DTYPE if managed else self._buffer_dtypes.get(name, target.dtype)
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"'{name}' is a {type(value).__name__}, not a tensor")
+            elif value.device.type == "meta":
+                problems.append(f"'{name}' is on the meta device: it holds no values")
+            elif tuple(value.shape) != shape:
+                problems.append(
+                    f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from the checkpoint, "
+                    f"the shape in the current model is {shape}"
+                )
+            elif not _castable(value.dtype, dtype):
+                problems.append(f"dtype mismatch for {name}: cannot copy {value.dtype} values into {dtype}")
+            elif managed:
+                params.append((manager.info(target), value))
+            else:
+                buffers.append((target, value))
+        if problems:
+            listed = "\n\t".join(problems[:_MAX_LISTED])
+            more = f"\n\t... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+            raise StateDictMismatchError(
+                f"Error(s) in loading state_dict for {model_name} from {source} (nothing was changed):"
+                f"\n\t{listed}{more}"
             )
-        touched = set()
+        return StagedModelLoad(params, buffers, missing, unexpected)
+
+    def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
+        """Write a validated state into this rank's master shards and the buffers."""
+        manager = self._runtime.manager
         with torch.no_grad():
-            for name, target in own.items():
-                if name not in state_dict:
-                    continue
-                value = state_dict[name]
-                if manager.manages(target):
-                    info = manager.info(target)
-                    if tuple(value.shape) != tuple(info.shape):
-                        raise RuntimeError(
-                            f"size mismatch for {name}: copying a param with shape {tuple(value.shape)}, the "
-                            f"parameter in the boosted model has shape {tuple(info.shape)}"
-                        )
-                    chunk = manager.chunk(info.chunk_id)
-                    part = chunk.local_slice(info)
-                    if part is not None:
-                        at = chunk.shard_offset(info)
-                        chunk.store.master[at + part[0] : at + part[1]].copy_(value.reshape(-1)[part[0] : part[1]])
-                    touched.add(chunk.chunk_id)
-                else:
-                    target.copy_(value)
-        for chunk_id in sorted(touched):
-            chunk = manager.chunk(chunk_id)
+            for info, value in staged.params:
+                chunk = manager.chunk(info.chunk_id)
+                part = chunk.local_slice(info)
+                if part is not None:
+                    at = chunk.shard_offset(info)
+                    chunk.store.master[at + part[0] : at + part[1]].copy_(value.reshape(-1)[part[0] : part[1]])
+            for target, value in staged.buffers:
+                target.copy_(value)
+        # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.
+        for chunk in manager.chunks:
             chunk.store.mark_updated()
             if chunk.state is ChunkState.GATHERED:
                 chunk.refresh()
-        return _IncompatibleKeys(missing, unexpected)
+        return _IncompatibleKeys(staged.missing, staged.unexpected)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load full values (as produced by ``state_dict`` or by the unwrapped module) into the
+        master shards and buffers. Checked on every rank before anything is written; a refused
+        state leaves the model as it was. A collective: call it on every rank."""
+        if assign:
+            raise ValueError("ChunkedModel.load_state_dict does not support assign=True; values are copied in")
+        self._runtime.finish_backward()
+        staged = agree(
+            self._runtime.manager.comm,
+            f"loading a state dict into {type(self.module).__name__}",
+            lambda: self.stage_load(state_dict, strict, "the state dict"),
+            StateDictMismatchError,
+        )
+        return self.apply_load(staged)
+
+    # --- plain modules and Hugging Face -----------------------------------------------------
+    def plain_copy(self, every_rank: bool = False, device: str | torch.device = "cpu") -> torch.nn.Module | None:
+        """An ordinary ``nn.Module`` (no chunks, no hooks) with the full fp32 weights and the
+        buffers in their original dtypes, on ``device``: on rank 0 (``None`` on the others), or
+        on every rank with ``every_rank=True``. Built chunk by chunk; ranks that receive nothing
+        hold one chunk at a time. For evaluation, export, or anything that needs whole weights.
+        A collective: call it on every rank."""
+        destination = Destination.EVERY_RANK if every_rank else Destination.FIRST_RANK
+        values = self._gather_params(destination, "building a plain copy")
+        if not destination.receives(self._runtime.manager.comm.rank):
+            return None
+        memo: dict[int, Any] = {}
+        for info in self._runtime.manager.infos:
+            memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
+        self._guard_inner_state.remove()  # the copy holds real values: no guard there
+        try:
+            plain = copy.deepcopy(self.module, memo)
+        finally:
+            self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
+        for module_name, module in plain.named_modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf is not None:
+                    full_name = f"{module_name}.{name}" if module_name else name
+                    dtype = self._buffer_dtypes.get(full_name, buf.dtype)
+                    setattr(module, name, buf.detach().to(device=device, dtype=dtype).clone())
+        return plain
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        """Hugging Face ``save_pretrained`` with the full fp32 weights: rank 0 writes (from a plain
+        copy built chunk by chunk); every rank raises if the write fails. A collective."""
+        plain = self.plain_copy()
+        if plain is not None and not hasattr(plain, "save_pretrained"):
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained (not a transformers model)")
+
+        def write() -> None:
+            assert plain is not None, "rank 0 builds the plain copy"
+            plain.save_pretrained(save_directory, **kwargs)
+
+        on_first_rank(self._runtime.manager.comm, f"save_pretrained to {save_directory}", write, CheckpointWriteError)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face ``generate`` on the chunked weights: each forward it runs is an inference
+        iteration of the runtime (chunks are gathered and released per the placement). Tensors are
+        moved to the compute device. With several ranks every rank must call it (each forward is
+        collective); ``synced_gpus`` defaults to True so ranks that finish early keep stepping."""
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(f"{type(self.module).__name__} has no generate (not a transformers model)")
+        if self._runtime.manager.comm.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        args, kwargs = tree_map(lambda v: v.to(self._device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        with self._module_calls_are_iterations():
+            return generate(*args, **kwargs)
+
+    @contextmanager
+    def _module_calls_are_iterations(self) -> Iterator[None]:
+        runtime = self._runtime
+        before = self.module.register_forward_pre_hook(lambda module, args: runtime.begin_forward())
+        after = self.module.register_forward_hook(lambda module, args, out: runtime.end_forward(), always_call=True)
+        try:
+            yield
+        finally:
+            before.remove()
+            after.remove()

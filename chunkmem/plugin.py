@@ -57,6 +57,33 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
     check_elementwise(optimizer)
 
 
+def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
+    """fp32 on a CPU (16-bit matmuls are emulated there, many times slower), bf16 on a GPU that
+    supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user."""
+    device = process_group.device if isinstance(process_group, Communicator) else None
+    on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> LossScaleConfig:
+    if value is None:
+        return LossScaleConfig()
+    if isinstance(value, LossScaleConfig):
+        return value
+    if isinstance(value, Mapping):
+        return LossScaleConfig.model_validate(dict(value))
+    raise TypeError(
+        f"loss_scale must be a LossScaleConfig or a mapping of its fields (initial_scale, growth_factor, "
+        f"backoff_factor, growth_interval, min_scale), got {type(value).__name__}"
+    )
+
+
+# Chunks are flat buffers indexed by a 32-bit offset in fused kernels; far below that, a chunk much
+# larger than the model is mostly padding (see ``ChunkPlugin._check_chunk_size``).
+MAX_CHUNK_SIZE = 2**31 - 1
+_PADDING_FACTOR = 4
+
+
 def _compute_device() -> torch.device:
     """The local GPU (``LOCAL_RANK`` under torchrun, else the current device), or the CPU."""
     if not torch.cuda.is_available():
@@ -74,11 +101,14 @@ class ChunkPlugin:
         placement: a ``StaticPlacementConfig`` / ``AutoPlacementConfig`` or a mapping with a
             ``policy`` key (validated into one).
         precision: compute dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``; master weights, gradients
-            and optimizer states are fp32 in every case.
-        chunk_size: elements per chunk; ``None`` searches the size that wastes the least padding.
+            and optimizer states are fp32 in every case. ``None`` (default): fp32 on a CPU, bf16 on
+            a GPU that supports it, else fp32.
+        chunk_size: elements per chunk, at most 4x the model's parameter count (beyond that a
+            chunk is mostly padding); ``None`` searches the size that wastes the least padding.
         process_group: the group to shard over (default: the default group when
             ``torch.distributed`` is initialized, else world size 1), or a ``Communicator``.
-        loss_scale: fp16 dynamic loss scaling settings.
+        loss_scale: fp16 dynamic loss scaling settings: a ``LossScaleConfig`` or a mapping of its
+            fields (validated the same way).
         check_plans: agree a fingerprint of every placement plan across ranks before carrying it
             out, and raise on the first difference (a debugging and testing aid: one small
             collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
@@ -92,24 +122,32 @@ class ChunkPlugin:
     def __init__(
         self,
         placement: StaticPlacementConfig | AutoPlacementConfig | Mapping[str, Any] | None = None,
-        precision: Precision = "bf16",
+        precision: Precision | None = None,
         chunk_size: int | None = None,
         process_group: dist.ProcessGroup | Communicator | None = None,
-        loss_scale: LossScaleConfig | None = None,
+        loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         check_plans: bool | None = None,
         gradient_accumulation: bool = False,
     ) -> None:
+        if precision is None:
+            precision = _default_precision(process_group)
+            log.info("chunkmem: precision=%s (the default for this device)", precision)
         if precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0
         ):
             raise ValueError(f"chunk_size must be a positive number of elements or None, got {chunk_size!r}")
+        if chunk_size is not None and chunk_size > MAX_CHUNK_SIZE:
+            raise ValueError(
+                f"chunk_size={chunk_size} elements is above the limit of {MAX_CHUNK_SIZE}; chunks of a few million "
+                "elements are typical. Pass chunk_size=None to search the size that wastes the least padding."
+            )
         self.placement = load_placement_config(placement if placement is not None else StaticPlacementConfig())
         self.precision = precision
         self.chunk_size = chunk_size
         self._process_group = process_group
-        self.loss_scale = loss_scale or LossScaleConfig()
+        self.loss_scale = _loss_scale_config(loss_scale)
         if check_plans is None:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
@@ -139,6 +177,8 @@ class ChunkPlugin:
         )
         device = comm.device
         dtype = self.compute_dtype
+        if self.chunk_size is not None:
+            self._check_chunk_size(named, comm.world_size)
         chunk_size = self.chunk_size or self._search(named, comm.world_size)
 
         stats = Stats()
@@ -195,6 +235,22 @@ class ChunkPlugin:
         return Layout(tuple(placements))
 
     # --- pieces of configure ----------------------------------------------------------------
+    def _check_chunk_size(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> None:
+        """A chunk is allocated in full on every rank. One much larger than the whole model (and its
+        largest parameter) is nearly all padding, a typo rather than a choice (``10**9`` for a
+        million-parameter model allocates gigabytes): refuse it before allocating anything."""
+        assert self.chunk_size is not None, "only an explicit chunk_size is checked"
+        total = sum(p.numel() for _, p in named)
+        model = max(total, max(p.numel() for _, p in named))
+        if self.chunk_size > _PADDING_FACTOR * model:
+            nbytes = self.chunk_size * (MASTER_DTYPE.itemsize + self.compute_dtype.itemsize)
+            raise ValueError(
+                f"chunk_size={self.chunk_size} elements is more than {_PADDING_FACTOR}x the whole model ({total} "
+                f"parameter elements): most of every chunk would be padding, yet each is allocated in full (about "
+                f"{nbytes / 2**30:.2f} GiB). Use a chunk_size of at most {model}, or chunk_size=None to search the "
+                "size that wastes the least padding."
+            )
+
     def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> int:
         params = [p for _, p in named]
         low, high = default_search_range(sum(p.numel() for p in params))

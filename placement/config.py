@@ -11,7 +11,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "AutoPlacementConfig",
@@ -24,13 +34,28 @@ Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 Count = Annotated[int, Field(ge=0, strict=True)]
 
 
-def _no_bool(value: Any) -> Any:
+_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+_BUDGET_FORM = "a number of bytes > 0 or a string such as '3GiB' or '512MiB'"
+
+
+def _byte_count(value: Any) -> Any:
+    """Say what a budget must look like, instead of pydantic's "could not parse value and unit"
+    for a negative number or a malformed string."""
     if isinstance(value, bool):
-        raise ValueError("a byte count, not a bool")
+        raise ValueError(f"must be {_BUDGET_FORM}, not a bool")
+    if isinstance(value, int | float) and value <= 0:
+        raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be zero or negative)")
+    if isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be negative)")
+        try:
+            _BYTES.validate_python(value)
+        except ValidationError:
+            raise ValueError(f"must be {_BUDGET_FORM}, got {value!r}") from None
     return value
 
 
-Budget = Annotated[ByteSize, BeforeValidator(_no_bool), Field(gt=0)]
+Budget = Annotated[ByteSize, BeforeValidator(_byte_count), Field(gt=0)]
 
 
 class _Config(BaseModel):
@@ -112,7 +137,7 @@ def load_placement_config(
     if isinstance(source, StaticPlacementConfig | AutoPlacementConfig):
         return source
     if isinstance(source, Mapping):
-        return _ADAPTER.validate_python(dict(source))
+        return _validate(dict(source), "placement config")
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
@@ -122,10 +147,28 @@ def load_placement_config(
     except OSError as error:
         raise ValueError(f"cannot read placement config file {path}: {error}") from error
     if suffix == ".json":
-        return _ADAPTER.validate_python(json.loads(text))
+        data = json.loads(text)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"placement config file {path} must hold a mapping, got {type(data).__name__}")
+        return _validate(dict(data), f"placement config file {path}")
     import yaml
 
     data = yaml.safe_load(text)
     if not isinstance(data, Mapping):
         raise ValueError(f"placement config file {path} must hold a mapping, got {type(data).__name__}")
-    return _ADAPTER.validate_python(dict(data))
+    return _validate(dict(data), f"placement config file {path}")
+
+
+def _validate(data: dict[str, Any], where: str) -> StaticPlacementConfig | AutoPlacementConfig:
+    """The ``policy`` key picks the class; without it pydantic only says it cannot "extract the
+    tag", so name the key and its values here."""
+    if "policy" not in data:
+        message = (
+            f"{where} has no 'policy' key; the 'policy' key chooses the placement: add policy: static "
+            "(StaticPlacementConfig) or policy: auto (AutoPlacementConfig)"
+        )
+        raise ValidationError.from_exception_data(
+            "placement config",
+            [{"type": PydanticCustomError("missing_policy", message), "loc": ("policy",), "input": data}],
+        )
+    return _ADAPTER.validate_python(data)

@@ -140,3 +140,62 @@ def test_lr_scheduler_round_trip(tmp_path: Path) -> None:
     other = torch.optim.lr_scheduler.StepLR(adamw_two_groups(gpt2()), step_size=1, gamma=0.5)
     booster.load_lr_scheduler(other, tmp_path / "sched.pt")
     assert other.last_epoch == scheduler.last_epoch == 1
+
+
+def _recipe_step(model: Any, optimizer: Any, booster: Any, ids: torch.Tensor, accumulation: int = 2) -> None:
+    """One step of the README's training loop."""
+    micro = ids.chunk(accumulation)
+    if booster is None:
+        for part in micro:
+            (lm_loss(model, part) / accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    else:
+        with booster.no_sync(model, optimizer):
+            for part in micro[:-1]:
+                booster.backward(lm_loss(model, part) / accumulation, optimizer)
+        booster.backward(lm_loss(model, micro[-1]) / accumulation, optimizer)
+        optimizer.clip_grad_norm(0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_readme_training_loop_resumes_like_uninterrupted_pytorch(tmp_path: Path) -> None:
+    """Accumulation, clipping, a scheduler built after boosting, a checkpoint of all three and a
+    resume into a freshly boosted model with another chunk size: the same as plain PyTorch
+    training without interruption."""
+    data = batches(5, batch=8)
+
+    def scheduler_for(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=5)
+
+    model, ref = copies(gpt2())
+    reference_optimizer = adamw_two_groups(ref)
+    reference_scheduler = scheduler_for(reference_optimizer)
+    for ids in data:
+        _recipe_step(ref, reference_optimizer, None, ids)
+        reference_scheduler.step()
+
+    chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=12_000)
+    scheduler = scheduler_for(optimizer)
+    for ids in data[:3]:
+        _recipe_step(chunked, optimizer, booster, ids)
+        scheduler.step()
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    booster.save_lr_scheduler(scheduler, tmp_path / "sched.pt", optimizer)
+
+    resumed, resumed_optimizer, resumed_booster = boost(
+        gpt2(seed=4), adamw_two_groups, precision="fp32", chunk_size=7_000
+    )
+    resumed_scheduler = scheduler_for(resumed_optimizer)
+    resumed_booster.load_model(resumed, tmp_path / "model.pt")
+    resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
+    resumed_booster.load_lr_scheduler(resumed_scheduler, tmp_path / "sched.pt")
+    assert resumed_scheduler.last_epoch == 3
+    for ids in data[3:]:
+        _recipe_step(resumed, resumed_optimizer, resumed_booster, ids)
+        resumed_scheduler.step()
+    assert [g["lr"] for g in resumed_optimizer.param_groups] == pytest.approx(
+        [g["lr"] for g in reference_optimizer.param_groups]
+    )
+    assert_state_close(resumed.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,270 @@
+"""Checkpoints you can trust, in plain PyTorch's own formats.
+
+* The model file is the wrapped module's full fp32 ``state_dict`` and the optimizer file a full
+  ``Optimizer.state_dict`` over the original parameters: they load into chunkmem at any world size,
+  chunk size or placement, and into plain PyTorch (``torch.load`` + ``load_state_dict``).
+* Saving is a collective: the state is gathered chunk by chunk to rank 0 only (other ranks never
+  hold more than one chunk), rank 0 writes atomically, and every rank raises if the write failed.
+* Beside each file, a manifest (``<file>.chunkmem.json``) records its checksum, the step and a
+  fingerprint of the model. Loading verifies them and refuses a corrupted, truncated or swapped
+  file, a file saved for another model, or model and optimizer files from different steps, with a
+  message naming the file and the fix. A file without a manifest (from plain PyTorch) loads unverified.
+* Loads are transactional: every rank reads and checks its file, the ranks agree, and only then is
+  anything written. A refused load leaves model, optimizer and scheduler exactly as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
+from .agreement import agree, on_first_rank
+from .files import (
+    Manifest,
+    TensorEntry,
+    atomic_save,
+    fingerprint,
+    manifest_path,
+    read_checkpoint,
+    read_manifest,
+    remove_stale_temps,
+    write_checkpoint,
+)
+from .gather import Destination
+from .optimizer_state import full_optimizer_state, stage_optimizer_state
+from .progress import check_pairing, current_step, record_load
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
+    from ..manager import ChunkManager
+    from ..model import ChunkedModel
+    from ..optim import ChunkOptimizer
+    from ..runtime import ChunkRuntime
+
+__all__ = [
+    "Destination",
+    "Manifest",
+    "atomic_save",
+    "current_step",
+    "load_lr_scheduler",
+    "load_model",
+    "load_optimizer",
+    "manifest_path",
+    "model_fingerprint",
+    "read_manifest",
+    "remove_stale_temps",
+    "save_lr_scheduler",
+    "save_model",
+    "save_optimizer",
+]
+
+log = logging.getLogger("chunkmem")
+
+
+def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
+    return [(info.name, tuple(info.shape), "torch.float32") for info in manager.infos]
+
+
+def model_fingerprint(manager: ChunkManager) -> str:
+    """Hash of the model's parameters (names, shapes, fp32) in registration order."""
+    return fingerprint(_parameter_entries(manager))
+
+
+def _difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
+    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
+    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
+    only_saved = [n for n in saved_map if n not in here_map]
+    only_here = [n for n in here_map if n not in saved_map]
+    changed = [
+        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
+        for n in saved_map
+        if n in here_map and saved_map[n] != here_map[n]
+    ]
+    parts = []
+    if only_saved:
+        parts.append(f"only in the file: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
+    if only_here:
+        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
+    if changed:
+        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
+    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
+        parts.append("the same tensors in another order")
+    return "; ".join(parts) or "the same tensors"
+
+
+def _check_model(path: Path, manifest: Manifest, manager: ChunkManager, here: list[TensorEntry]) -> None:
+    if manifest.model_fingerprint != model_fingerprint(manager):
+        raise CheckpointMismatchError(
+            f"{path} was saved for another model ({_difference(manifest.tensors, here)}). Load a checkpoint of this "
+            "model, or boost the model the checkpoint was saved from."
+        )
+
+
+# --- model ------------------------------------------------------------------------------------
+def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
+    """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
+    chunk and written there, with its manifest. A collective: every rank calls it."""
+    runtime = model.runtime
+    comm = runtime.manager.comm
+    target = Path(path)
+    state = model.full_state_dict(Destination.FIRST_RANK)
+    step = current_step(runtime)
+    fp = model_fingerprint(runtime.manager)
+    spec = model.state_spec()
+    on_first_rank(
+        comm,
+        f"saving model checkpoint {target}",
+        lambda: write_checkpoint(state, target, "model", step, fp, comm.world_size, spec),
+        CheckpointWriteError,
+    )
+
+
+def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
+    """Load full weights into the master shards and buffers: every rank reads and verifies the file
+    (only the slices it holds are read), the ranks agree, then every rank writes. A collective."""
+    runtime = model.runtime
+    target = Path(path)
+    runtime.finish_backward()
+
+    def stage() -> tuple[Any, Manifest | None]:
+        obj, manifest = read_checkpoint(target, "model")
+        if manifest is not None:
+            if strict:
+                _check_model(target, manifest, runtime.manager, model.state_spec())
+            check_pairing(runtime, "model", manifest.step, target)
+        return model.stage_load(obj, strict, str(target)), manifest
+
+    staged, manifest = agree(runtime.manager.comm, f"loading model checkpoint {target}", stage, CheckpointError)
+    result = model.apply_load(staged)
+    if manifest is not None:
+        record_load(runtime, "model", manifest.step, target)
+    return result
+
+
+# --- optimizer --------------------------------------------------------------------------------
+def _optimizer_entries(optimizer: ChunkOptimizer) -> list[TensorEntry]:
+    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
+
+
+def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
+    """The full optimizer state in PyTorch's format (with the fp16 loss scale), gathered to rank 0
+    chunk by chunk and written there, with its manifest. A collective."""
+    runtime = optimizer.runtime
+    comm = runtime.manager.comm
+    target = Path(path)
+    state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
+    step = current_step(runtime)
+    fp = model_fingerprint(runtime.manager)
+    entries = _optimizer_entries(optimizer)
+    on_first_rank(
+        comm,
+        f"saving optimizer checkpoint {target}",
+        lambda: write_checkpoint(state, target, "optimizer", step, fp, comm.world_size, entries),
+        CheckpointWriteError,
+    )
+
+
+def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
+    """Load a full optimizer state (from ``save_optimizer`` or plain PyTorch), cut down to this
+    rank's pieces; verified and agreed on every rank before anything changes. A collective."""
+    runtime = optimizer.runtime
+    target = Path(path)
+
+    def stage() -> tuple[Any, Manifest | None]:
+        obj, manifest = read_checkpoint(target, "optimizer")
+        if manifest is not None:
+            here = _optimizer_entries(optimizer)
+            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
+                raise CheckpointMismatchError(
+                    f"optimizer file {target} was saved for an optimizer over other parameters "
+                    f"({_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
+                )
+            check_pairing(runtime, "optimizer", manifest.step, target)
+        return stage_optimizer_state(optimizer, obj, str(target)), manifest
+
+    staged, manifest = agree(runtime.manager.comm, f"loading optimizer checkpoint {target}", stage, CheckpointError)
+    staged.install(optimizer)
+    if manifest is not None:
+        record_load(runtime, "optimizer", manifest.step, target)
+
+
+# --- LR scheduler -----------------------------------------------------------------------------
+def _runtime_of(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkRuntime | None:
+    from ..optim import ChunkOptimizer
+
+    for candidate in (optimizer, getattr(scheduler, "optimizer", None)):
+        if isinstance(candidate, ChunkOptimizer):
+            return candidate.runtime
+    return None
+
+
+def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
+    """Write a scheduler's state dict with its manifest (every rank calls it; rank 0 writes)."""
+    runtime = optimizer.runtime
+    comm: Communicator = runtime.manager.comm
+    target = Path(path)
+    state = scheduler.state_dict()
+    step = current_step(runtime)
+    fp = model_fingerprint(runtime.manager)
+    on_first_rank(
+        comm,
+        f"saving LR scheduler checkpoint {target}",
+        lambda: write_checkpoint(state, target, "lr_scheduler", step, fp, comm.world_size, []),
+        CheckpointWriteError,
+    )
+
+
+def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]:
+    name = type(scheduler).__name__
+    if not isinstance(obj, Mapping):
+        raise StateDictMismatchError(f"{source} holds a {type(obj).__name__}, not an LR scheduler state dict")
+    current = scheduler.state_dict()
+    if set(obj) != set(current):
+        raise StateDictMismatchError(
+            f"{source} was saved by another LR scheduler class: its keys {sorted(obj)} differ from {name}'s "
+            f"{sorted(current)} (nothing was changed). Build the same scheduler class before loading."
+        )
+    nested = current.get("_schedulers")
+    if isinstance(nested, list) and len(obj.get("_schedulers") or []) != len(nested):
+        raise StateDictMismatchError(
+            f"{source} holds {len(obj.get('_schedulers') or [])} chained schedulers, this {name} has {len(nested)}"
+        )
+    return obj
+
+
+def load_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None) -> None:
+    """Load a scheduler state written by ``save_lr_scheduler`` (or plain PyTorch). Checked before
+    anything changes; a scheduler whose own ``load_state_dict`` fails is restored. With the boosted
+    optimizer known (``optimizer``, or the one the scheduler was built on) every rank agrees and
+    the step is checked against the model and optimizer loaded with it."""
+    runtime = _runtime_of(scheduler, optimizer)
+    target = Path(path)
+
+    def stage() -> tuple[Mapping[str, Any], Manifest | None]:
+        obj, manifest = read_checkpoint(target, "lr_scheduler")
+        if manifest is not None and runtime is not None:
+            check_pairing(runtime, "lr_scheduler", manifest.step, target)
+        return _stage_scheduler(scheduler, obj, str(target)), manifest
+
+    if runtime is None:
+        staged, manifest = stage()
+    else:
+        staged, manifest = agree(
+            runtime.manager.comm, f"loading LR scheduler checkpoint {target}", stage, CheckpointError
+        )
+    snapshot = copy.deepcopy(scheduler.state_dict())
+    try:
+        scheduler.load_state_dict(dict(staged))
+    except Exception as error:
+        scheduler.load_state_dict(snapshot)
+        raise StateDictMismatchError(
+            f"{type(scheduler).__name__}.load_state_dict refused {target} ({type(error).__name__}: {error}); the "
+            "scheduler was restored to its state before the load"
+        ) from error
+    if manifest is not None and runtime is not None:
+        record_load(runtime, "lr_scheduler", manifest.step, target)

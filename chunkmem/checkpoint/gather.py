@@ -1,0 +1,56 @@
+"""Full values from sharded chunks, one chunk at a time.
+
+A full state (model weights, optimizer state) is assembled chunk by chunk: each rank contributes
+its shard, the chunk is all-gathered into one transient device buffer, and the ranks that receive
+it copy it to the CPU; the buffer is freed before the next chunk. With
+``Destination.FIRST_RANK`` (what checkpoint saves use) only rank 0 keeps anything: the other ranks
+never hold more than one chunk. With ``Destination.EVERY_RANK`` (``model.state_dict()``, for
+DDP-like code that expects a full state dict on every rank) every rank keeps a CPU copy.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..chunk import Chunk
+
+if TYPE_CHECKING:
+    from ..runtime import ChunkRuntime
+
+__all__ = ["Destination", "gather_full"]
+
+
+class Destination(enum.Enum):
+    """Which ranks receive a gathered full state."""
+
+    FIRST_RANK = "first_rank"
+    """Rank 0 only; the others return nothing (checkpoint saves)."""
+    EVERY_RANK = "every_rank"
+    """Every rank receives the full state (``state_dict()``)."""
+
+    def receives(self, rank: int) -> bool:
+        return self is Destination.EVERY_RANK or rank == 0
+
+
+def gather_full(
+    runtime: ChunkRuntime, chunk: Chunk, shard: torch.Tensor, destination: Destination, what: str
+) -> torch.Tensor | None:
+    """``chunk``'s full ``capacity`` elements, from each rank's ``shard`` (this rank's part, on any
+    device), on the CPU on receiving ranks, ``None`` elsewhere. The result may share memory with
+    ``shard`` (world size 1): clone what you keep. A collective: every rank calls it for the same
+    chunks in the same order."""
+    comm = runtime.manager.comm
+    receives = destination.receives(comm.rank)
+    if comm.world_size == 1:
+        return shard.detach().cpu() if receives else None
+    staged = shard.device != comm.device
+    nbytes = (chunk.capacity + (shard.numel() if staged else 0)) * shard.element_size()
+    with runtime.transient(nbytes, f"{what} (chunk {chunk.chunk_id})"):
+        gathered = torch.empty(chunk.capacity, dtype=shard.dtype, device=comm.device)
+        comm.all_gather(gathered, shard.detach().to(comm.device), async_op=False)
+        out = gathered.cpu() if receives else None
+        del gathered
+    return out

@@ -1,0 +1,280 @@
+"""The optimizer state in plain PyTorch's format, assembled from and cut back into this rank's pieces.
+
+PyTorch's format (``torch.optim.Optimizer.state_dict``): ``{"state": {id: {key: value}},
+"param_groups": [{..., "params": [ids]}]}``, ids counting the original parameters group by group,
+elementwise state tensors shaped like their parameter. It loads into the same optimizer class in
+plain PyTorch, or into chunkmem at any world size, chunk size or placement.
+
+Saving gathers chunk by chunk: one small exchange of per-parameter scalars (``step``) and of which
+elementwise keys each chunk has, then one all-gather per chunk and state key into a transient
+buffer (never a collective per parameter). Loading validates everything against the model (group
+sizes, ids, state shapes, the state keys the optimizer class keeps, the loss scaler) on every rank
+and agrees across ranks before anything is installed: a refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import StateDictMismatchError
+from ..optim import ChunkOptimizer, Piece, slice_state
+from ..optim_probe import state_keys
+from .agreement import agree
+from .gather import Destination, gather_full
+
+if TYPE_CHECKING:
+    from ..tensor_state import TensorInfo
+
+__all__ = ["StagedOptimizerState", "full_optimizer_state", "load_full_optimizer_state", "stage_optimizer_state"]
+
+log = logging.getLogger("chunkmem")
+_Where = tuple[int, int]  # (chunk id, index in chunk): a parameter, the same on every rank
+# Group settings that torch optimizers fill in themselves when a state dict lacks them.
+_FILLED_BY_TORCH = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"})
+_MAX_LISTED = 12
+
+
+def _where(info: TensorInfo) -> _Where:
+    return (info.chunk_id, info.index)
+
+
+def _elementwise(value: Any, piece: Piece) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape
+
+
+# --- saving -----------------------------------------------------------------------------------
+def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) -> dict[str, Any]:
+    """The full PyTorch-format state on the ranks ``destination`` names (``{}`` elsewhere), on the
+    CPU. A collective: every rank calls it."""
+    runtime = optimizer.runtime
+    runtime.agree_entry("gathering an optimizer state")
+    comm = runtime.manager.comm
+    state_of = optimizer.state
+    elementwise: dict[int, dict[str, str]] = {}
+    scalars: dict[_Where, dict[str, Any]] = {}
+    for piece in optimizer.pieces:
+        state = state_of.get(piece.tensor)
+        if not state:
+            continue
+        entry = scalars.setdefault(_where(piece.info), {})
+        for key, value in state.items():
+            if _elementwise(value, piece):
+                elementwise.setdefault(piece.chunk.chunk_id, {})[key] = str(value.dtype).removeprefix("torch.")
+                entry.setdefault(key, None)  # keeps the class's key order; filled after the gather
+            else:
+                entry[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    merged_keys: dict[int, dict[str, str]] = {}
+    merged: dict[_Where, dict[str, Any]] = {}
+    for their_keys, their_scalars in comm.all_gather_object((elementwise, scalars)):
+        for chunk_id, keys in their_keys.items():
+            merged_keys.setdefault(chunk_id, {}).update(keys)
+        for where, entry in their_scalars.items():
+            mine = merged.setdefault(where, {})
+            for key, value in entry.items():
+                if mine.get(key) is None:
+                    mine[key] = value
+    receives = destination.receives(comm.rank)
+    pieces_of: dict[int, list[Piece]] = {}
+    for piece in optimizer.pieces:
+        pieces_of.setdefault(piece.chunk.chunk_id, []).append(piece)
+    for chunk in runtime.manager.chunks:
+        for key, dtype_name in sorted(merged_keys.get(chunk.chunk_id, {}).items()):
+            shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype_name))
+            for piece in pieces_of.get(chunk.chunk_id, []):
+                value = state_of.get(piece.tensor, {}).get(key)
+                if value is not None:
+                    shard[piece.shard_slice] = value.detach().to("cpu")
+            full = gather_full(runtime, chunk, shard, destination, f"gathering optimizer state '{key}'")
+            if full is None:
+                continue
+            for info in chunk.tensors:
+                entry = merged.get(_where(info))
+                if entry is not None and key in entry:
+                    entry[key] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
+    if not receives:
+        return {}
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for group, infos in zip(optimizer.param_groups, optimizer.group_infos, strict=True):
+        ids = []
+        for info in infos:
+            entry = merged.get(_where(info)) if info.trainable else None
+            if entry is not None:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    if optimizer.loss_scaler is not None:
+        out["loss_scaler"] = optimizer.loss_scaler.state_dict()
+    return out
+
+
+# --- loading ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagedOptimizerState:
+    """A validated state, cut down to this rank's pieces, ready to install."""
+
+    states: dict[torch.Tensor, dict[str, Any]]
+    hyperparameters: list[dict[str, Any]]
+    scaler_state: dict[str, Any] | None
+
+    def install(self, optimizer: ChunkOptimizer) -> None:
+        optimizer.load_local_state(self.states, self.hyperparameters, self.scaler_state)
+
+
+def _refuse(optimizer: ChunkOptimizer, source: str, problems: list[str]) -> StateDictMismatchError:
+    listed = "\n  - ".join(problems[:_MAX_LISTED])
+    more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    return StateDictMismatchError(
+        f"cannot load the optimizer state from {source} into this {optimizer.optimizer_class.__name__}; nothing "
+        f"was changed:\n  - {listed}{more}"
+    )
+
+
+def _not_an_optimizer_state(source: str, state_dict: Any) -> StateDictMismatchError:
+    if isinstance(state_dict, Mapping):
+        keys = list(state_dict)[:4]
+        if state_dict and all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+            return StateDictMismatchError(
+                f"{source} holds a model state dict (entries such as {keys}), not an optimizer state: load it with "
+                "booster.load_model / model.load_state_dict"
+            )
+        return StateDictMismatchError(
+            f"{source} is not an optimizer state dict: it has the keys {keys}, a torch optimizer state dict has "
+            "'state' and 'param_groups'"
+        )
+    return StateDictMismatchError(f"{source} is not an optimizer state dict but a {type(state_dict).__name__}")
+
+
+def _check_scaler(state: Any) -> str | None:
+    if not isinstance(state, Mapping) or set(state) != {"scale", "clean_steps"}:
+        return f"'loss_scaler' must be a mapping with 'scale' and 'clean_steps', got {state!r}"
+    scale, clean = state["scale"], state["clean_steps"]
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        return f"'loss_scaler' scale must be a finite number > 0, got {scale!r}"
+    if not isinstance(clean, int) or isinstance(clean, bool) or clean < 0:
+        return f"'loss_scaler' clean_steps must be an integer >= 0, got {clean!r}"
+    return None
+
+
+def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> StagedOptimizerState:
+    """Check ``state_dict`` against the optimizer and the model and cut it to this rank's pieces;
+    raise :class:`StateDictMismatchError` listing every problem. Writes nothing."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise _not_an_optimizer_state(source, state_dict)
+    saved_groups, saved = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, list | tuple) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list | tuple) for g in saved_groups
+    ):
+        raise _refuse(optimizer, source, ["'param_groups' must be a list of mappings, each with a 'params' list"])
+    if not isinstance(saved, Mapping):
+        raise _refuse(optimizer, source, [f"'state' must be a mapping, got {type(saved).__name__}"])
+    infos_by_group = optimizer.group_infos
+    sizes = [len(g["params"]) for g in saved_groups]
+    expected = [len(infos) for infos in infos_by_group]
+    if sizes != expected:
+        raise _refuse(
+            optimizer,
+            source,
+            [
+                f"param groups of sizes {sizes} in the file, {expected} in this optimizer: it was saved for another "
+                "model or other param groups"
+            ],
+        )
+    problems: list[str] = []
+    info_of: dict[Any, TensorInfo] = {}
+    id_of: dict[int, Any] = {}
+    for saved_group, infos in zip(saved_groups, infos_by_group, strict=True):
+        for pid, info in zip(saved_group["params"], infos, strict=True):
+            if pid in info_of:
+                problems.append(f"parameter id {pid!r} appears twice in 'param_groups'")
+            info_of[pid] = info
+            id_of[id(info)] = pid
+    current_groups = optimizer.param_groups
+    keys_by_group: list[frozenset[str] | None] = []
+    for position, (saved_group, group) in enumerate(zip(saved_groups, current_groups, strict=True)):
+        lacking = sorted(
+            k for k in group if k in optimizer.defaults and k not in saved_group and k not in _FILLED_BY_TORCH
+        )
+        if lacking:
+            problems.append(f"param group {position} lacks the settings {lacking}")
+        keys_by_group.append(state_keys(optimizer.optimizer_class, {**group, **saved_group}) if not lacking else None)
+    group_of = {id(info): position for position, infos in enumerate(infos_by_group) for info in infos}
+    dropped: list[str] = []
+    for pid, entry in saved.items():
+        info = info_of.get(pid)
+        if info is None and isinstance(pid, str) and pid.isdigit():
+            info = info_of.get(int(pid))
+        if info is None:
+            problems.append(f"'state' has an entry for parameter id {pid!r}, which no param group lists")
+            continue
+        where = f"parameter '{info.name}' (id {pid!r}, shape {tuple(info.shape)})"
+        if not isinstance(entry, Mapping):
+            problems.append(f"the state of {where} is a {type(entry).__name__}, not a mapping")
+            continue
+        if not info.trainable:
+            dropped.append(info.name)
+            continue
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue  # scalars (a step count) are kept whole
+            if value.numel() == 1 and tuple(value.shape) != tuple(info.shape):
+                continue
+            if tuple(value.shape) != tuple(info.shape):
+                problems.append(
+                    f"state '{key}' of {where} has shape {tuple(value.shape)}: it was saved for a parameter of "
+                    "another shape"
+                )
+            elif not (value.is_floating_point() or value.is_complex()):
+                problems.append(f"state '{key}' of {where} has dtype {value.dtype}, not a floating point dtype")
+        keys = keys_by_group[group_of[id(info)]]
+        if keys is not None and set(entry) != keys:
+            problems.append(
+                f"the state of {where} has the keys {sorted(entry)}, but {optimizer.optimizer_class.__name__} with "
+                f"these settings keeps {sorted(keys)}: it was saved by another optimizer class or settings"
+            )
+    scaler_state = state_dict.get("loss_scaler")
+    if scaler_state is not None:
+        problem = _check_scaler(scaler_state)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise _refuse(optimizer, source, problems)
+    if dropped:
+        log.warning(
+            "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it is "
+            "not loaded",
+            source,
+            len(dropped),
+            ", ".join(dropped[:3]),
+        )
+    if scaler_state is not None and optimizer.loss_scaler is None:
+        log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+    states: dict[torch.Tensor, dict[str, Any]] = {}
+    for piece in optimizer.pieces:
+        pid = id_of[id(piece.info)]
+        entry = saved.get(pid, saved.get(str(pid)))
+        if entry:
+            states[piece.tensor] = slice_state(entry, piece)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_groups]
+    return StagedOptimizerState(states, hyper, dict(scaler_state) if scaler_state is not None else None)
+
+
+def load_full_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> None:
+    """Validate on every rank, agree, then install (``ChunkOptimizer.load_state_dict``)."""
+    comm = optimizer.communicator
+    staged = agree(
+        comm,
+        f"loading the optimizer state from {source}",
+        lambda: stage_optimizer_state(optimizer, state_dict, source),
+        StateDictMismatchError,
+    )
+    staged.install(optimizer)
