@@ -115,7 +115,7 @@ def static_minimums(ctx: RankContext, setup: BudgetSetup) -> list[int]:
     return minimums
 
 
-class _Run:
+class TrainingRun:
     """One row's model, optimizer and counters in this rank."""
 
     def __init__(self, ctx: RankContext, setup: BudgetSetup, spec: RowSpec) -> None:
@@ -162,15 +162,21 @@ def build_row(ctx: RankContext, setup: BudgetSetup, spec: RowSpec) -> dict[str, 
     what the placement needs) / ``out of memory`` with a note."""
     from chunkmem import BudgetTooSmallError
 
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)  # per run when runs go one at a time
+    note = None
     try:
-        ctx.state["runs"][spec.key] = _Run(ctx, setup, spec)
+        ctx.state["runs"][spec.key] = TrainingRun(ctx, setup, spec)
     except BudgetTooSmallError as error:
         return {"state": "refused", "note": str(error).split(":")[0]}
     except Exception as error:
         if not is_out_of_memory(error):
             raise
+        note = f"building: {str(error).splitlines()[0][:120]}"
+    if note is not None:
+        # Outside the handler: the traceback no longer holds the frames that hold the tensors.
         release_memory(ctx.device)
-        return {"state": "out of memory", "note": f"building: {str(error).splitlines()[0][:120]}"}
+        return {"state": "out of memory", "note": note}
     return {"state": "ok", "note": ""}
 
 
@@ -178,12 +184,15 @@ def row_steps(ctx: RankContext, key: str, start: int, count: int) -> list[tuple[
     """Steps ``start .. start+count-1`` of run ``key``: (seconds, loss) each, or
     ``{"state": "out of memory"}`` (the run is dropped). Counters for the per-step figures are
     taken after step 0 (the step that records the trace)."""
-    run: _Run = ctx.state["runs"][key]
+    run: TrainingRun = ctx.state["runs"][key]
     setup = run.setup
     out = []
+    note = None
     try:
         for index in range(start, start + count):
-            ids = rank_batch(index, ctx.rank, ctx.world_size, setup.batch, setup.shape.seq, setup.shape.vocab)
+            ids = rank_batch(
+                index, ctx.rank, ctx.world_size, setup.batch, setup.shape.seq, setup.shape.vocab, setup.data_seed
+            )
             ids = ids.to(ctx.device)
             synchronize(ctx.device)
             began = time.perf_counter()
@@ -194,11 +203,15 @@ def row_steps(ctx: RankContext, key: str, start: int, count: int) -> list[tuple[
                 stats = run.stats()
                 run.before = None if stats is None else stats.snapshot()
     except Exception as error:
-        del ctx.state["runs"][key], run
+        del ctx.state["runs"][key]
+        if not is_out_of_memory(error):
+            raise
+        note = f"step {start + len(out)}: {str(error).splitlines()[0][:120]}"
+    if note is not None:
+        # Outside the handler: the traceback no longer holds the frames that hold the activations.
+        del run
         release_memory(ctx.device)
-        if is_out_of_memory(error):
-            return {"state": "out of memory", "note": f"step {start + len(out)}: {str(error).splitlines()[0][:120]}"}
-        raise
+        return {"state": "out of memory", "note": note}
     return out
 
 
@@ -210,7 +223,7 @@ def chunk_capacities(model: Any) -> list[int]:
 def finish_row(ctx: RankContext, key: str, steps_after_warmup: int) -> dict[str, Any]:
     """Per-step byte and fetch counts of run ``key`` since its warmup step, and the chunk layout
     they come from; the run is dropped."""
-    run: _Run = ctx.state["runs"].pop(key)
+    run: TrainingRun = ctx.state["runs"].pop(key)
     out: dict[str, Any] = {"device_peak_allocated": None}
     if ctx.device.type == "cuda":
         out["device_peak_allocated"] = int(torch.cuda.max_memory_allocated(ctx.device))

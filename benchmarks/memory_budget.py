@@ -289,27 +289,29 @@ def loss_mismatches(rows: list[Row], precision: str) -> list[str]:
 
 
 def table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
+    """Headers and cells; the allocator's peak appears only where it was measured (CUDA)."""
     plain = next((r.step_ms for r in rows if r.key == "plain" and r.step_ms is not None), None)
+    allocator = any(r.device_peak_allocated is not None for r in rows)
     body = []
     for r in rows:
         ok = r.state == "ok"
-        body.append(
-            [
-                "-" if r.budget_frac is None else f"{r.budget_frac:.1%}".replace(".0%", "%"),
-                fmt_bytes(r.budget),
-                r.policy,
-                "-" if r.max_prefetch is None else r.max_prefetch,
-                r.state,
-                fmt_bytes(r.peak_device_bytes) if ok else "-",
-                fmt_bytes(r.h2d_per_step) if ok else "-",
-                fmt_bytes(r.d2h_per_step) if ok else "-",
-                f"{r.fetches_per_step:.1f}" if ok and r.fetches_per_step is not None else "-",
-                f"{r.step_ms:.1f}" if ok and r.step_ms is not None else "-",
-                f"{r.step_ms / plain:.2f}x" if ok and r.step_ms is not None and plain else "-",
-                f"{r.final_loss:.6f}" if ok and r.final_loss is not None else "-",
-                r.setting if ok else r.note[:90],
-            ]
-        )
+        cells = [
+            "-" if r.budget_frac is None else f"{r.budget_frac:.1%}".replace(".0%", "%"),
+            fmt_bytes(r.budget),
+            r.policy,
+            "-" if r.max_prefetch is None else r.max_prefetch,
+            r.state,
+            fmt_bytes(r.peak_device_bytes) if ok else "-",
+            *([fmt_bytes(r.device_peak_allocated) if ok else "-"] if allocator else []),
+            fmt_bytes(r.h2d_per_step) if ok else "-",
+            fmt_bytes(r.d2h_per_step) if ok else "-",
+            f"{r.fetches_per_step:.1f}" if ok and r.fetches_per_step is not None else "-",
+            f"{r.step_ms:.1f}" if ok and r.step_ms is not None else "-",
+            f"{r.step_ms / plain:.2f}x" if ok and r.step_ms is not None and plain else "-",
+            f"{r.final_loss:.6f}" if ok and r.final_loss is not None else "-",
+            r.setting if ok else r.note[:90],
+        ]
+        body.append(cells)
     headers = [
         "budget",
         "bytes",
@@ -317,6 +319,7 @@ def table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
         "prefetch",
         "state",
         "peak device",
+        *(["allocator peak"] if allocator else []),
         "H2D/step",
         "D2H/step",
         "fetches/step",

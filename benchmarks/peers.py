@@ -90,6 +90,9 @@ def systems() -> dict[str, System]:
     }
 
 
+# At W=1 on the CPU: chunkmem's overhead over plain PyTorch. On a GPU the offloading peers join (a
+# one-rank process group for FSDP2 and DeepSpeed), as in the single-GPU comparison of issue 13.
+CUDA_W1_PEERS = ["fsdp2", "fsdp2-offload", "deepspeed-z3-offload"]
 DEFAULTS = {
     1: ["plain", "chunkmem", "chunkmem-offload", "chunkmem-auto"],
     2: [
@@ -219,7 +222,9 @@ class Runner:
 def resolve_systems(args: argparse.Namespace) -> tuple[list[System], list[Result]]:
     """The systems to run, and the ones skipped (with why)."""
     known = systems()
-    names = args.systems.split(",") if args.systems else DEFAULTS.get(args.world_size, DEFAULTS[2])
+    names = args.systems.split(",") if args.systems else list(DEFAULTS.get(args.world_size, DEFAULTS[2]))
+    if not args.systems and args.world_size == 1 and args.backend == "nccl":
+        names[1:1] = CUDA_W1_PEERS
     chosen, skipped = [], []
     for name in names:
         if name not in known:

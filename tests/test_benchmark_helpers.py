@@ -198,3 +198,50 @@ def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
         assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
     finally:
         pool.close(force=True)
+
+
+# --- the memory-budget driver: out of memory is a row state -----------------------------------------
+def test_a_run_out_of_device_memory_becomes_a_row_state_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from benchmarks import budget_runs
+    from benchmarks.memory_budget import Driver, Row
+    from benchmarks.workers import LocalRanks
+    from placement import StaticPlacementConfig
+
+    real_step = budget_runs.TrainingRun.step
+
+    def step(run: budget_runs.TrainingRun, ids: torch.Tensor) -> float:
+        if run.spec.kind == "plain":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(run, ids)
+
+    monkeypatch.setattr(budget_runs.TrainingRun, "step", step)
+    setup = budget_runs.BudgetSetup(GPT2Shape(1, 32, 128, 16), batch=2, precision="fp32", chunk_size=None)
+    args = argparse.Namespace(timeout=60.0, schedule="alternate")
+    driver = Driver(args, setup, lambda: LocalRanks(torch.device("cpu")))
+    driver.start()
+    driver.add(Row("plain", "plain", None, None, None, "plain PyTorch"), budget_runs.RowSpec("plain", "plain", "plain"))
+    spec = budget_runs.RowSpec("static", "chunkmem", "static", placement=StaticPlacementConfig())
+    driver.add(Row("static", "static", 0, None, None, "no budget"), spec)
+    driver.measure([1, 1])
+    plain, static = driver.rows
+    assert plain.state == "out of memory" and "step 0" in plain.note and plain.step_ms is None
+    assert static.state == "ok" and len(static.step_times_ms) == 2 and static.final_loss is not None
+
+
+def test_peers_flag_a_system_whose_first_loss_differs_and_take_ratios_from_the_same_run() -> None:
+    from benchmarks.peers import Result, check_losses, compare
+
+    results = [
+        Result("ddp", losses=[7.5, 7.4], median_s=0.2),
+        Result("fsdp2", losses=[7.5 + 1e-7, 7.4], median_s=0.4),
+        Result("chunkmem", losses=[7.51, 7.4], median_s=0.5),
+        Result("deepspeed-z3", state="skipped"),
+    ]
+    compare(results)
+    assert results[2].vs == {"fsdp2": pytest.approx(1.25), "ddp": pytest.approx(2.5)}
+    assert results[3].vs == {}
+    flagged = check_losses(results, "fp32")
+    assert len(flagged) == 1 and flagged[0].startswith("chunkmem first-step loss 7.510000")
+    assert check_losses(results, "bf16") == []  # 1e-2 relative is within mixed-precision rounding
