@@ -8,8 +8,10 @@ that fit the budget; the auto policy decides by itself. Every run starts from th
 sees the same data, so the final loss is the same in every row, plain PyTorch's included.
 
 Every row, plain PyTorch's too, is measured the same way: step 0 (which records chunkmem's trace)
-is not timed, and the remaining steps are split into rounds that visit the rows in an order rotated
-each round, so machine noise falls on all rows alike; the step time is the median of a row's steps.
+is not timed, and the remaining steps are taken in rounds (by default one step of every row per
+round) that visit the rows in an order rotated each round, so a burst of machine noise falls on all
+rows alike instead of on the few that happen to run then; the step time is the median of a row's
+steps.
 A row that runs out of device memory, is refused (budget below what the placement needs), fails or
 hangs is reported as such in the table; the experiment goes on.
 
@@ -376,7 +378,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", default="static,auto")
     parser.add_argument("--prefetch", default=None, help="max_prefetch values (default 0,2; CUDA 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run, the first untimed (default 10; CUDA 6)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds the timed steps are split into")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds the timed steps are split into (default: one step per row per round, so a burst of "
+        "machine noise falls on every row alike)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="default 4 on the CPU; sized from the card on CUDA")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=None)
@@ -418,6 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is untimed warmup")
     args.schedule = args.schedule or ("sequential" if cuda else "alternate")
+    args.rounds = args.rounds or args.steps - 1
     args.device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     if args.device_memory is not None and not cuda:
         parser.error("--device-memory caps CUDA memory; there is no CUDA device (on the CPU the host is the device)")
