@@ -1,8 +1,11 @@
-"""Step-time overhead of chunkmem against plain PyTorch, world size 1, everything resident.
+"""Step-time overhead of chunkmem against plain PyTorch in one process, world size 1, everything resident.
 
-GPT-2 (4 layers, width 256, batch 4 x 128 by default) trained with AdamW; plain PyTorch and chunkmem
-steps are interleaved so both see the same machine state, and the median of each is compared.
-Target: chunkmem <= 1.15x plain PyTorch.
+GPT-2 (4 layers, width 256, batch 4 x 128 by default) trained with the same ``torch.optim.AdamW``
+(same hyperparameters, the default kernel on both sides) from the same weights on the same data.
+The two alternate step by step, and which of them goes first alternates too, so both see the same
+machine state; the medians are compared and the losses must agree. Target: chunkmem <= 1.15x plain.
+For the same comparison in separate processes (and against other systems) see ``peers.py
+--world-size 1``.
 
     python benchmarks/overhead.py [--steps 20] [--precision fp32]
 """
@@ -19,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    DTYPES,
     RESULTS,
     default_device,
     gpt2_model,
@@ -32,10 +36,12 @@ from benchmarks.common import (
 from chunkmem import Booster, ChunkPlugin
 from placement import StaticPlacementConfig
 
+WARMUP = 3
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per side (after 3 warmup steps)")
+    parser.add_argument("--steps", type=int, default=20, help=f"measured steps per side (after {WARMUP} warmup steps)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
@@ -45,18 +51,19 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
     parser.add_argument("--name", default="overhead", help="file name for the JSON")
     parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON goes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = default_device()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    dtype = DTYPES[args.precision]
     base = gpt2_model(args.layers, args.width, args.vocab, args.seq)
     plain = copy.deepcopy(base).to(device)
-    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
+    plain_optim = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     booster = Booster(
         ChunkPlugin(placement=StaticPlacementConfig(), precision=args.precision, chunk_size=args.chunk_size)
     )
     chunked, optim, *_ = booster.boost(base, torch.optim.AdamW(base.parameters(), lr=1e-4))
-    data = [b.to(device) for b in token_batches(args.steps + 3, args.batch, args.seq, args.vocab)]
+    data = [b.to(device) for b in token_batches(args.steps + WARMUP, args.batch, args.seq, args.vocab)]
+    losses: dict[str, list[float]] = {"plain": [], "chunkmem": []}
 
     def plain_step(ids: torch.Tensor) -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -64,29 +71,41 @@ def main() -> None:
         loss.backward()
         plain_optim.step()
         plain_optim.zero_grad()
+        losses["plain"].append(loss.item())
 
     def chunk_step(ids: torch.Tensor) -> None:
         loss = chunked(input_ids=ids, labels=ids).loss
         booster.backward(loss, optim)
         optim.step()
         optim.zero_grad()
+        losses["chunkmem"].append(loss.item())
 
-    plain_times, chunk_times = [], []
+    times: dict[str, list[float]] = {"plain": [], "chunkmem": []}
+    steps = {"plain": plain_step, "chunkmem": chunk_step}
     for index, ids in enumerate(data):
-        t_plain = timed(lambda ids=ids: plain_step(ids), device)
-        t_chunk = timed(lambda ids=ids: chunk_step(ids), device)
-        if index >= 3:
-            plain_times.append(t_plain)
-            chunk_times.append(t_chunk)
-    p, c = median(plain_times), median(chunk_times)
+        order = ["plain", "chunkmem"] if index % 2 == 0 else ["chunkmem", "plain"]
+        for side in order:
+            elapsed = timed(lambda ids=ids, side=side: steps[side](ids), device)
+            if index >= WARMUP:
+                times[side].append(elapsed)
+    p, c = median(times["plain"]), median(times["chunkmem"])
     chunks = len(chunked.runtime.manager.chunks)
     print(
         f"GPT-2 {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq}, {args.precision}, "
         f"{device}, {chunks} chunks, {args.steps} steps (median)"
     )
     print_table(
-        ["", "step time (ms)", "ratio"],
-        [["plain PyTorch", f"{p * 1e3:.1f}", "1.00"], ["chunkmem", f"{c * 1e3:.1f}", f"{c / p:.3f}"]],
+        ["", "step time (ms)", "ratio", "final loss"],
+        [
+            ["plain PyTorch", f"{p * 1e3:.1f}", "1.00", f"{losses['plain'][-1]:.6f}"],
+            ["chunkmem", f"{c * 1e3:.1f}", f"{c / p:.3f}", f"{losses['chunkmem'][-1]:.6f}"],
+        ],
+    )
+    gap = max(abs(a - b) for a, b in zip(losses["plain"], losses["chunkmem"], strict=True))
+    tolerance = 1e-4 if args.precision == "fp32" else 3e-2
+    print(
+        f"largest loss difference over {len(data)} steps: {gap:.2e}"
+        + ("" if gap <= tolerance * max(1.0, abs(losses["plain"][0])) else "  WARNING: the two do not train alike")
     )
     path = write_json(
         args.name,
@@ -95,11 +114,12 @@ def main() -> None:
             "device": str(device),
             "machine": machine(),
             "chunks": chunks,
-            "plain_ms": [t * 1e3 for t in plain_times],
-            "chunkmem_ms": [t * 1e3 for t in chunk_times],
+            "plain_ms": [t * 1e3 for t in times["plain"]],
+            "chunkmem_ms": [t * 1e3 for t in times["chunkmem"]],
             "median_plain_ms": p * 1e3,
             "median_chunkmem_ms": c * 1e3,
             "ratio": c / p,
+            "losses": losses,
         },
         args.out_dir,
     )

@@ -1,0 +1,247 @@
+"""The benchmarks' own helpers: sizing from a card, the parameter-count formula, the round order,
+tables, memory probes and the rank pool that spawns, times out and reports ranks."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.card import (
+    ACTIVATION_SHARE,
+    HOST_SHARE,
+    LADDER,
+    activation_bytes_per_sequence,
+    chunk_model_bytes,
+    size_for_card,
+)
+from benchmarks.common import GPT2Shape, current_rss, format_table, parse_bytes, peak_rss, rotated
+from benchmarks.peer_systems import PeerSetup, deepspeed_config
+from benchmarks.workers import CallFailure, RankContext, RankPool
+
+GiB = 2**30
+
+
+# --- sizing from the card -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("layers", "width", "vocab", "seq"), [(2, 64, 256, 32), (3, 96, 300, 50), (4, 1600, 50257, 64)]
+)
+def test_parameter_formula_matches_the_transformers_model(layers: int, width: int, vocab: int, seq: int) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = GPT2Shape(layers, width, vocab, seq)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(
+            GPT2Config(n_layer=layers, n_embd=width, vocab_size=vocab, n_positions=seq, n_head=shape.heads)
+        )
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_20_gib_card_gets_gpt2_xl_that_plain_pytorch_cannot_train() -> None:
+    card = size_for_card(20 * GiB, 128 * GiB, compute_itemsize=2)
+    assert card.name == "GPT-2 XL" and card.shape.seq == 1024
+    params = card.shape.params()
+    assert 1.5e9 < params < 1.6e9
+    # fp32 weights + gradients + two Adam moments alone exceed the card.
+    assert 16 * params > 20 * GiB and not card.plain_fits
+    assert card.batch >= 1 and card.batch * activation_bytes_per_sequence(card.shape, 2) <= ACTIVATION_SHARE * 20 * GiB
+
+
+@pytest.mark.parametrize("capacity_gib", [8, 12, 20, 24, 40])
+def test_the_chosen_shape_does_not_fit_plain_pytorch_and_the_one_below_does(capacity_gib: int) -> None:
+    capacity = capacity_gib * GiB
+    card = size_for_card(capacity, 512 * GiB, compute_itemsize=2)
+    assert card.plain_bytes > capacity and not card.plain_fits
+    names = [name for name, _, _ in LADDER]
+    index = names.index(card.name)
+    if index > 0:
+        _, layers, width = LADDER[index - 1]
+        below = GPT2Shape(layers, width, card.shape.vocab, card.shape.seq)
+        per_seq = activation_bytes_per_sequence(below, 2)
+        batch = max(1, min(8, int(ACTIVATION_SHARE * capacity // per_seq)))
+        assert 16 * below.params() + batch * per_seq <= capacity
+
+
+def test_a_card_larger_than_the_host_can_feed_says_plain_fits_and_how_to_emulate() -> None:
+    card = size_for_card(80 * GiB, 128 * GiB, compute_itemsize=2)
+    assert card.plain_fits and "--device-memory" in card.reason
+    assert chunk_model_bytes(card.shape.params(), 2) <= HOST_SHARE * 128 * GiB
+
+
+def test_a_host_too_small_for_gpt2_medium_is_refused_with_the_flags_to_use() -> None:
+    with pytest.raises(ValueError, match="--layers"):
+        size_for_card(20 * GiB, 4 * GiB)
+
+
+def test_parse_bytes_reads_the_units_budgets_use() -> None:
+    assert parse_bytes("20GiB") == 20 * GiB
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1234") == 1234
+
+
+# --- order, tables --------------------------------------------------------------------------------
+def test_rotation_puts_every_system_in_every_position_once() -> None:
+    names = ["a", "b", "c", "d"]
+    orders = [rotated(names, r) for r in range(len(names))]
+    for position in range(len(names)):
+        assert sorted(order[position] for order in orders) == names
+    assert all(sorted(order) == names for order in orders)
+
+
+def test_table_columns_start_at_the_same_offset_on_every_line() -> None:
+    text = format_table(
+        ["name", "bytes", "note"],
+        [
+            ["plain", "1.5 MiB", "x"],
+            ["a much longer name", "-", "refused: budget below minimum"],
+            ["c", "12.0 GiB", ""],
+        ],
+    )
+    width = max(len(line) for line in text.splitlines())
+    lines = [line.ljust(width) for line in text.splitlines()]
+    header = lines[0]
+    for column in ("bytes", "note"):
+        end = header.index(column) + len(column)
+        if column == "bytes":  # numbers: right-aligned under the header's end
+            assert all(line[end - 1] != " " for line in lines[2:])
+        else:  # text: left-aligned at the header's start
+            start = header.index(column)
+            assert all(line[start - 1] == " " for line in lines[2:])
+    with pytest.raises(ValueError, match="cells"):
+        format_table(["a", "b"], [["1"]])
+
+
+# --- memory probes (RSS) --------------------------------------------------------------------------
+def test_rss_probes_see_a_known_allocation() -> None:
+    size = 256 * 2**20
+    before = current_rss()
+    buffer = torch.ones(size // 4, dtype=torch.float32)  # touched: every page resident
+    during = current_rss()
+    assert 0.85 * size <= during - before <= 1.25 * size, (before, during)
+    assert peak_rss() >= during - 16 * 2**20
+    del buffer
+    after = current_rss()
+    assert during - after >= 0.85 * size, "freeing a large tensor returns its pages"
+    assert peak_rss() >= during - 16 * 2**20, "the high-water mark keeps the peak"
+
+
+def test_deepspeed_config_trains_what_the_others_train() -> None:
+    setup = PeerSetup(GPT2Shape(1, 64, 256, 32), batch=4, precision="fp32", lr=1e-3, weight_decay=0.01)
+    plain = deepspeed_config(setup, offload=False, on_cuda=False)
+    assert plain["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
+    assert plain["zero_optimization"] == {"stage": 3}
+    assert "gradient_clipping" not in plain and "bf16" not in plain and "fp16" not in plain
+    assert plain["train_micro_batch_size_per_gpu"] == 4
+    offload = deepspeed_config(setup, offload=True, on_cuda=True)
+    assert offload["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert offload["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    bf16 = PeerSetup(GPT2Shape(1, 64, 256, 32), batch=4, precision="bf16")
+    assert deepspeed_config(bf16, offload=False, on_cuda=True)["bf16"] == {"enabled": True}
+
+
+# --- the rank pool ----------------------------------------------------------------------------------
+def _sum_ranks(ctx: RankContext, value: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value + ctx.rank])
+    dist.all_reduce(tensor)
+    ctx.state["seen"] = ctx.state.get("seen", 0) + 1
+    return ctx.rank, int(tensor.item()) + 100 * ctx.state["seen"]
+
+
+def _raise_on_rank_1(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        raise ValueError("rank one refuses")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits for a rank that will never come
+
+
+def _hang(ctx: RankContext) -> None:
+    time.sleep(120)
+
+
+def test_rank_pool_runs_commands_keeps_state_and_reports_the_failing_rank() -> None:
+    pool = RankPool(2, env={"BENCH_PG_TIMEOUT": "30"})
+    try:
+        assert pool.call(60, _sum_ranks, 10) == [(0, 21 + 100), (1, 21 + 100)]
+        assert pool.call(60, _sum_ranks, 0) == [(0, 1 + 200), (1, 1 + 200)]  # state kept between calls
+        began = time.monotonic()
+        with pytest.raises(CallFailure) as failure:
+            pool.call(60, _raise_on_rank_1)
+        assert time.monotonic() - began < 30, "one rank raised: the others are not waited for to the limit"
+        assert failure.value.kind == "error"
+        assert "rank 1 raised" in str(failure.value) and "rank one refuses" in str(failure.value)
+        assert "rank one refuses" in failure.value.summary()
+        assert not pool.alive
+        with pytest.raises(CallFailure, match="closed"):
+            pool.call(60, _sum_ranks, 0)
+    finally:
+        pool.close(force=True)
+
+
+def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
+    pool = RankPool(2, init=None)
+    pids = [pid for pid in pool.pids if pid is not None]
+    try:
+        began = time.monotonic()
+        with pytest.raises(CallFailure) as failure:
+            pool.call(3, _hang)
+        assert 3 <= time.monotonic() - began < 30
+        assert failure.value.kind == "timeout" and "hung" in str(failure.value)
+        assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
+    finally:
+        pool.close(force=True)
+
+
+# --- the memory-budget driver: out of memory is a row state -----------------------------------------
+def test_a_run_out_of_device_memory_becomes_a_row_state_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from benchmarks import budget_runs
+    from benchmarks.memory_budget import Driver, Row
+    from benchmarks.workers import LocalRanks
+    from placement import StaticPlacementConfig
+
+    real_step = budget_runs.TrainingRun.step
+
+    def step(run: budget_runs.TrainingRun, ids: torch.Tensor) -> float:
+        if run.spec.kind == "plain":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(run, ids)
+
+    monkeypatch.setattr(budget_runs.TrainingRun, "step", step)
+    setup = budget_runs.BudgetSetup(GPT2Shape(1, 32, 128, 16), batch=2, precision="fp32", chunk_size=None)
+    args = argparse.Namespace(timeout=60.0, schedule="alternate")
+    driver = Driver(args, setup, lambda: LocalRanks(torch.device("cpu")))
+    driver.start()
+    driver.add(Row("plain", "plain", None, None, None, "plain PyTorch"), budget_runs.RowSpec("plain", "plain", "plain"))
+    spec = budget_runs.RowSpec("static", "chunkmem", "static", placement=StaticPlacementConfig())
+    driver.add(Row("static", "static", 0, None, None, "no budget"), spec)
+    driver.measure([1, 1])
+    plain, static = driver.rows
+    assert plain.state == "out of memory" and "step 0" in plain.note and plain.step_ms is None
+    assert static.state == "ok" and len(static.step_times_ms) == 2 and static.final_loss is not None
+
+
+def test_peers_flag_a_system_whose_first_loss_differs_and_take_ratios_from_the_same_run() -> None:
+    from benchmarks.peers import Result, check_losses, compare
+
+    results = [
+        Result("ddp", losses=[7.5, 7.4], median_s=0.2),
+        Result("fsdp2", losses=[7.5 + 1e-7, 7.4], median_s=0.4),
+        Result("chunkmem", losses=[7.51, 7.4], median_s=0.5),
+        Result("deepspeed-z3", state="skipped"),
+    ]
+    compare(results)
+    assert results[2].vs == {"fsdp2": pytest.approx(1.25), "ddp": pytest.approx(2.5)}
+    assert results[3].vs == {}
+    flagged = check_losses(results, "fp32")
+    assert len(flagged) == 1 and flagged[0].startswith("chunkmem first-step loss 7.510000")
+    assert check_losses(results, "bf16") == []  # 1e-2 relative is within mixed-precision rounding
