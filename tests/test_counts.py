@@ -57,20 +57,11 @@ def test_every_chunk_is_gathered_at_least_once_per_step(gathers: dict[str, Any])
         assert all(count >= found["chunks"] for count in found["per_step"]), (name, found)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: a gathered chunk is released after every op that does not use it, so each chunk is "
-    "gathered about 4.9 times per step instead of once per phase",
-)
 def test_each_chunk_is_gathered_at_most_twice_per_step(gathers: dict[str, Any]) -> None:
     found = gathers["plain"]
     assert max(found["per_step"]) <= 2 * found["chunks"], found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: release by phase; activation checkpointing may add one recompute gather per chunk",
-)
 def test_each_chunk_is_gathered_at_most_three_times_per_step_with_checkpointing(gathers: dict[str, Any]) -> None:
     found = gathers["checkpointed"]
     assert max(found["per_step"]) <= 3 * found["chunks"], found
@@ -125,11 +116,6 @@ def test_full_offload_moves_whole_chunks_and_each_gradient_once(offload: dict[st
         assert step["d2h"] == len(capacities) * chunk_bytes, step
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 5 / issue 9 item 1: each chunk is fetched about 4 times a step under full offload; "
-    "with release by phase it is at most twice (forward and backward)",
-)
 def test_full_offload_fetches_each_chunk_at_most_twice_per_step(offload: dict[str, Any]) -> None:
     total = sum(offload["capacities"]) * 4
     for step in offload["steps"]:
