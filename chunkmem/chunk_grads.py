@@ -157,9 +157,9 @@ class ChunkGrads:
         self._require_trainable("allocate a gradient buffer")
         self._machine.require("allocate a gradient buffer")
         if self.buffer_is_shard:
-            self._buffer = self._shard.grad
             # On top of a reduced shard, slices holding earlier gradients keep accumulating.
             reduced = self._machine.state is GradState.REDUCED
+            self._buffer = self._shard.grad if reduced else self._shard.allocate_grad()
             self._filled = [reduced and has for has in self._has_grad]
         else:
             self._ledger.alloc(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
@@ -212,12 +212,12 @@ class ChunkGrads:
             reduced = buffer[begin:end]
             if self._comm.world_size > 1:
                 reduced.div_(self._comm.world_size)
-            shard = self._shard.grad
             if self._shard.master_location is Location.HOST:
                 self._stats.d2h_bytes += reduced.numel() * reduced.element_size()
             if self._machine.state is GradState.REDUCING:
-                shard.copy_(reduced)
+                self._shard.allocate_grad().copy_(reduced)
             else:
+                shard = self._shard.grad
                 shard.add_(reduced.to(shard.device))
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
@@ -232,6 +232,7 @@ class ChunkGrads:
         if self._buffer is not None and not self.buffer_is_shard:
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
+        self._shard.free_grad()
         self._has_grad = [False] * len(self._has_grad)
         self._machine.move("forget gradients")
 

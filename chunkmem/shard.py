@@ -39,11 +39,21 @@ class _MasterSideBuffer:
     buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
     back to the host; without one it is an ordinary allocation, freed when the buffer leaves."""
 
-    def __init__(self, kind: MemoryKind, numel: int, device: torch.device, ledger: MemoryLedger, pin: bool) -> None:
+    def __init__(
+        self,
+        kind: MemoryKind,
+        numel: int,
+        device: torch.device,
+        ledger: MemoryLedger,
+        pin: bool,
+        accounted: bool = True,
+    ) -> None:
         self._kind = kind
         self._numel = numel
         self._device = device
-        self._ledger = ledger
+        # Without ``accounted`` the owner reserves the bytes in the ledger itself, for as long as
+        # the buffer may exist, not only while it does.
+        self._ledger = ledger if accounted else None
         self._pin = pin
         self._host: torch.Tensor | None = None
 
@@ -54,11 +64,13 @@ class _MasterSideBuffer:
     def take(self, location: Location) -> torch.Tensor:
         """An uninitialized buffer at ``location`` (the kept pinned one on the host, with CUDA)."""
         if location is Location.DEVICE:
-            self._ledger.alloc(Location.DEVICE, self._kind, self.nbytes)
+            if self._ledger is not None:
+                self._ledger.alloc(Location.DEVICE, self._kind, self.nbytes)
             return torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._device)
         if self._host is not None:
             return self._host
-        self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
+        if self._ledger is not None:
+            self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
         host = torch.empty(self._numel, dtype=MASTER_DTYPE, pin_memory=self._pin)
         if self._pin:
             self._host = host
@@ -66,7 +78,7 @@ class _MasterSideBuffer:
 
     def give_back(self, location: Location) -> None:
         """The buffer taken at ``location`` is no longer used (a pinned host one stays allocated)."""
-        if location is Location.DEVICE or self._host is None:
+        if self._ledger is not None and (location is Location.DEVICE or self._host is None):
             self._ledger.free(location, self._kind, self.nbytes)
 
 
@@ -101,8 +113,15 @@ class ShardStore:
         self._master_location = master
         self._master_buffers = _MasterSideBuffer(MemoryKind.MASTER, numel, device, ledger, self._pin)
         self._master = self._master_buffers.take(master)
-        self._grad_buffers = _MasterSideBuffer(MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin)
-        self._grad = self._grad_buffers.take(master).zero_() if trainable else None
+        self._grad_buffers = _MasterSideBuffer(MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, accounted=False)
+        self._trainable = trainable
+        # The gradient shard is reserved in the ledger where the master lives (the placement
+        # counts it), but allocated only when the first reduced gradients arrive and freed by
+        # zero_grad, as plain PyTorch allocates .grad in backward and frees it with
+        # zero_grad(set_to_none=True): after boosting, the process holds one copy of the weights.
+        self._grad: torch.Tensor | None = None
+        if trainable:
+            ledger.alloc(master, MemoryKind.GRAD_SHARD, self._master_bytes)
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
         if master is Location.HOST and self._needs_host_cast:
@@ -176,10 +195,31 @@ class ShardStore:
     # --- verbs ------------------------------------------------------------------------------
     @property
     def grad(self) -> torch.Tensor:
-        """The fp32 gradient shard, where the master lives (allocated once, with the master)."""
-        if self._grad is None:
+        """The fp32 gradient shard, where the master lives (see ``allocate_grad``)."""
+        if not self._trainable:
             raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        if self._grad is None:
+            raise RuntimeError(f"{self._label}: its gradient shard is not allocated; reduce gradients into it first")
         return self._grad
+
+    @property
+    def grad_allocated(self) -> bool:
+        return self._grad is not None
+
+    def allocate_grad(self) -> torch.Tensor:
+        """Allocate the (uninitialised) gradient shard where the master lives."""
+        if not self._trainable:
+            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        if self._grad is not None:
+            raise RuntimeError(f"{self._label}: its gradient shard is already allocated")
+        self._grad = self._grad_buffers.take(self._master_location)
+        return self._grad
+
+    def free_grad(self) -> None:
+        """Drop the gradient shard (its values no longer count); nothing to do when absent."""
+        if self._grad is not None:
+            self._grad = None
+            self._grad_buffers.give_back(self._master_location)
 
     def move_master(self, target: Location) -> None:
         """Move the master (and with it where gradients and optimizer states live) between the
@@ -192,6 +232,9 @@ class ShardStore:
         self._master.copy_(old)
         self._master_buffers.give_back(old_location)
         moved = self._master_bytes
+        if self._trainable:
+            self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._master_bytes)
+            self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._master_bytes)
         if self._grad is not None:
             old_grad = self._grad
             self._grad = self._grad_buffers.take(target)

@@ -180,7 +180,10 @@ def test_close_gather_release_w1(dtype: torch.dtype, placement: tuple[Location, 
     torch.testing.assert_close(chunk.store.master, flat_padded(originals, capacity), rtol=0, atol=0)
     master, _ = placement
     assert ledger.bytes(master, MemoryKind.MASTER) == capacity * 4
+    # The gradient shard is reserved where the master lives; like .grad in plain PyTorch its memory
+    # exists only from the first reduction to zero_grad.
     assert ledger.bytes(master, MemoryKind.GRAD_SHARD) == capacity * 4
+    assert not chunk.store.grad_allocated
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
     chunk.gather(async_op=False)
@@ -221,12 +224,19 @@ def test_master_moves_preserve_values_w1() -> None:
     params = make_params()
     originals = [p.detach().clone() for p in params]
     capacity = 25
-    chunk, _, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
+    chunk, infos, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
     chunk.close(DEV, DEV)
     chunk.gather(async_op=False)
+    grads = grads_for(0)
+    chunk.prepare_grad()
+    for info, g in zip(infos, grads, strict=True):
+        backward_grad(chunk, info, g)
+    chunk.reduce_grad()
+    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == capacity * 4
     chunk.release()
 
     chunk.move_master(HOST)
+    torch.testing.assert_close(chunk.grad_shard, flat_padded(grads, capacity))
     assert chunk.store.master_location is HOST
     assert ledger.bytes(DEV, MemoryKind.MASTER) == 0 and ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
     assert ledger.bytes(HOST, MemoryKind.MASTER) == capacity * 4
@@ -243,6 +253,10 @@ def test_master_moves_preserve_values_w1() -> None:
     chunk.gather(async_op=False)
     assert_values(params, originals, torch.bfloat16)
     chunk.release()
+    torch.testing.assert_close(chunk.grad_shard, flat_padded(grads, capacity))
+    assert ledger.bytes(DEV) == 2 * capacity * 4
+    chunk.zero_grad()
+    assert not chunk.store.grad_allocated  # freed; its room stays reserved
     assert ledger.bytes(DEV) == 2 * capacity * 4
 
 
@@ -463,7 +477,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     torch.testing.assert_close(chunk.store.master, reference[begin:end], rtol=0, atol=0)
     out["master_shard"] = chunk.store.master.tolist()  # plain lists: tensors do not outlive the rank
     assert ledger.bytes(DEV, MemoryKind.MASTER) == shard * 4
-    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == shard * 4
+    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == shard * 4  # reserved; allocated when reduced into
 
     chunk.gather(async_op=False)
     assert_values(params, originals)
@@ -527,6 +541,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     for info, g in zip(infos, mine, strict=True):
         backward_grad(chunk, info, g)
     chunk.reduce_grad()
+    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
     assert chunk.grad_shard.device.type == "cpu"
     torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
     chunk.zero_grad()

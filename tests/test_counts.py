@@ -182,10 +182,6 @@ def test_host_memory_measurement_sees_the_model(host_memory: dict[str, dict[str,
     assert plain["peak"] - plain["after_setup"] >= 0.9 * 12 * plain["params"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 3: after boost the process keeps about one extra copy of the parameters",
-)
 def test_host_memory_after_boost_and_at_peak_within_5_percent_of_plain(
     host_memory: dict[str, dict[str, int]],
 ) -> None:
