@@ -365,7 +365,9 @@ class ChunkedModel(torch.nn.Module):
             assert plain is not None, "rank 0 builds the plain copy"
             plain.save_pretrained(save_directory, **kwargs)
 
-        on_first_rank(self._runtime.manager.comm, f"save_pretrained to {save_directory}", write, CheckpointWriteError)
+        on_first_rank(
+            self._runtime.manager.comm, "save_pretrained", write, CheckpointWriteError, f"to {save_directory}"
+        )
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` on the chunked weights: each forward it runs is an inference

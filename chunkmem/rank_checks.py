@@ -47,9 +47,9 @@ log = logging.getLogger("chunkmem")
 
 _FIX = (
     "Every rank must run the same operations on the boosted model in the same order: run evaluation, "
-    "generate() and forwards on every rank, or do rank-local work on an unwrapped copy of the model "
-    "(model.unwrap() / a plain module with the full weights); save with booster.save_model() on every rank; "
-    "keep rank-dependent branches out of the model."
+    "generate() and save_pretrained() on every rank, or do rank-local work on a plain module with the full "
+    "weights (model.plain_copy() on every rank returns one on rank 0); save with booster.save_model() on every "
+    "rank; keep rank-dependent branches out of the model."
 )
 
 
@@ -101,12 +101,13 @@ class RankChecks:
         return self._where() if self._where is not None else Where(IterationKind.TRAINING, -1, -1)
 
     # --- the three checks ---------------------------------------------------------------------
-    def entry(self, name: str, detail: str = "", where: Where | None = None) -> None:
+    def entry(self, name: str, detail: str = "", where: Where | None = None, shown: str | None = None) -> None:
         """At a forward, backward, optimizer step or state-dict entry (``where`` it leads, by
-        default where the run is): agree with the others."""
+        default where the run is): agree with the others on ``name`` and ``detail``. ``shown`` is
+        what messages say instead (it may name things that differ between ranks, such as paths)."""
         where = where if where is not None else self._now()
         self.poll()
-        text = f"{name}{f' ({detail})' if detail else ''} at {where.describe()}"
+        text = f"{shown or name}{f' ({detail})' if detail else ''} at {where.describe()}"
         self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}"), text)
 
     def collective(self, what: str, numel: int) -> None:

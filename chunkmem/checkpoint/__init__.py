@@ -118,9 +118,10 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
     spec = model.state_spec()
     on_first_rank(
         comm,
-        f"saving model checkpoint {target}",
+        "saving model checkpoint",
         lambda: write_checkpoint(state, target, "model", step, fp, comm.world_size, spec),
         CheckpointWriteError,
+        str(target),
     )
 
 
@@ -139,7 +140,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
             check_pairing(runtime, "model", manifest.step, target)
         return model.stage_load(obj, strict, str(target)), manifest
 
-    staged, manifest = agree(runtime.manager.comm, f"loading model checkpoint {target}", stage, CheckpointError)
+    staged, manifest = agree(runtime.manager.comm, "loading model checkpoint", stage, CheckpointError, str(target))
     result = model.apply_load(staged)
     if manifest is not None:
         record_load(runtime, "model", manifest.step, target)
@@ -163,9 +164,10 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
     entries = _optimizer_entries(optimizer)
     on_first_rank(
         comm,
-        f"saving optimizer checkpoint {target}",
+        "saving optimizer checkpoint",
         lambda: write_checkpoint(state, target, "optimizer", step, fp, comm.world_size, entries),
         CheckpointWriteError,
+        str(target),
     )
 
 
@@ -187,7 +189,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
             check_pairing(runtime, "optimizer", manifest.step, target)
         return stage_optimizer_state(optimizer, obj, str(target)), manifest
 
-    staged, manifest = agree(runtime.manager.comm, f"loading optimizer checkpoint {target}", stage, CheckpointError)
+    staged, manifest = agree(runtime.manager.comm, "loading optimizer checkpoint", stage, CheckpointError, str(target))
     staged.install(optimizer)
     if manifest is not None:
         record_load(runtime, "optimizer", manifest.step, target)
@@ -213,9 +215,10 @@ def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: C
     fp = model_fingerprint(runtime.manager)
     on_first_rank(
         comm,
-        f"saving LR scheduler checkpoint {target}",
+        "saving LR scheduler checkpoint",
         lambda: write_checkpoint(state, target, "lr_scheduler", step, fp, comm.world_size, []),
         CheckpointWriteError,
+        str(target),
     )
 
 
@@ -255,7 +258,7 @@ def load_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: C
         staged, manifest = stage()
     else:
         staged, manifest = agree(
-            runtime.manager.comm, f"loading LR scheduler checkpoint {target}", stage, CheckpointError
+            runtime.manager.comm, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
         )
     snapshot = copy.deepcopy(scheduler.state_dict())
     try:

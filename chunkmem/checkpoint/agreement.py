@@ -35,12 +35,16 @@ def _error_class(names: list[str], fallback: type[ChunkmemError]) -> type[Chunkm
     return fallback
 
 
-def agree(comm: Communicator, what: str, action: Callable[[], T], fallback: type[ChunkmemError]) -> T:
+def agree(
+    comm: Communicator, what: str, action: Callable[[], T], fallback: type[ChunkmemError], subject: str = ""
+) -> T:
     """Run ``action`` on this rank, then raise on every rank if it raised on any. ``what`` says
-    what was attempted (``"saving model.pt"``); ``fallback`` is the class raised for errors that
-    are not chunkmem's own. A collective: every rank calls it."""
+    what was attempted (``"saving model checkpoint"``) and ``subject`` on what (a path, which may
+    differ between ranks); ``fallback`` is the class raised for errors that are not chunkmem's own.
+    A collective: every rank calls it, and the ranks first agree that they are all at ``what``."""
     if comm.checks is not None:
-        comm.checks.entry(what)
+        comm.checks.entry(what, shown=f"{what} {subject}".strip())
+    what = f"{what} {subject}".strip()
     result: T | None = None
     failure: BaseException | None = None
     try:
@@ -70,11 +74,13 @@ def agree(comm: Communicator, what: str, action: Callable[[], T], fallback: type
     raise cls(f"{text} (rank {comm.rank} did its part; every rank raises this error, nothing was changed here)")
 
 
-def on_first_rank(comm: Communicator, what: str, action: Callable[[], None], fallback: type[ChunkmemError]) -> None:
+def on_first_rank(
+    comm: Communicator, what: str, action: Callable[[], None], fallback: type[ChunkmemError], subject: str = ""
+) -> None:
     """Run ``action`` on rank 0 only (a write), then raise on every rank if it failed there."""
 
     def first_only() -> None:
         if comm.rank == 0:
             action()
 
-    agree(comm, what, first_only, fallback)
+    agree(comm, what, first_only, fallback, subject)

@@ -273,8 +273,9 @@ def load_full_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source
     comm = optimizer.communicator
     staged = agree(
         comm,
-        f"loading the optimizer state from {source}",
+        "loading the optimizer state",
         lambda: stage_optimizer_state(optimizer, state_dict, source),
         StateDictMismatchError,
+        f"from {source}",
     )
     staged.install(optimizer)
