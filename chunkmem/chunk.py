@@ -307,11 +307,3 @@ class Chunk:
     def zero_grad(self) -> None:
         """Forget gradients: the buffer is dropped and the shard's content no longer counts."""
         self._grads.zero()
-
-    # --- kept for callers written before ``piece`` ------------------------------------------
-    def local_slice(self, info: TensorInfo) -> tuple[int, int] | None:
-        piece = self.layout.piece(info)
-        return None if piece is None else (piece.param.start, piece.param.stop)
-
-    def shard_offset(self, info: TensorInfo) -> int:
-        return info.offset - self.layout.shard_range[0]

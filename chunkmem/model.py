@@ -54,6 +54,15 @@ class StagedModelLoad:
     unexpected: list[str]
 
 
+def _compile_refused() -> NotSupportedError:
+    return NotSupportedError(
+        "torch.compile of a boosted model is not supported: chunkmem gathers and releases parameter chunks in "
+        "Python hooks around every op, which a compiled graph would skip (or run on fake tensors while tracing, "
+        "issuing real collectives). Run the boosted model eagerly; torch.compile the model before boosting is "
+        "not supported either, as its parameters become chunk views."
+    )
+
+
 def _castable(value: torch.dtype, target: torch.dtype) -> bool:
     """What a copy may convert without losing the kind of number (floats into an integer buffer,
     complex into real, anything into bool or bool into numbers are refused)."""
@@ -119,6 +128,8 @@ class ChunkedModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module: floating tensors in the compute dtype, all tensors on the device."""
+        if torch.compiler.is_compiling():
+            raise _compile_refused()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         self._runtime.begin_forward()
         try:
@@ -126,6 +137,10 @@ class ChunkedModel(torch.nn.Module):
                 return self.module(*args, **kwargs)
         finally:
             self._runtime.end_forward()
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: see ``_compile_refused``."""
+        raise _compile_refused()
 
     def stats(self) -> Stats:
         """Counters since boosting; see :class:`chunkmem.Stats`."""
@@ -299,10 +314,9 @@ class ChunkedModel(torch.nn.Module):
         with torch.no_grad():
             for info, value in staged.params:
                 chunk = manager.chunk(info.chunk_id)
-                part = chunk.local_slice(info)
-                if part is not None:
-                    at = chunk.shard_offset(info)
-                    chunk.store.master[at + part[0] : at + part[1]].copy_(value.reshape(-1)[part[0] : part[1]])
+                piece = chunk.piece(info)
+                if piece is not None:
+                    chunk.store.master[piece.shard].copy_(value.reshape(-1)[piece.param])
             for target, value in staged.buffers:
                 target.copy_(value)
         # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .accounting import Location, MemoryKind
 from .chunk import Chunk, GradState
+from .chunk_layout import ShardPiece
 from .comm import Communicator
 from .errors import NotSupportedError, UnscaledBackwardError
 from .grad_markers import clear_markers
@@ -49,15 +50,18 @@ class Piece:
     """View of the master shard: what the inner optimizer steps."""
     chunk: Chunk
     info: TensorInfo
-    first: int
-    last: int
-    """``[first, last)``: the elements of the flattened parameter it holds."""
+    part: ShardPiece
+    """Which elements of the flattened parameter it holds, and where they sit in the shard."""
 
     @property
     def shard_slice(self) -> slice:
         """Where the piece sits in this rank's shard of the chunk."""
-        at = self.chunk.shard_offset(self.info)
-        return slice(at + self.first, at + self.last)
+        return self.part.shard
+
+    @property
+    def param_slice(self) -> slice:
+        """The elements of the flattened parameter it holds."""
+        return self.part.param
 
 
 def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.info.shape:
-            out[key] = value.detach().reshape(-1)[piece.first : piece.last].clone()
+            out[key] = value.detach().reshape(-1)[piece.param_slice].clone()
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()
         else:
@@ -175,11 +179,9 @@ class ChunkOptimizer(torch.optim.Optimizer):
             if not info.trainable:
                 continue
             chunk = manager.chunk(info.chunk_id)
-            part = chunk.local_slice(info)
-            if part is None:
-                continue
-            at = chunk.shard_offset(info)
-            pieces.append(Piece(chunk.store.master[at + part[0] : at + part[1]], chunk, info, *part))
+            part = chunk.piece(info)
+            if part is not None:
+                pieces.append(Piece(chunk.store.master[part.shard], chunk, info, part))
         return tuple(infos), pieces
 
     # --- what checkpoints read --------------------------------------------------------------

@@ -25,7 +25,7 @@ from hooks import ParamOpHook, bind, to_hooked, unhooked
 from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
 from placement.policy import format_bytes
 
-from .errors import BudgetTooSmallError, TraceDivergenceError
+from .errors import BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from .executor import PlanExecutor
 from .grad_router import GradientRouter
 from .iteration import IterationTracker, Mode
@@ -315,6 +315,12 @@ class ChunkRuntime(ParamOpHook):
         )
 
     def _before(self, params: Sequence[torch.Tensor], phase: Phase) -> None:
+        if torch.compiler.is_compiling():
+            raise NotSupportedError(
+                f"rank {self._rank}: torch.compile is tracing an op on managed parameters: chunkmem gathers chunks "
+                "in Python hooks that a compiled graph cannot contain (tracing would issue real collectives on fake "
+                "tensors). Run the boosted model eagerly."
+            )
         infos = [self._manager.info(p) for p in params]
         chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
         recompute = phase is Phase.FORWARD and _in_backward()

@@ -123,3 +123,55 @@ def test_the_same_departure_on_every_rank_trains_on() -> None:
     for result in results:
         assert result["error"] is None, result
         assert result["divergences"] >= 1
+
+
+def _compile_second_model(rank: int, world_size: int) -> str:
+    first, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+    second, _, _ = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+    x = torch.randn(4, 32)
+    booster.backward(first(x), optimizer)
+    optimizer.step()
+    compiled = torch.compile(second)
+    try:
+        compiled(x)
+    except Exception as error:  # dynamo wraps it; the message is chunkmem's
+        return str(error)
+    return "compiled and ran"
+
+
+def test_torch_compile_of_a_boosted_model_is_refused_not_hung() -> None:
+    start = time.monotonic()
+    messages = run_ranks(_compile_second_model, 2, timeout=120, pg_timeout=60)
+    assert time.monotonic() - start < DEADLINE + 30
+    for message in messages:
+        assert "torch.compile" in message and "eagerly" in message, message
+
+
+def _hugging_face_on_one_rank(rank: int, world_size: int, depart: str, out_dir: str) -> dict[str, Any]:
+    from models import adamw_two_groups, batches, gpt2, lm_loss
+
+    chunked, optimizer, booster = boost(gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000)
+    try:
+        for step, ids in enumerate(batches(3, batch=4)):
+            if step == 1 and rank == 0:
+                if depart == "generate":
+                    chunked.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+                else:
+                    chunked.save_pretrained(out_dir)
+            booster.backward(lm_loss(chunked, ids.chunk(world_size)[rank]), optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("depart", ["generate", "save_pretrained"])
+def test_hugging_face_calls_on_one_rank_raise_everywhere(depart: str, tmp_path: Any) -> None:
+    start = time.monotonic()
+    results = run_ranks(_hugging_face_on_one_rank, 2, args=(depart, str(tmp_path)), timeout=120, pg_timeout=60)
+    assert time.monotonic() - start < DEADLINE + 30
+    for rank, result in enumerate(results):
+        assert result["error"] == "TraceDivergenceError", (rank, result)
+        assert "plain_copy()" in result["message"]
+    assert "inference iteration 0" in results[0]["message"] or "plain copy" in results[0]["message"]
