@@ -121,6 +121,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         runtime: ChunkRuntime,
         scaler: DynamicLossScaler | None,
+        state_size: StateSize | None = None,
     ) -> None:
         if isinstance(optimizer, ChunkOptimizer):
             raise ValueError("this optimizer is already boosted")
@@ -133,6 +134,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._scaled_backward = False
         self._unscaled_backward = False
         self._accounted: Counter[Location] = Counter()
+        self._state_size = state_size if state_size is not None else optimizer_state_size(optimizer)
+        self._stateful: set[int] = set()  # ids of the TensorInfos whose optimizer state exists (on some rank)
         self._pieces: list[Piece] = []
         # Each group's original parameters, in order: what a full (PyTorch-format) state dict indexes.
         self._group_infos: list[tuple[TensorInfo, ...]] = []
@@ -146,6 +149,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             for piece in pieces:
                 if piece.info.param in existing:
                     resharded[piece.tensor] = slice_state(existing[piece.info.param], piece)
+            self._stateful.update(id(info) for info in infos if existing.get(info.param))
             group["params"] = [piece.tensor for piece in pieces]
         # torch's own bookkeeping (hook tables, step profiling), then share the user's groups and state.
         super().__init__([{"params": []}], optimizer.defaults)
@@ -269,6 +273,12 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 chunk = piece.chunk
                 if chunk.grad_state is GradState.REDUCED and chunk.params_with_grad[piece.info.index]:
                     piece.tensor.grad = chunk.grad_shard[piece.shard_slice]
+            # Which parameters get state is agreed (a gradient on any rank), so every rank
+            # accounts the same chunks.
+            for chunk in self._runtime.manager.chunks:
+                if chunk.trainable and chunk.grad_state is GradState.REDUCED:
+                    flags = chunk.params_with_grad
+                    self._stateful.update(id(info) for info in chunk.tensors if flags[info.index])
             try:
                 with self._guard.inside():
                     self._optim.step()
@@ -309,6 +319,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         states: Mapping[torch.Tensor, Mapping[str, Any]],
         hyperparameters: Sequence[Mapping[str, Any]] | None = None,
         scaler_state: Mapping[str, Any] | None = None,
+        stateful: Sequence[TensorInfo] | None = None,
     ) -> None:
         """Install per-piece state (keyed by ``Piece.tensor``) and, optionally, each group's
         hyperparameters and the loss scaler's state, replacing what was there. Goes through the
@@ -332,6 +343,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self.state = self._optim.state
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(dict(scaler_state))
+        if stateful is not None:  # the parameters with state in the full state (the same on every rank)
+            self._stateful = {id(info) for info in stateful}
         self._account_state()
 
     # --- beyond torch.optim.Optimizer -------------------------------------------------------
@@ -409,26 +422,33 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._unscaled = True
 
     def _account_state(self) -> None:
-        """Account optimizer state per location: the largest figure over ranks, so that every
-        rank's ledger, and every placement decision made from it, is the same (a rank's pieces
-        of a chunk, and their per-tensor state such as Adam's step, differ from rank to rank)."""
-        per_location: Counter[Location] = Counter()
+        """Account optimizer state as the placement reserved it: for each chunk one of whose
+        parameters has state (on some rank), ``StateSize.reserved`` - an upper bound over ranks,
+        so every rank's ledger, and every placement decision made from it, is the same without a
+        collective. This rank's actual state must fit in it (the optimizer was probed for that)."""
+        reserved: Counter[Location] = Counter()
+        for chunk in self._runtime.manager.chunks:
+            if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):
+                location = chunk.store.master_location
+                reserved[location] += self._state_size.reserved(chunk.shard_numel, len(chunk.tensors))
+        actual: Counter[Location] = Counter()
         for piece in self._pieces:
             for value in self._optim.state.get(piece.tensor, {}).values():
                 if isinstance(value, torch.Tensor):
-                    per_location[piece.chunk.store.master_location] += value.numel() * value.element_size()
-        comm = self._runtime.manager.comm
-        if comm.world_size > 1:
-            largest = torch.tensor(
-                [per_location[location] for location in Location], dtype=torch.int64, device=comm.device
-            )
-            comm.all_reduce(largest, dist.ReduceOp.MAX)
-            per_location = Counter(dict(zip(Location, largest.tolist(), strict=True)))
+                    actual[piece.chunk.store.master_location] += value.numel() * value.element_size()
+        for location in Location:
+            if actual[location] > reserved[location]:
+                raise NotSupportedError(
+                    f"rank {self._runtime.manager.comm.rank}: {type(self._optim).__name__} holds "
+                    f"{actual[location]} bytes of state on the {location.value}, more than the {reserved[location]} "
+                    f"that probing it predicted ({self._state_size}): its state does not grow like an elementwise "
+                    "optimizer's, so chunkmem cannot plan memory for it. Use an elementwise optimizer such as AdamW."
+                )
         ledger = self._runtime.manager.ledger
         for location in Location:
-            delta = per_location[location] - self._accounted[location]
+            delta = reserved[location] - self._accounted[location]
             if delta > 0:
                 ledger.alloc(location, MemoryKind.OPTIM_STATE, delta)
             elif delta < 0:
                 ledger.free(location, MemoryKind.OPTIM_STATE, -delta)
-        self._accounted = per_location
+        self._accounted = reserved

@@ -82,6 +82,11 @@ class StateSize:
     per_element: int
     per_tensor: int
 
+    def reserved(self, shard_numel: int, tensors: int) -> int:
+        """What a chunk's optimizer state may take on any rank: every element of its shard and
+        every one of its ``tensors`` having state (an upper bound over ranks, the same on each)."""
+        return shard_numel * self.per_element + tensors * self.per_tensor
+
 
 def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
     """Measured by one step of the same optimizer class with each group's hyperparameters on a

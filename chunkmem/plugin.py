@@ -203,7 +203,7 @@ class ChunkPlugin:
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, layout, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
-        wrapped_optim = ChunkOptimizer(optimizer, runtime, scaler) if optimizer is not None else None
+        wrapped_optim = ChunkOptimizer(optimizer, runtime, scaler, state) if optimizer is not None else None
         return ChunkedModel(model, runtime, dtype, buffer_dtypes), wrapped_optim
 
     @staticmethod
@@ -261,7 +261,7 @@ class ChunkPlugin:
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel
         fp32 = MASTER_DTYPE.itemsize
-        optimizer = shard * (fp32 + state.per_element) + len(chunk.tensors) * state.per_tensor
+        optimizer = shard * fp32 + state.reserved(shard, len(chunk.tensors))
         optim_side = shard * fp32 + (optimizer if chunk.trainable else 0)
         return ChunkSpec(
             chunk_id=chunk.chunk_id,

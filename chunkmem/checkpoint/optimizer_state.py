@@ -125,9 +125,11 @@ class StagedOptimizerState:
     states: dict[torch.Tensor, dict[str, Any]]
     hyperparameters: list[dict[str, Any]]
     scaler_state: dict[str, Any] | None
+    stateful: list[TensorInfo]
+    """Parameters with state in the full state (the same on every rank)."""
 
     def install(self, optimizer: ChunkOptimizer) -> None:
-        optimizer.load_local_state(self.states, self.hyperparameters, self.scaler_state)
+        optimizer.load_local_state(self.states, self.hyperparameters, self.scaler_state, self.stateful)
 
 
 def _refuse(optimizer: ChunkOptimizer, source: str, problems: list[str]) -> StateDictMismatchError:
@@ -264,8 +266,14 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
         entry = saved.get(pid, saved.get(str(pid)))
         if entry:
             states[piece.tensor] = slice_state(entry, piece)
+    stateful = [
+        info
+        for group in optimizer.group_infos
+        for info in group
+        if saved.get(id_of[id(info)], saved.get(str(id_of[id(info)])))
+    ]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_groups]
-    return StagedOptimizerState(states, hyper, dict(scaler_state) if scaler_state is not None else None)
+    return StagedOptimizerState(states, hyper, dict(scaler_state) if scaler_state is not None else None, stateful)
 
 
 def load_full_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> None:
