@@ -32,6 +32,7 @@ from .manager import ChunkManager
 from .memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
+from .planner import Plan, PlanningCommunicator, StepCounters, plan
 from .plugin import ChunkPlugin
 from .runtime import ChunkRuntime
 from .search import ChunkSizeSearch, search_chunk_size
@@ -65,9 +66,12 @@ __all__ = [
     "MemoryLedger",
     "NotSupportedError",
     "PendingGather",
+    "Plan",
+    "PlanningCommunicator",
     "ShardedGradientError",
     "StateDictMismatchError",
     "Stats",
+    "StepCounters",
     "TensorInfo",
     "TensorState",
     "TraceDivergenceError",
@@ -78,6 +82,7 @@ __all__ = [
     "device_capacity",
     "device_free",
     "host_memory",
+    "plan",
     "process_capacity",
     "search_chunk_size",
 ]

@@ -153,6 +153,7 @@ class Chunk:
             master,
             shard,
             self.trainable,
+            host_device=self._comm.host_device,
         )
         master_tensor = store.master
         master_tensor.zero_()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError
+from .memory import device_free, process_capacity
 from .rank_checks import RankChecks
 
 __all__ = ["Communicator", "PendingGather"]
@@ -151,6 +152,33 @@ class Communicator:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def host_device(self) -> torch.device:
+        """Where host-side shard buffers live."""
+        return torch.device("cpu")
+
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where small metadata tensors for collectives live (what the backend reduces)."""
+        return self._device
+
+    @property
+    def plans_only(self) -> bool:
+        """No process group behind it: a plan is being predicted, nothing moves (see
+        ``chunkmem.planner``)."""
+        return False
+
+    def agreed_capacity(self) -> int:
+        """What this process may use of the compute device, smallest over ranks, so every rank's
+        policy decides the same (``memory.process_capacity``)."""
+        capacity = torch.tensor([process_capacity(self._device)], dtype=torch.int64, device=self.tensor_device)
+        self.all_reduce(capacity, dist.ReduceOp.MIN)
+        return int(capacity[0])
+
+    def device_free(self) -> int:
+        """Free bytes of the compute device now, on this rank."""
+        return device_free(self._device)
 
     @contextmanager
     def side_stream(self) -> Iterator[None]:

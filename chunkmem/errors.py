@@ -40,7 +40,12 @@ class BudgetTooSmallError(ChunkmemError, placement.BudgetTooSmallError):
 
 
 class BudgetExceededError(ChunkmemError, RuntimeError):
-    """An op cannot run within the device budget even after evicting everything evictable."""
+    """An op cannot run within the device budget even after evicting everything evictable.
+    ``minimum`` (bytes), when known, is a budget that would run it."""
+
+    def __init__(self, message: str, minimum: int | None = None) -> None:
+        super().__init__(message)
+        self.minimum = minimum
 
 
 class TraceDivergenceError(ChunkmemError, RuntimeError):

@@ -324,7 +324,8 @@ class PlanExecutor:
             f"{position} on chunks {tuple(c.chunk_id for c in chunks)}: it needs {format_bytes(needed)} more while "
             f"{format_bytes(ledger.device_bytes)} are held ({parts}). "
             + (("It cannot evict enough because " + "; and ".join(causes) + ". ") if causes else "")
-            + f"A device_budget of at least {minimum} ({format_bytes(minimum)}) would run this op."
+            + f"A device_budget of at least {minimum} ({format_bytes(minimum)}) would run this op.",
+            minimum,
         )
 
     def check_budget(self, what: str) -> None:

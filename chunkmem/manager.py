@@ -120,7 +120,7 @@ class ChunkManager:
                 f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
                 "parameter subclasses (unwrap it first)"
             )
-        if param.device.type == "meta":
+        if param.device.type == "meta" and not self._comm.plans_only:
             raise UnmanageableParameter(
                 f"{where} is on the meta device; materialize the model (to_empty() and initialize it) first"
             )

@@ -190,7 +190,7 @@ class NonModelSampler:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
             return _Saved(tensor, None)
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata  # the storage itself (meta storages all have address 0)
         entry = self._live.get(key)
         if entry is None:
             self._live[key] = [storage.nbytes(), 1]

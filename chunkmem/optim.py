@@ -368,12 +368,12 @@ class ChunkOptimizer(torch.optim.Optimizer):
         comm = self._runtime.manager.comm
         if norm_type == float("inf"):
             local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
-            total = torch.tensor([local], dtype=torch.float64, device=comm.device)
+            total = torch.tensor([local], dtype=torch.float64, device=comm.tensor_device)
             comm.all_reduce(total, dist.ReduceOp.MAX)
             norm = total[0]
         else:
             local = sum(float(torch.linalg.vector_norm(g, norm_type)) ** norm_type for g in shards)
-            total = torch.tensor([local], dtype=torch.float64, device=comm.device)
+            total = torch.tensor([local], dtype=torch.float64, device=comm.tensor_device)
             comm.all_reduce(total)
             norm = total[0] ** (1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
@@ -416,7 +416,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         for g in self._grad_shards():
             g.mul_(inv)
             found = max(found, float(not bool(torch.isfinite(g).all())))
-        flag = torch.tensor([found], device=self._runtime.manager.comm.device)
+        flag = torch.tensor([found], device=self._runtime.manager.comm.tensor_device)
         self._runtime.manager.comm.all_reduce(flag, dist.ReduceOp.MAX)
         self._found_inf = bool(flag[0] > 0)
         self._unscaled = True

@@ -3,6 +3,7 @@ runs)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -29,7 +30,6 @@ from .comm import Communicator
 from .errors import BudgetTooSmallError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
-from .memory import device_free, process_capacity
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
 from .runtime import ChunkRuntime
@@ -153,6 +153,12 @@ class ChunkPlugin:
         self.check_plans = check_plans
         self.gradient_accumulation = gradient_accumulation
 
+    def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
+        """The same settings over another process group (or communicator)."""
+        other = copy.copy(self)
+        other._process_group = process_group
+        return other
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return _DTYPES[self.precision]
@@ -186,7 +192,7 @@ class ChunkPlugin:
         manager.register(named, chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
-        policy = make_policy(self.placement, self._agreed_capacity(comm))
+        policy = make_policy(self.placement, comm.agreed_capacity())
         try:
             layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
@@ -212,14 +218,14 @@ class ChunkPlugin:
         whose placement puts data on the device stays on the host when the device has no room for
         it (measured now, with a 2x margin). Ranks agree on the outcome: the same chunks go to the
         host everywhere, so every rank issues the same collectives."""
-        free = device_free(comm.device)
+        free = comm.device_free()
         fits = []
         for place, spec in zip(layout.placements, specs, strict=True):
             need = place.at_rest_bytes(spec)
             fits.append(need == 0 or free > 2 * need)
             if fits[-1]:
                 free -= need
-        agreed = torch.tensor(fits, dtype=torch.int64, device=comm.device)
+        agreed = torch.tensor(fits, dtype=torch.int64, device=comm.tensor_device)
         comm.all_reduce(agreed, dist.ReduceOp.MIN)
         host = ChunkPlacement(keep_gathered=False, optim_on_device=False, shard_on_device=False)
         placements = []
@@ -283,14 +289,6 @@ class ChunkPlugin:
             if chunks:
                 sets.append(WorkingSet(name or type(model).__name__, tuple(chunks)))
         return sets
-
-    @staticmethod
-    def _agreed_capacity(comm: Communicator) -> int:
-        """What this process may use of the device, smallest over ranks, so every rank's policy
-        decides the same."""
-        capacity = torch.tensor([process_capacity(comm.device)], dtype=torch.int64, device=comm.device)
-        comm.all_reduce(capacity, dist.ReduceOp.MIN)
-        return int(capacity[0])
 
     @staticmethod
     def _place_buffers(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, torch.dtype]:

@@ -235,7 +235,7 @@ class ChunkRuntime(ParamOpHook):
         if sampler is not None and trace is not None:
             samples = sampler.samples
             if len(samples) == len(trace):  # else the iteration diverged mid-way: measure again
-                profile = torch.tensor(samples, dtype=torch.int64, device=self._comm.device)
+                profile = torch.tensor(samples, dtype=torch.int64, device=self._comm.tensor_device)
                 self._comm.all_reduce(profile, dist.ReduceOp.MAX)
                 self._policy.observe_profile(trace, profile.tolist())
 
@@ -245,10 +245,10 @@ class ChunkRuntime(ParamOpHook):
         digest = self._tracker.digest
         chunks = [c for c in self._manager.chunks if c.trainable]
         flags = [int(f) for c in chunks for f in c.params_with_grad]
-        payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=self._comm.device)
+        payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=self._comm.tensor_device)
         self._comm.all_reduce(payload, dist.ReduceOp.MAX)
         if int(payload[0]) != digest or int(-payload[1]) != digest:
-            everyone = self._comm.all_gather_tensors(torch.tensor([digest], device=self._comm.device))
+            everyone = self._comm.all_gather_tensors(torch.tensor([digest], device=self._comm.tensor_device))
             digests = [int(d) for d in everyone]
             reference = max(set(digests), key=digests.count)
             odd = [r for r, d in enumerate(digests) if d != reference]

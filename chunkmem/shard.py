@@ -24,6 +24,7 @@ from .stats import Stats
 __all__ = ["ShardStore", "SourceKind"]
 
 MASTER_DTYPE = torch.float32
+_CPU = torch.device("cpu")
 
 
 class SourceKind(enum.Enum):
@@ -47,10 +48,12 @@ class _MasterSideBuffer:
         ledger: MemoryLedger,
         pin: bool,
         accounted: bool = True,
+        host_device: torch.device = _CPU,
     ) -> None:
         self._kind = kind
         self._numel = numel
         self._device = device
+        self._host_device = host_device
         # Without ``accounted`` the owner reserves the bytes in the ledger itself, for as long as
         # the buffer may exist, not only while it does.
         self._ledger = ledger if accounted else None
@@ -71,7 +74,7 @@ class _MasterSideBuffer:
             return self._host
         if self._ledger is not None:
             self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
-        host = torch.empty(self._numel, dtype=MASTER_DTYPE, pin_memory=self._pin)
+        host = torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._host_device, pin_memory=self._pin)
         if self._pin:
             self._host = host
         return host
@@ -96,6 +99,7 @@ class ShardStore:
         master: Location,
         shard: Location,
         trainable: bool,
+        host_device: torch.device = _CPU,
     ) -> None:
         if master is Location.DEVICE and shard is Location.HOST:
             raise ValueError(
@@ -111,9 +115,14 @@ class ShardStore:
         self._pin = device.type == "cuda"
         self._version = 0
         self._master_location = master
-        self._master_buffers = _MasterSideBuffer(MemoryKind.MASTER, numel, device, ledger, self._pin)
+        self._host_device = host_device
+        self._master_buffers = _MasterSideBuffer(
+            MemoryKind.MASTER, numel, device, ledger, self._pin, host_device=host_device
+        )
         self._master = self._master_buffers.take(master)
-        self._grad_buffers = _MasterSideBuffer(MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, accounted=False)
+        self._grad_buffers = _MasterSideBuffer(
+            MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, accounted=False, host_device=host_device
+        )
         self._trainable = trainable
         # The gradient shard is reserved in the ledger where the master lives (the placement
         # counts it), but allocated only when the first reduced gradients arrive and freed by
@@ -190,7 +199,7 @@ class ShardStore:
         return None
 
     def _host_empty(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self._numel, dtype=dtype, pin_memory=self._pin)
+        return torch.empty(self._numel, dtype=dtype, device=self._host_device, pin_memory=self._pin)
 
     # --- verbs ------------------------------------------------------------------------------
     @property

@@ -255,6 +255,11 @@ class PlacementPolicy(ABC):
                 worst, worst_need = ws, need
         return BudgetNeed(at_rest, grads, worst_need, worst)
 
+    def placement_need(self) -> BudgetNeed:
+        """What the decided layout needs on the device (with the gradient accumulation it was
+        decided for)."""
+        return self.minimum_budget(self.layout_decided, self._working_sets, self._accumulate)
+
     def accumulation_need(self) -> BudgetNeed:
         """What the decided layout needs while gradients accumulate under ``no_sync``."""
         return self.minimum_budget(self.layout_decided, self._working_sets, accumulate=True)

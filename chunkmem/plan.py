@@ -1,0 +1,152 @@
+"""``python -m chunkmem.plan``: predict a training run of a transformers model without running it.
+
+    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
+        --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
+
+``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
+``llama-13b``, ``llama-70b``), or a path to a ``config.json`` / model directory. The model is
+built on the meta device, so planning a 70B model takes seconds and no memory; see
+``chunkmem.planner`` for what is predicted and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ByteSize, TypeAdapter
+
+from placement import AutoPlacementConfig, StaticPlacementConfig
+
+from .planner import Plan, plan
+from .plugin import ChunkPlugin
+
+__all__ = ["SHAPES", "build_meta_model", "main"]
+
+# Published shapes (vocabulary, width, layers, heads, key-value heads, MLP width, positions).
+SHAPES: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12},
+    "gpt2-medium": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 1024, "n_layer": 24, "n_head": 16},
+    "gpt2-xl": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 1600, "n_layer": 48, "n_head": 25},
+    "llama-7b": {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+    "llama-13b": {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+    },
+    "llama-70b": {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+}
+
+
+def _config(name_or_path: str, positions: int) -> Any:
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if name_or_path in SHAPES:
+        fields = dict(SHAPES[name_or_path])
+        model_type = fields.pop("model_type")
+        key = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
+        fields[key] = max(positions, 1024)
+        return CONFIG_MAPPING[model_type](**fields)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise SystemExit(f"--hf-config: {name_or_path} is neither a shipped shape ({', '.join(SHAPES)}) nor a path")
+    return AutoConfig.from_pretrained(path if path.is_dir() else path.parent)
+
+
+def build_meta_model(name_or_path: str, positions: int) -> torch.nn.Module:
+    """A causal LM of that shape on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(name_or_path, positions)
+    config.loss_type = "ForCausalLM"  # what transformers would pick, without its warning
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _batch(text: str) -> tuple[int, int]:
+    try:
+        batch, sequence = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes BATCHxSEQUENCE such as 1x2048, got {text!r}") from None
+    return batch, sequence
+
+
+def _bytes(text: str) -> int:
+    return int(TypeAdapter(ByteSize).validate_python(text))
+
+
+def _bandwidth(text: str) -> float:
+    return float(_bytes(text.lower().removesuffix("/s")))
+
+
+def main(argv: list[str] | None = None) -> Plan:
+    parser = argparse.ArgumentParser(prog="python -m chunkmem.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-config", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model dir")
+    parser.add_argument("--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB")
+    parser.add_argument("--device-memory", type=_bytes, default=None, help="what each rank may use of its device")
+    parser.add_argument("--batch", type=_batch, default=(1, 2048), help="per-rank micro-batch, BATCHxSEQUENCE")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--policy", choices=["auto", "static", "offload"], default="auto")
+    parser.add_argument("--max-prefetch", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--bandwidth", type=_bandwidth, default=25e9, help="host-device bytes/s, e.g. 25GB/s")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    batch, sequence = args.batch
+    if args.policy == "auto":
+        placement: Any = AutoPlacementConfig(device_budget=args.device_budget, max_prefetch=args.max_prefetch)
+    else:
+        offload = 1.0 if args.policy == "offload" else 0.0
+        placement = StaticPlacementConfig(
+            device_budget=args.device_budget,
+            max_prefetch=args.max_prefetch,
+            offload_optim_frac=offload,
+            offload_param_frac=offload,
+        )
+    model = build_meta_model(args.hf_config, sequence)
+    plugin = ChunkPlugin(placement=placement, precision=args.precision, chunk_size=args.chunk_size)
+    ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
+    result = plan(
+        model,
+        plugin,
+        {"input_ids": ids, "labels": ids},
+        world_size=args.world_size,
+        device_capacity=args.device_memory,
+        bandwidth=args.bandwidth,
+    )
+    if args.json:
+        json.dump({**result.as_dict(), "model": args.hf_config, "batch": [batch, sequence]}, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"{args.hf_config}, batch {batch}x{sequence} per rank, {args.precision}, {args.policy} placement")
+        print(result.table())
+    return result
+
+
+if __name__ == "__main__":
+    main()

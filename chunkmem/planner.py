@@ -1,0 +1,411 @@
+"""Predict a run without running it: will this model fit under this budget, and how much will it
+move per step?
+
+``plan`` boosts the model with the real chunkmem stack - the same chunk manager, placement policy,
+plan executor, gradient routing and optimizer wrapper as a training run - over a
+:class:`PlanningCommunicator`: world size ``W`` seen from rank 0, every tensor on the meta device
+(no memory, no arithmetic) and collectives that move nothing. It then runs a few training steps on
+the example inputs, so the compute trace is recorded by the model's own forward and backward and
+every placement decision is taken by the code that takes it in a real run. The counters a real run
+reports (bytes gathered, moved host-to-device and back, peak accounted device bytes) are therefore
+the counters of the prediction: one implementation, not a model of it.
+
+What cannot run on the meta device is stood in for, with the same byte counts: the optimizer's
+arithmetic (its state is created with the shapes and dtypes a probe of the optimizer class
+showed), and fp16 loss scaling (planned as bf16: the same bytes). Non-model memory (activations),
+which the auto policy measures in its first step, is measured the way it is on a CPU (bytes that
+autograd saves for backward), which on a GPU leaves out the temporaries inside ops.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from placement.policy import format_bytes
+
+from .booster import Booster
+from .comm import Communicator
+from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError
+from .model import ChunkedModel
+from .optim import ChunkOptimizer
+from .optim_probe import hyperparameters
+from .plugin import ChunkPlugin
+from .stats import Stats
+
+__all__ = ["Plan", "PlanningCommunicator", "StepCounters", "plan"]
+
+log = logging.getLogger("chunkmem")
+T = TypeVar("T")
+_META = torch.device("meta")
+_CPU = torch.device("cpu")
+
+
+class PlanningCommunicator(Communicator):
+    """Rank 0 of ``world_size`` ranks with nothing behind it: tensors on the meta device,
+    collectives that move nothing (every rank holds what this one holds, which is what chunkmem
+    keeps true in a real run), and a device of ``capacity`` bytes."""
+
+    def __init__(self, world_size: int, capacity: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if capacity <= 0:
+            raise ValueError(f"device capacity must be a positive byte count, got {capacity}")
+        # Deliberately not Communicator.__init__: there is no process group to ask.
+        self._group = None
+        self._device = _META
+        self._rank = 0
+        self._world_size = world_size
+        self._side_stream = None
+        self._checks = None
+        self._divergence = None
+        self._poll_waits = False
+        self._capacity = capacity
+
+    @property
+    def host_device(self) -> torch.device:
+        return _META
+
+    @property
+    def tensor_device(self) -> torch.device:
+        return _CPU
+
+    @property
+    def plans_only(self) -> bool:
+        return True
+
+    def agreed_capacity(self) -> int:
+        return self._capacity
+
+    def device_free(self) -> int:
+        return self._capacity
+
+    def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool, what: str = "gather") -> None:
+        return None
+
+    def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, async_op: bool, what: str) -> None:
+        return None
+
+    def wait(self, work: Any, what: str) -> None:
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        if op == dist.ReduceOp.SUM and self._world_size > 1:
+            tensor.mul_(self._world_size)
+
+    def all_gather_tensors(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor.clone() for _ in range(self._world_size)]
+
+    def reduce_to_first(self, tensor: torch.Tensor) -> None:
+        if self._world_size > 1:
+            tensor.mul_(self._world_size)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [copy.deepcopy(obj) for _ in range(self._world_size)]
+
+    def barrier(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """What one training step did (differences of ``Stats`` over the step)."""
+
+    gathers: int
+    prefetches: int
+    evictions: int
+    h2d_bytes: int
+    d2h_bytes: int
+    allgather_bytes: int
+    reduce_scatter_bytes: int
+    peak_device_bytes: int
+    """Highest accounted device bytes during the step."""
+
+    @classmethod
+    def between(cls, before: Stats, after: Stats, peak: int) -> StepCounters:
+        return cls(
+            gathers=after.gathers - before.gathers,
+            prefetches=after.prefetches - before.prefetches,
+            evictions=after.evictions - before.evictions,
+            h2d_bytes=after.h2d_bytes - before.h2d_bytes,
+            d2h_bytes=after.d2h_bytes - before.d2h_bytes,
+            allgather_bytes=after.allgather_bytes - before.allgather_bytes,
+            reduce_scatter_bytes=after.reduce_scatter_bytes - before.reduce_scatter_bytes,
+            peak_device_bytes=peak,
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The prediction for one rank (every rank makes the same decisions). Per-step figures are
+    those of the last planned step, after the trace is recorded and the policy has settled."""
+
+    fits: bool
+    """Training runs within ``device_budget`` (and within ``device_capacity``)."""
+    why_not: str
+    """When it does not fit, the refusal chunkmem would raise."""
+    world_size: int
+    device_budget: int | None
+    device_capacity: int
+    min_device_budget: int
+    """The smallest budget a real run accepts for this placement (placement and one op's
+    working set, raised where ops overlap, e.g. activation-checkpointing recomputation)."""
+    peak_device_bytes: int
+    """Highest accounted chunk bytes on the device in a step (the budget's measure)."""
+    non_model_bytes: int
+    """Peak activations saved for backward, as measured in the first step."""
+    host_bytes_per_rank: int
+    """Chunk bytes in host memory on each rank (masters, gradients, optimizer states)."""
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    allgather_bytes_per_step: int
+    reduce_scatter_bytes_per_step: int
+    gathers_per_step: int
+    prefetches_per_step: int
+    chunks: int
+    chunk_size: int
+    parameters: int
+    bandwidth: float
+    """Host-device bytes per second assumed for ``transfer_seconds_per_step``."""
+    steps: tuple[StepCounters, ...]
+    """Every planned step, the recording one first."""
+
+    @property
+    def transfer_seconds_per_step(self) -> float:
+        """Host-device transfer time per step at ``bandwidth`` (both directions serialised)."""
+        return (self.h2d_bytes_per_step + self.d2h_bytes_per_step) / self.bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
+        return out
+
+    def table(self) -> str:
+        """A table for people."""
+        rows = [
+            ("fits", "yes" if self.fits else f"no: {self.why_not}"),
+            ("world size", str(self.world_size)),
+            ("parameters", f"{self.parameters / 1e9:.2f} B in {self.chunks} chunks of {self.chunk_size:,} elements"),
+            ("device budget", "none" if self.device_budget is None else format_bytes(self.device_budget)),
+            ("device capacity", format_bytes(self.device_capacity)),
+            ("minimum device budget", format_bytes(self.min_device_budget)),
+            ("peak device bytes (chunks)", format_bytes(self.peak_device_bytes)),
+            ("activations (non-model) peak", format_bytes(self.non_model_bytes)),
+            ("host bytes per rank", format_bytes(self.host_bytes_per_rank)),
+            ("host-to-device per step", format_bytes(self.h2d_bytes_per_step)),
+            ("device-to-host per step", format_bytes(self.d2h_bytes_per_step)),
+            ("all-gather per step", format_bytes(self.allgather_bytes_per_step)),
+            ("reduce-scatter per step", format_bytes(self.reduce_scatter_bytes_per_step)),
+            ("gathers + prefetches per step", f"{self.gathers_per_step} + {self.prefetches_per_step}"),
+            (
+                "transfer time per step",
+                f"{self.transfer_seconds_per_step:.3f} s at {self.bandwidth / 1e9:.0f} GB/s host-device",
+            ),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.to(_META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.float().sum()
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0].float().sum()
+    raise TypeError(
+        f"plan: the model returned {type(output).__name__}; chunkmem.plan takes output.loss when there is one, "
+        "else sums the output tensor"
+    )
+
+
+class _StateTemplate:
+    """The state an optimizer class creates for a parameter, learned from one step on a probe:
+    per key, whether it is shaped like the parameter and its dtype (else its shape)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._by_group: list[list[tuple[str, bool, torch.dtype, torch.Size]]] = []
+        for group in optimizer.param_groups:
+            probe = torch.zeros(8, requires_grad=True)
+            trial = type(optimizer)([probe], **hyperparameters(optimizer, group))
+            probe.grad = torch.full_like(probe, 1e-3)
+            trial.step()
+            entries = []
+            for key, value in trial.state[probe].items():
+                if isinstance(value, torch.Tensor):
+                    entries.append((key, value.shape == probe.shape, value.dtype, value.shape))
+            self._by_group.append(entries)
+
+    def emulate_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """What ``optimizer.step`` leaves behind on the meta device: state for every parameter
+        with a gradient (values are not computed)."""
+        for group, entries in zip(optimizer.param_groups, self._by_group, strict=True):
+            for p in group["params"]:
+                if p.grad is None or optimizer.state.get(p):
+                    continue
+                optimizer.state[p] = {
+                    key: torch.zeros(p.shape if like else shape, dtype=dtype, device=_META)
+                    for key, like, dtype, shape in entries
+                }
+
+
+def _planned_plugin(plugin: ChunkPlugin, comm: PlanningCommunicator, budget: int | None) -> ChunkPlugin:
+    planned = plugin.with_process_group(comm)
+    if planned.precision == "fp16":
+        planned.precision = "bf16"  # loss scaling does arithmetic; the bytes are bf16's
+    planned.check_plans = False
+    if budget is not None:
+        planned.placement = planned.placement.model_copy(update={"device_budget": budget})
+    return planned
+
+
+def _run(
+    model: torch.nn.Module,
+    plugin: ChunkPlugin,
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    inputs: Mapping[str, Any],
+    world_size: int,
+    capacity: int,
+    steps: int,
+    budget: int | None,
+) -> tuple[ChunkedModel, list[StepCounters]]:
+    """Boost a copy of the meta model over a planning communicator and train ``steps`` steps."""
+    comm = PlanningCommunicator(world_size, capacity)
+    local = copy.deepcopy(model)
+    optimizer = make_optimizer(local.parameters())
+    template = _StateTemplate(optimizer)
+    optimizer.step = lambda closure=None: template.emulate_step(optimizer)  # type: ignore[method-assign]
+    booster = Booster(_planned_plugin(plugin, comm, budget))
+    chunked, chunk_optimizer, *_ = booster.boost(local, optimizer)
+    assert isinstance(chunk_optimizer, ChunkOptimizer), "boost returns the optimizer it was given, wrapped"
+    ledger = chunked.runtime.manager.ledger
+    counters = []
+    for _ in range(steps):
+        before = chunked.stats()
+        ledger.reset_peak()
+        loss = _loss(chunked(**inputs))
+        booster.backward(loss, chunk_optimizer)
+        chunk_optimizer.step()
+        chunk_optimizer.zero_grad()
+        counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes))
+    return chunked, counters
+
+
+def _minimum_budget(
+    model: torch.nn.Module,
+    plugin: ChunkPlugin,
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    inputs: Mapping[str, Any],
+    world_size: int,
+    capacity: int,
+) -> int:
+    """The smallest budget a run accepts: what the placement needs under a budget of one byte,
+    raised until two training steps run (ops overlap where a working set alone does not say)."""
+    try:
+        _run(model, plugin, make_optimizer, inputs, world_size, capacity, 0, 1)
+    except BudgetTooSmallError as refused:
+        minimum = refused.minimum
+    else:  # pragma: no cover - a one-byte budget holds nothing
+        return 1
+    for _ in range(8):
+        try:
+            _run(model, plugin, make_optimizer, inputs, world_size, capacity, 2, minimum)
+            return minimum
+        except BudgetTooSmallError as refused:
+            minimum = max(minimum + 1, refused.minimum)
+        except BudgetExceededError as exceeded:
+            if exceeded.minimum is None or exceeded.minimum <= minimum:
+                raise
+            minimum = exceeded.minimum
+    return minimum
+
+
+def plan(
+    model: torch.nn.Module,
+    plugin: ChunkPlugin,
+    example_inputs: Mapping[str, Any],
+    world_size: int = 1,
+    *,
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    device_capacity: int | None = None,
+    bandwidth: float = 25e9,
+    steps: int = 3,
+) -> Plan:
+    """Predict a training run of ``model`` (on the meta device; nothing is allocated) boosted with
+    ``plugin`` at ``world_size`` ranks, each step a forward on ``example_inputs`` (the keyword
+    arguments of one rank's micro-batch), backward of ``output.loss`` (or the output summed) and an
+    optimizer step (``optimizer(params)``, AdamW by default). ``device_capacity`` is what each
+    rank may use of its device (default 80 GiB, an H100's); ``bandwidth`` the
+    host-device copy speed for the modelled transfer time. See the module docstring."""
+    if steps < 2:
+        raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError(
+            "plan: build the model on the meta device (with torch.device('meta'): model = ...); a model that "
+            "holds real weights can be measured by training it"
+        )
+    make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+    budget = plugin.placement.device_budget
+    budget = None if budget is None else int(budget)
+    capacity = device_capacity or 80 * 2**30
+    inputs = _meta_inputs(example_inputs)
+    quiet = log.level
+    log.setLevel(logging.ERROR)  # the search runs at budgets nobody asked for: say nothing of them
+    try:
+        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, world_size, capacity)
+    finally:
+        log.setLevel(quiet)
+    why_not = ""
+    try:
+        chunked, counters = _run(model, plugin, make_optimizer, inputs, world_size, capacity, steps, budget)
+    except (BudgetTooSmallError, BudgetExceededError) as refused:
+        why_not = str(refused)
+        # What it would need: plan at the minimum, and say it does not fit.
+        chunked, counters = _run(model, plugin, make_optimizer, inputs, world_size, capacity, steps, minimum)
+    except ChunkmemError:
+        raise
+    last = counters[-1]
+    peak = max(c.peak_device_bytes for c in counters)
+    policy = chunked.runtime.policy
+    profile = getattr(policy, "non_model_profile", ())
+    non_model = max(profile, default=0)
+    if not why_not and peak + non_model > capacity:
+        why_not = (
+            f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
+            f"{format_bytes(capacity)} device capacity"
+        )
+    manager = chunked.runtime.manager
+    return Plan(
+        fits=not why_not,
+        why_not=why_not,
+        world_size=world_size,
+        device_budget=budget,
+        device_capacity=capacity,
+        min_device_budget=minimum,
+        peak_device_bytes=peak,
+        non_model_bytes=non_model,
+        host_bytes_per_rank=manager.ledger.host_bytes,
+        h2d_bytes_per_step=last.h2d_bytes,
+        d2h_bytes_per_step=last.d2h_bytes,
+        allgather_bytes_per_step=last.allgather_bytes,
+        reduce_scatter_bytes_per_step=last.reduce_scatter_bytes,
+        gathers_per_step=last.gathers,
+        prefetches_per_step=last.prefetches,
+        chunks=len(manager.chunks),
+        chunk_size=max(c.capacity for c in manager.chunks),
+        parameters=sum(info.numel for info in manager.infos),
+        bandwidth=bandwidth,
+        steps=tuple(counters),
+    )

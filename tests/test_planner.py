@@ -1,0 +1,161 @@
+"""``chunkmem.plan`` predicts a run without running it: the counters it predicts for each step
+(gathers, prefetches, evictions, bytes moved host-to-device and back, bytes all-gathered and
+reduce-scattered, peak accounted device bytes) equal a real run's, for both policies, with and
+without budgets and prefetch, at world size 1 and 2; and the minimum budget it reports is one a
+real run accepts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from models import batches, gpt2, llama
+
+from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
+from placement import AutoPlacementConfig, StaticPlacementConfig
+
+CHUNK = 6_000
+CAPACITY = process_capacity(torch.device("cpu"))
+
+
+def adamw_groups(params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2]},
+        ],
+        lr=1e-3,
+    )
+
+
+PLACEMENTS: dict[str, Any] = {
+    "static": StaticPlacementConfig(),
+    "static-prefetch2": StaticPlacementConfig(max_prefetch=2),
+    "static-offload-budget": StaticPlacementConfig(
+        offload_optim_frac=1.0, offload_param_frac=1.0, device_budget=200_000, max_prefetch=1
+    ),
+    "auto-budget": AutoPlacementConfig(device_budget=400_000),
+    "auto-budget-prefetch3": AutoPlacementConfig(device_budget=250_000, max_prefetch=3),
+}
+
+
+def _measured(rank: int, world_size: int, placement: Any, precision: str, arch: str) -> list[dict[str, int]]:
+    model = (gpt2 if arch == "gpt2" else llama)(n_layer=3)
+    booster = Booster(ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK))
+    chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
+    ledger = chunked.runtime.manager.ledger
+    steps = []
+    for ids in batches(3, batch=4):
+        local = ids.chunk(world_size)[rank]
+        before = chunked.stats()
+        ledger.reset_peak()
+        booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append(vars(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes)))
+    return steps
+
+
+def _predicted(world_size: int, placement: Any, precision: str, arch: str) -> Plan:
+    with torch.device("meta"):
+        model = (gpt2 if arch == "gpt2" else llama)(n_layer=3)
+    ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
+    plugin = ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK)
+    return plan(
+        model,
+        plugin,
+        {"input_ids": ids, "labels": ids},
+        world_size=world_size,
+        optimizer=adamw_groups,
+        device_capacity=CAPACITY,
+        steps=3,
+    )
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_prediction_equals_a_run_at_world_size_1(placement: str) -> None:
+    predicted = _predicted(1, PLACEMENTS[placement], "fp32", "gpt2")
+    measured = run_ranks(_measured, 1, args=(PLACEMENTS[placement], "fp32", "gpt2"))[0]
+    assert [vars(s) for s in predicted.steps] == measured
+    budget = PLACEMENTS[placement].device_budget
+    if budget is not None:
+        assert predicted.fits and predicted.peak_device_bytes <= budget
+
+
+@pytest.mark.parametrize(
+    ("placement", "precision", "arch"),
+    [
+        ("static-prefetch2", "bf16", "gpt2"),
+        ("auto-budget-prefetch3", "fp32", "llama"),
+        ("static-offload-budget", "fp32", "gpt2"),
+    ],
+)
+def test_prediction_equals_a_run_at_world_size_2(placement: str, precision: str, arch: str) -> None:
+    predicted = _predicted(2, PLACEMENTS[placement], precision, arch)
+    measured = run_ranks(_measured, 2, args=(PLACEMENTS[placement], precision, arch))
+    for steps in measured:
+        assert [vars(s) for s in predicted.steps] == steps
+
+
+def _trains_at(rank: int, world_size: int, budget: int) -> int:
+    model = gpt2(n_layer=3)
+    placement = AutoPlacementConfig(device_budget=budget, max_prefetch=1)
+    booster = Booster(ChunkPlugin(placement=placement, precision="fp32", chunk_size=CHUNK))
+    chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
+    for ids in batches(2, batch=4):
+        local = ids.chunk(world_size)[rank]
+        booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    return chunked.stats().peak_device_bytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_minimum_budget_is_accepted_by_a_real_run(world_size: int) -> None:
+    predicted = _predicted(world_size, AutoPlacementConfig(device_budget=10**9, max_prefetch=1), "fp32", "gpt2")
+    minimum = predicted.min_device_budget
+    peaks = run_ranks(_trains_at, world_size, args=(minimum,))
+    assert all(peak <= minimum for peak in peaks)
+
+
+def test_the_minimum_budget_is_the_minimum() -> None:
+    predicted = _predicted(1, AutoPlacementConfig(device_budget=10**9, max_prefetch=1), "fp32", "gpt2")
+    with pytest.raises(BudgetTooSmallError):
+        _trains_at(0, 1, predicted.min_device_budget - 1)
+
+
+def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chunkmem.plan",
+            "--hf-config",
+            "llama-7b",
+            "--device-budget",
+            "24GiB",
+            "--batch",
+            "1x512",
+            "--world-size",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert 6.7e9 < result["parameters"] < 6.8e9  # LLaMA 7B
+    # Gradients are reduce-scattered once per step: the fp32 model's bytes, all chunks padded.
+    assert result["reduce_scatter_bytes_per_step"] >= 4 * result["parameters"]
+    assert result["fits"] and result["peak_device_bytes"] <= 24 * 2**30
