@@ -1,5 +1,6 @@
-"""Shared pytest configuration: the ``cuda`` marker skips without a GPU; quiet, single-threaded
-torch so that two-rank tests do not oversubscribe small machines."""
+"""Shared pytest configuration: the ``cuda`` marker skips without a GPU, the ``cpu_compute``
+marker skips where chunkmem computes on a GPU; quiet, single-threaded torch so that two-rank
+tests do not oversubscribe small machines."""
 
 from __future__ import annotations
 
@@ -19,10 +20,23 @@ os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cpu_compute(reason): measures what only holds while chunkmem computes on the CPU (skipped where "
+        "it picks a GPU); the reason says why",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    from models import reference_device  # after the path insert above
+
+    has_gpu = torch.cuda.is_available()
+    computes_on_gpu = reference_device().type != "cpu"
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        marker = item.get_closest_marker("cpu_compute")
+        if marker is not None and computes_on_gpu:
+            why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+            item.add_marker(pytest.mark.skip(reason=f"chunkmem computes on a GPU here: {why}"))

@@ -1,18 +1,55 @@
 """Small ``transformers`` models built from configs (no download), data, and plain-PyTorch
-reference training to compare chunkmem against."""
+reference training to compare chunkmem against.
+
+Every plain-PyTorch reference runs where chunkmem computes (``reference_device()``), so a parity
+test compares the same kernels on each side; both sides go to the CPU only for the final
+comparison. Where chunkmem's optimizer step runs elsewhere (on the host, while the reference steps
+on a GPU), ``tolerance()`` widens a comparison by what ``DEVICE_TOLERANCE`` says that costs, and why.
+"""
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from enum import Enum
+from typing import Any, NamedTuple, TypeVar
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from chunkmem import Booster, ChunkedModel, ChunkOptimizer, ChunkPlugin
+from chunkmem import Booster, ChunkedModel, ChunkOptimizer, ChunkPlugin, Location
 
 VOCAB = 256
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+# --- where the reference runs -----------------------------------------------------------------------
+def reference_device() -> torch.device:
+    """Where chunkmem computes in this process when the plugin picks the device itself (no
+    ``Communicator`` passed): the local GPU under torchrun (``LOCAL_RANK``), else the current GPU,
+    else the CPU. The gloo ranks of ``run_ranks`` set no ``LOCAL_RANK``, so on a GPU machine every
+    rank computes on the current GPU. ``test_reference_device.py`` checks that this is the device
+    chunkmem picks; a test that hands chunkmem a ``Communicator`` uses that communicator's device."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) % torch.cuda.device_count() if local is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a model computes: a boosted model's compute device, else its parameters' device."""
+    if isinstance(model, ChunkedModel):
+        return model.compute_device
+    return next(model.parameters()).device
+
+
+def as_reference(model: M, device: torch.device | None = None) -> M:
+    """``model`` moved (in place) to where the chunkmem run it is compared with computes:
+    ``device``, by default ``reference_device()``."""
+    return model.to(device if device is not None else reference_device())
 
 
 def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) -> GPT2LMHeadModel:
@@ -76,11 +113,18 @@ def adamw_two_groups(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Ad
 
 
 def batches(steps: int, batch: int = 4, seq: int = 16, seed: int = 1) -> list[torch.Tensor]:
+    """Token batches on the CPU, from a CPU generator: the same tokens on every machine (a CUDA
+    generator draws other numbers). The reference moves them to its device (``lm_loss``), the
+    boosted model moves them itself."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]
 
 
 def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A plain module gets its input on its own device; a boosted model gets it as given, since
+    moving inputs to the compute device is part of what chunkmem does (and is tested)."""
+    if not isinstance(model, ChunkedModel):
+        ids = ids.to(device_of(model))
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -90,7 +134,8 @@ def train_reference(
     data: Sequence[torch.Tensor],
     clip: float | None = None,
 ) -> list[float]:
-    """Plain PyTorch: one step per batch on the whole batch."""
+    """Plain PyTorch: one step per batch on the whole batch, on the model's device (put it
+    where chunkmem computes with ``as_reference`` or ``copies``)."""
     optimizer = make_optimizer(model)
     losses = []
     for ids in data:
@@ -148,15 +193,119 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     return value.item()
 
 
-def copies(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    return model, copy.deepcopy(model)
+def copies(model: M) -> tuple[M, M]:
+    """``model`` (to boost) and an identical plain-PyTorch reference on ``reference_device()``."""
+    return model, as_reference(copy.deepcopy(model))
 
 
 def assert_state_close(
     actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float, atol: float
 ) -> None:
+    """Every entry within tolerance, both sides compared on the CPU (wherever they were computed)."""
     assert actual.keys() == expected.keys(), f"key mismatch: {set(actual) ^ set(expected)}"
     for name, value in expected.items():
         torch.testing.assert_close(
-            actual[name].float(), value.detach().float().cpu(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+            actual[name].detach().float().cpu(),
+            value.detach().float().cpu(),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, n=name: f"{n}: {m}",
         )
+
+
+def assert_close_on_cpu(actual: torch.Tensor, expected: torch.Tensor, within: Tolerance, msg: str = "") -> None:
+    """``torch.testing.assert_close`` on CPU copies of both sides (each computed on its own device)."""
+    torch.testing.assert_close(
+        actual.detach().cpu(), expected.detach().cpu(), rtol=within.rtol, atol=within.atol, msg=msg or None
+    )
+
+
+# --- tolerances that differ by device -----------------------------------------------------------------
+class Step(Enum):
+    """Where chunkmem's optimizer steps the fp32 masters of a run."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Tolerance(NamedTuple):
+    """``rtol`` / ``atol`` as ``torch.testing.assert_close`` reads them (``rel`` / ``abs`` for
+    ``pytest.approx``); unpacks as ``*tolerance`` into ``assert_state_close``."""
+
+    rtol: float
+    atol: float
+
+    def at_least(self, floor: Tolerance) -> Tolerance:
+        return Tolerance(max(self.rtol, floor.rtol), max(self.atol, floor.atol))
+
+    def approx(self, expected: Any) -> Any:
+        return pytest.approx(expected, rel=self.rtol, abs=self.atol)
+
+    def widened_for(self, *runs: ChunkedModel) -> Tolerance:
+        """This tolerance, at least ``DEVICE_TOLERANCE`` of every chunkmem run whose steps the
+        compared result went through (a resumed run counts both)."""
+        found = self
+        for run in runs:
+            found = found.at_least(device_tolerance(run))
+        return found
+
+
+EXACT = Tolerance(0.0, 0.0)
+
+# The least tolerance a comparison with the plain-PyTorch reference gets, by (precision, where
+# chunkmem's optimizer steps, compute device type). Each test states its own tolerance for what
+# differs by design (reduction order over ranks and chunks, gradient clipping over shards, 16-bit
+# compute against an fp32 reference); the reference runs on chunkmem's compute device, so only the
+# optimizer step running somewhere else can add to it. A missing key raises: measure first.
+DEVICE_TOLERANCE: dict[tuple[str, Step, str], Tolerance] = {
+    # CPU: the device and the host are the same CPU, and both sides run the same kernels: nothing is
+    # added, each test keeps its own tolerance (the CPU suite never gets looser than it was).
+    ("fp32", Step.DEVICE, "cpu"): EXACT,
+    ("fp32", Step.HOST, "cpu"): EXACT,
+    ("bf16", Step.DEVICE, "cpu"): EXACT,
+    ("bf16", Step.HOST, "cpu"): EXACT,
+    ("fp16", Step.DEVICE, "cpu"): EXACT,
+    ("fp16", Step.HOST, "cpu"): EXACT,
+    # CUDA, step on the GPU: the reference's optimizer runs the same CUDA kernel on the same values
+    # (bit-exact against plain PyTorch on the same GPU for tiny GPT-2 and Llama, H100, issue 13).
+    ("fp32", Step.DEVICE, "cuda"): EXACT,
+    # 16-bit compute against the fp32 reference: the tests' own tolerances (about 1e-2) already
+    # cover the rounding of 16-bit kernels, on the CPU as on a GPU; the step itself adds nothing.
+    ("bf16", Step.DEVICE, "cuda"): EXACT,
+    ("fp16", Step.DEVICE, "cuda"): EXACT,
+    # CUDA, step on the host (offload, the auto policy under a budget, masters that did not fit on
+    # the device): the CPU's Adam rounds differently from the reference's CUDA Adam, parameters up
+    # to 1e-5 apart after 5 steps (H100, issue 13), as they are with FSDP2's CPU offload. 5x that,
+    # absolute; 1e-4 relative for losses and large values.
+    ("fp32", Step.HOST, "cuda"): Tolerance(rtol=1e-4, atol=5e-5),
+    # The same fp32 masters and the same host step whatever the compute precision.
+    ("bf16", Step.HOST, "cuda"): Tolerance(rtol=1e-4, atol=5e-5),
+    ("fp16", Step.HOST, "cuda"): Tolerance(rtol=1e-4, atol=5e-5),
+}
+
+_PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def optimizer_step_side(chunked: ChunkedModel) -> Step:
+    """The host when any trainable chunk keeps its fp32 master there (its optimizer step runs on
+    the CPU), else the device. Masters stay where the plugin put them at boost."""
+    trainable = [chunk for chunk in chunked.runtime.manager.chunks if chunk.trainable]
+    on_host = any(chunk.store.master_location is Location.HOST for chunk in trainable)
+    return Step.HOST if on_host else Step.DEVICE
+
+
+def device_tolerance(chunked: ChunkedModel) -> Tolerance:
+    """``DEVICE_TOLERANCE`` for this run's precision, optimizer side and compute device type."""
+    chunks = chunked.runtime.manager.chunks
+    key = (_PRECISIONS[chunks[0].compute_dtype], optimizer_step_side(chunked), chunked.compute_device.type)
+    if key not in DEVICE_TOLERANCE:
+        raise KeyError(
+            f"no DEVICE_TOLERANCE entry for {key}: measure chunkmem against a plain-PyTorch reference on the "
+            "same device and add one that says why"
+        )
+    return DEVICE_TOLERANCE[key]
+
+
+def tolerance(*runs: ChunkedModel, rtol: float, atol: float = 0.0) -> Tolerance:
+    """A comparison's own ``rtol`` / ``atol``, widened for ``runs`` (``Tolerance.widened_for``)."""
+    return Tolerance(rtol, atol).widened_for(*runs)

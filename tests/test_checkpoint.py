@@ -9,7 +9,18 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
-from models import adamw_two_groups, assert_state_close, batches, boost, copies, gpt2, lm_loss, train_chunked
+from models import (
+    adamw_two_groups,
+    as_reference,
+    assert_state_close,
+    batches,
+    boost,
+    copies,
+    gpt2,
+    lm_loss,
+    tolerance,
+    train_chunked,
+)
 
 from chunkmem import Booster, ChunkPlugin, checkpoint
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -40,7 +51,7 @@ def test_resume_with_another_chunk_size_and_placement(tmp_path: Path) -> None:
     resumed_booster.load_model(resumed, tmp_path / "model.pt")
     resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
     train_chunked(resumed, resumed_optimizer, resumed_booster, data[3:])
-    assert_state_close(resumed.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(resumed.state_dict(), ref.state_dict(), *tolerance(chunked, resumed, rtol=1e-4, atol=1e-5))
 
 
 def test_checkpoint_files_are_plain_pytorch_both_ways(tmp_path: Path) -> None:
@@ -54,12 +65,12 @@ def test_checkpoint_files_are_plain_pytorch_both_ways(tmp_path: Path) -> None:
     train_chunked(chunked, optimizer, booster, data[:3])
     booster.save_model(chunked, tmp_path / "model.pt")
     booster.save_optimizer(optimizer, tmp_path / "optim.pt")
-    plain = gpt2(seed=3)
+    plain = as_reference(gpt2(seed=3))  # resumes in plain PyTorch where the reference trains
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     plain_optimizer = adamw_two_groups(plain)
     plain_optimizer.load_state_dict(torch.load(tmp_path / "optim.pt", weights_only=True))
     _plain_steps(plain, plain_optimizer, data[3:])
-    assert_state_close(plain.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(plain.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
     # plain PyTorch -> chunkmem
     halfway, halfway_ref = copies(gpt2())
@@ -77,7 +88,7 @@ def test_checkpoint_files_are_plain_pytorch_both_ways(tmp_path: Path) -> None:
     booster2.load_model(chunked2, tmp_path / "plain_model.pt")
     booster2.load_optimizer(optimizer2, tmp_path / "plain_optim.pt")
     train_chunked(chunked2, optimizer2, booster2, data[2:])
-    assert_state_close(chunked2.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked2.state_dict(), ref.state_dict(), *tolerance(chunked2, rtol=1e-4, atol=1e-5))
 
 
 def _save_on_two_ranks(rank: int, world_size: int, directory: str) -> None:
@@ -98,7 +109,8 @@ def test_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     booster.load_model(chunked, tmp_path / "model.pt")
     booster.load_optimizer(optimizer, tmp_path / "optim.pt")
     train_chunked(chunked, optimizer, booster, data[3:])
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    # The first three steps ran at W=2 in the spawned ranks: with their default placement, as here.
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_fp16_loss_scale_is_saved(tmp_path: Path) -> None:
@@ -198,4 +210,4 @@ def test_the_readme_training_loop_resumes_like_uninterrupted_pytorch(tmp_path: P
     assert [g["lr"] for g in resumed_optimizer.param_groups] == pytest.approx(
         [g["lr"] for g in reference_optimizer.param_groups]
     )
-    assert_state_close(resumed.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(resumed.state_dict(), ref.state_dict(), *tolerance(chunked, resumed, rtol=1e-4, atol=1e-5))

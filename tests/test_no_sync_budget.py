@@ -6,13 +6,12 @@ of a backward. Parity is against plain PyTorch on the whole batch."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 from distributed import run_ranks
-from models import adamw_two_groups, assert_state_close, batches, boost, gpt2, lm_loss
+from models import adamw_two_groups, assert_state_close, batches, boost, copies, gpt2, lm_loss, tolerance
 
 from chunkmem import BudgetTooSmallError
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -36,8 +35,7 @@ def _accumulate(rank: int, world_size: int, kind: str, factor: float, micro: int
         return StaticPlacementConfig(device_budget=budget, max_prefetch=1, offload_optim_frac=1.0)
 
     budget = int(_minimum(make) * factor)
-    model = gpt2()
-    ref = copy.deepcopy(model)
+    model, ref = copies(gpt2())
     reference_optimizer = adamw_two_groups(ref)
     chunked, optimizer, booster = boost(
         model, adamw_two_groups, precision="fp32", chunk_size=CHUNK, placement=make(budget), gradient_accumulation=True
@@ -55,7 +53,7 @@ def _accumulate(rank: int, world_size: int, kind: str, factor: float, micro: int
         booster.backward(lm_loss(chunked, parts[-1]) / micro, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    assert_state_close(chunked.state_dict(), ref.state_dict(), 1e-4, 1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     return {"peak": chunked.stats().peak_device_bytes, "budget": budget}
 
 

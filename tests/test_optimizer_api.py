@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import batches, copies, llama, lm_loss
+from models import assert_close_on_cpu, assert_state_close, batches, copies, device_of, llama, lm_loss, tolerance
 from state_helpers import assert_identical, raw_state
 
 from chunkmem import Booster, ChunkOptimizer, ChunkPlugin, NotSupportedError
@@ -28,12 +28,15 @@ def _mlp(seed: int = 0) -> torch.nn.Module:
 
 
 def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """On the CPU, from a CPU generator: the same data on every machine."""
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)) for _ in range(steps)]
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(x), y)
+    """Inputs and targets where the model computes (the reference's device, chunkmem's compute device)."""
+    device = device_of(model)
+    return torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
 
 
 def _boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ChunkOptimizer, Booster]:
@@ -85,8 +88,7 @@ def test_every_scheduler_built_after_boost_matches_pytorch(name: str) -> None:
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
             [g["lr"] for g in reference_optimizer.param_groups], rel=1e-12
         )
-    for name_, value in ref.state_dict().items():
-        torch.testing.assert_close(chunked.state_dict()[name_], value, rtol=1e-5, atol=1e-6)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
 
 
 def test_param_group_edits_take_effect_like_pytorch() -> None:
@@ -108,8 +110,7 @@ def test_param_group_edits_take_effect_like_pytorch() -> None:
         booster.backward(_loss(chunked, x, y), optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(chunked.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
 
 
 def test_add_param_group_for_model_parameters_and_refusals() -> None:
@@ -126,8 +127,7 @@ def test_add_param_group_for_model_parameters_and_refusals() -> None:
         booster.backward(_loss(chunked, x, y), optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(chunked.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
     before = raw_state(chunked, optimizer)
     with pytest.raises(NotSupportedError, match=r"not part of the boosted model"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
@@ -174,7 +174,8 @@ def test_state_dict_is_pytorch_format_both_ways() -> None:
     assert saved["state"].keys() == expected["state"].keys()
     for index, entry in expected["state"].items():
         for key, value in entry.items():
-            torch.testing.assert_close(saved["state"][index][key], value, rtol=1e-5, atol=1e-7)
+            where = f"state[{index}][{key!r}]"
+            assert_close_on_cpu(saved["state"][index][key], value, tolerance(chunked, rtol=1e-5, atol=1e-7), where)
     # chunkmem -> plain PyTorch, and plain PyTorch -> chunkmem, then both train on.
     plain = copy.deepcopy(ref)
     plain.load_state_dict(chunked.state_dict())
@@ -189,9 +190,9 @@ def test_state_dict_is_pytorch_format_both_ways() -> None:
             _loss(m, x, y).backward()
             opt.step()
             opt.zero_grad()
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(plain.state_dict()[name], value, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(other.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    within = tolerance(chunked, other, rtol=1e-5, atol=1e-6)
+    assert_state_close(plain.state_dict(), ref.state_dict(), *within)
+    assert_state_close(other.state_dict(), ref.state_dict(), *within)
 
 
 def test_step_with_a_closure_like_pytorch() -> None:
@@ -209,9 +210,8 @@ def test_step_with_a_closure_like_pytorch() -> None:
             return loss
 
         expected = reference_optimizer.step(lambda: closure(ref, reference_optimizer))
-        assert optimizer.step(closure).item() == pytest.approx(expected.item(), rel=1e-6)
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(chunked.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+        assert optimizer.step(closure).item() == tolerance(chunked, rtol=1e-6).approx(expected.item())
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
 
 
 def test_users_kernel_choice_is_kept_and_results_are_bit_identical() -> None:
@@ -233,6 +233,7 @@ def test_users_kernel_choice_is_kept_and_results_are_bit_identical() -> None:
         booster.backward(lm_loss(chunked, ids), optimizer)
         optimizer.step()
         optimizer.zero_grad()
+    # Both step on the compute device with the same kernel (the optimizer's state stays there).
     state = chunked.state_dict()
     for name, value in ref.state_dict().items():
-        assert torch.equal(state[name], value), name
+        assert torch.equal(state[name], value.cpu()), name

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from models import adamw_two_groups, assert_state_close, batches, boost, copies, gpt2, train_chunked, train_reference
+from models import (
+    adamw_two_groups,
+    assert_state_close,
+    batches,
+    boost,
+    copies,
+    gpt2,
+    tolerance,
+    train_chunked,
+    train_reference,
+)
 
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
@@ -25,5 +35,5 @@ def test_gpt2_fp32_matches_pytorch(placement: object) -> None:
         model, adamw_two_groups, placement=placement, precision="fp32", chunk_size=20_000
     )
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))

@@ -63,7 +63,8 @@ def _run(rank: int, world_size: int, placement: str, depart: str, at_step: int, 
                     with torch.no_grad():
                         chunked(x)
                 elif depart == "submodule":
-                    chunked.module.blocks[1](x)
+                    # Called directly, the block gets no input moving from the wrapper.
+                    chunked.module.blocks[1](x.to(chunked.compute_device))
                 elif depart == "skip":
                     skip = 2
             if step == at_step and depart == "skip" and who == -1:

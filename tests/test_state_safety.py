@@ -5,7 +5,6 @@ that the state is bit-identical afterwards."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,21 @@ import pydantic
 import pytest
 import torch
 from distributed import run_ranks
-from models import adamw_two_groups, assert_state_close, batches, boost, copies, gpt2, llama, lm_loss, train_chunked
+from models import (
+    adamw_two_groups,
+    as_reference,
+    assert_close_on_cpu,
+    assert_state_close,
+    batches,
+    boost,
+    copies,
+    gpt2,
+    llama,
+    lm_loss,
+    reference_device,
+    tolerance,
+    train_chunked,
+)
 from state_helpers import assert_identical, raw_state
 from transformers import GPT2LMHeadModel
 
@@ -77,21 +90,24 @@ def test_clip_grad_norm_on_parameters_raises_naming_the_supported_call() -> None
     reference_optimizer.zero_grad()
     optimizer.zero_grad()
     assert all(p.grad is None for p in chunked.parameters())
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_model_moves_and_casts_are_refused_with_what_to_do() -> None:
     chunked, optimizer, booster = boost(gpt2(n_layer=1), adamw_two_groups, precision="fp32", chunk_size=8_000)
     train_chunked(chunked, optimizer, booster, batches(1))
-    assert chunked.to("cpu") is chunked  # already there: nothing to do
-    assert chunked.cpu() is chunked and chunked.float() is chunked and chunked.to(torch.float32) is chunked
+    here = chunked.compute_device
+    assert chunked.to(here) is chunked and chunked.to(here.type) is chunked  # already there: nothing to do
+    # The move to where it computes is accepted, the move away refused (below), on either device.
+    stay, leave = (chunked.cpu, chunked.cuda) if here.type == "cpu" else (chunked.cuda, chunked.cpu)
+    assert stay() is chunked and chunked.float() is chunked and chunked.to(torch.float32) is chunked
     before = raw_state(chunked, optimizer)
     calls = {
         "half": lambda: chunked.half(),
         "to(float16)": lambda: chunked.to(torch.float16),
         "double": lambda: chunked.double(),
         "bfloat16": lambda: chunked.bfloat16(),
-        "cuda": lambda: chunked.cuda(),
+        f"{leave.__name__} (away from {here.type})": leave,
         "to(meta)": lambda: chunked.to("meta"),
         "type": lambda: chunked.type(torch.float64),
     }
@@ -116,12 +132,14 @@ def test_model_zero_grad_drops_the_chunk_gradients() -> None:
         booster.backward(lm_loss(chunked, ids), optimizer)
         optimizer.step()
         chunked.zero_grad()  # not the optimizer's: used to leave gradients accumulating
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_default_precision_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ChunkPlugin().precision == "fp32"  # this machine computes on the CPU
     assert ChunkPlugin(precision="bf16").precision == "bf16"
+    # Each kind of machine substituted, so the test means the same on any machine it runs on.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ChunkPlugin().precision == "fp32"  # a CPU computes: 16-bit matmuls are emulated there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert ChunkPlugin().precision == "bf16"
@@ -254,8 +272,10 @@ def test_a_refused_scheduler_load_changes_nothing(tmp_path: Path) -> None:
 
 
 # --- Hugging Face round trip ------------------------------------------------------------------
-def _prompt() -> dict[str, torch.Tensor]:
-    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
+def _prompt(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """From a CPU generator (the same tokens on every machine), on ``device`` (default: the CPU;
+    the boosted model moves them itself)."""
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4)).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
@@ -263,8 +283,8 @@ def test_generate_save_pretrained_and_plain_copy(tmp_path: Path) -> None:
     model, ref = copies(llama())
     chunked, *_ = Booster(plugin=ChunkPlugin(precision="fp32", chunk_size=12_000, placement=OFFLOADED)).boost(model)
     resident = chunked.stats().device_bytes
-    expected = ref.generate(**_prompt(), max_new_tokens=6, do_sample=False)
-    assert torch.equal(chunked.generate(**_prompt(), max_new_tokens=6, do_sample=False), expected)
+    expected = ref.generate(**_prompt(reference_device()), max_new_tokens=6, do_sample=False)
+    assert torch.equal(chunked.generate(**_prompt(), max_new_tokens=6, do_sample=False).cpu(), expected.cpu())
     assert chunked.stats().device_bytes == resident  # every chunk gathered for a decoding step was released
 
     model, ref = copies(gpt2())
@@ -278,27 +298,31 @@ def test_generate_save_pretrained_and_plain_copy(tmp_path: Path) -> None:
     chunked.save_pretrained(tmp_path / "hf")
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied
-    assert_state_close(loaded.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    within = tolerance(chunked, rtol=1e-4, atol=1e-5)
+    assert_state_close(loaded.state_dict(), ref.state_dict(), *within)
     plain = chunked.plain_copy()
     assert plain is not None and not any(type(p) is not torch.nn.Parameter for p in plain.parameters())
+    assert all(p.device.type == "cpu" for p in plain.parameters())  # plain_copy's default device
     assert plain.lm_head.weight is plain.transformer.wte.weight
-    assert_state_close(plain.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(plain.state_dict(), ref.state_dict(), *within)
+    plain = as_reference(plain)  # evaluated with the reference's kernels
+    assert plain.lm_head.weight is plain.transformer.wte.weight
     plain.eval()
     ref.eval()
     with torch.no_grad():
-        torch.testing.assert_close(plain(**_prompt()).logits, ref(**_prompt()).logits, rtol=1e-4, atol=1e-5)
+        prompt = _prompt(reference_device())
+        assert_close_on_cpu(plain(**prompt).logits, ref(**prompt).logits, within)
     train_chunked(chunked, optimizer, booster, batches(1, seed=3))  # the boosted model trains on
 
 
 def _hf_on_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
-    model = gpt2(seed=2)
-    ref = copy.deepcopy(model)
+    model, ref = copies(gpt2(seed=2))
     chunked, *_ = Booster(plugin=ChunkPlugin(precision="fp32", chunk_size=6_000)).boost(model)
     out = chunked.generate(**_prompt(), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    expected = ref.generate(**_prompt(), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = ref.generate(**_prompt(reference_device()), max_new_tokens=6, do_sample=False, pad_token_id=0)
     chunked.save_pretrained(Path(directory) / "hf")
     plain = chunked.plain_copy()
-    return {"generate_equal": torch.equal(out, expected), "has_copy": plain is not None}
+    return {"generate_equal": torch.equal(out.cpu(), expected.cpu()), "has_copy": plain is not None}
 
 
 def test_generate_and_save_pretrained_on_two_ranks(tmp_path: Path) -> None:

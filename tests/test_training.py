@@ -4,13 +4,14 @@ activation checkpointing, inference between steps, buffers, accumulation, clippi
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 from models import (
     adamw_two_groups,
+    as_reference,
+    assert_close_on_cpu,
     assert_state_close,
     batches,
     boost,
@@ -19,6 +20,8 @@ from models import (
     gpt2,
     llama,
     lm_loss,
+    reference_device,
+    tolerance,
     train_chunked,
     train_reference,
 )
@@ -50,8 +53,8 @@ def test_fp32_parity_with_pytorch(arch: str, placement: str) -> None:
     )
     assert len(chunked.runtime.manager.chunks) >= 4
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     budget = PLACEMENTS[placement].device_budget
     if budget is not None:
         assert chunked.stats().peak_device_bytes <= budget
@@ -69,8 +72,8 @@ def test_mixed_precision_within_tolerance_of_fp32(
     expected = train_reference(ref, adamw_two_groups, data)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision=precision, chunk_size=12_000)
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=loss_rtol)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=0, atol=param_atol)
+    assert losses == tolerance(chunked, rtol=loss_rtol).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=0, atol=param_atol))
     for name, value in chunked.state_dict().items():
         assert value.dtype == ref.state_dict()[name].dtype, name
 
@@ -80,7 +83,7 @@ def test_activation_checkpointing_matches_and_gathers_once(reentrant: bool) -> N
     # Everything offloaded: every gather is a real copy from the host, and ZeRO-3 releases after use.
     offloaded = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0)
 
-    def gathers_per_step(model: torch.nn.Module) -> tuple[int, list[float], dict[str, torch.Tensor]]:
+    def gathers_per_step(model: torch.nn.Module) -> tuple[int, list[float], Any]:
         chunked, optimizer, booster = boost(
             model, adamw_two_groups, precision="fp32", chunk_size=12_000, placement=offloaded
         )
@@ -88,15 +91,15 @@ def test_activation_checkpointing_matches_and_gathers_once(reentrant: bool) -> N
         losses = train_chunked(chunked, optimizer, booster, data[:3])
         before = chunked.stats().gathers
         losses += train_chunked(chunked, optimizer, booster, data[3:])
-        return chunked.stats().gathers - before, losses, chunked.state_dict()
+        return chunked.stats().gathers - before, losses, chunked
 
-    plain_model, checkpointed, ref = gpt2(n_layer=3), gpt2(n_layer=3), gpt2(n_layer=3)
+    plain_model, checkpointed, ref = gpt2(n_layer=3), gpt2(n_layer=3), as_reference(gpt2(n_layer=3))
     enable_checkpointing(checkpointed, reentrant)
     expected = train_reference(ref, adamw_two_groups, batches(4))
     plain_gathers, _, _ = gathers_per_step(plain_model)
-    ckpt_gathers, losses, state = gathers_per_step(checkpointed)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(state, ref.state_dict(), rtol=1e-4, atol=1e-5)
+    ckpt_gathers, losses, chunked = gathers_per_step(checkpointed)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     # Recomputation reuses the chunks gathered for it: no more gathers than without checkpointing.
     assert plain_gathers > 0
     assert ckpt_gathers == plain_gathers
@@ -109,14 +112,14 @@ def test_frozen_parameters_lora_style() -> None:
     for m in (model, ref):
         for name, p in m.named_parameters():
             p.requires_grad_("q_proj" in name or "v_proj" in name)
-    frozen_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    frozen_before = {n: p.detach().cpu().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     data = batches(4)
     expected = train_reference(ref, adamw_two_groups, data)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=12_000)
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
     state = chunked.state_dict()
-    assert_state_close(state, ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(state, ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     for name, value in frozen_before.items():
         assert torch.equal(state[name], value), name
     manager = chunked.runtime.manager
@@ -145,19 +148,18 @@ class _Gated(torch.nn.Module):
 
 
 def test_parameter_without_gradient_is_skipped_like_pytorch() -> None:
-    model = _Gated()
-    ref = copy.deepcopy(model)
+    model, ref = copies(_Gated())
 
     def make(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
     reference_optimizer = make(ref)
     chunked, optimizer, booster = boost(model, make, precision="fp32", chunk_size=100)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # CPU: the same inputs on every machine
     for step in range(5):
         x = torch.randn(4, 8, generator=g)
         use_b = step in (1, 3)
-        expected = ref(x, use_b)
+        expected = ref(x.to(reference_device()), use_b)
         expected.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
@@ -165,9 +167,9 @@ def test_parameter_without_gradient_is_skipped_like_pytorch() -> None:
         booster.backward(loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert loss.item() == tolerance(chunked, rtol=1e-6).approx(expected.item())
     # AdamW skips b entirely on steps without a gradient (no weight decay either): same as PyTorch.
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
 
 
 def test_inference_between_training_steps() -> None:
@@ -184,10 +186,12 @@ def test_inference_between_training_steps() -> None:
         ref.eval()
         chunked.eval()
         with torch.no_grad():
-            torch.testing.assert_close(chunked(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+            logits = chunked(input_ids=ids).logits
+            expected = ref(input_ids=ids.to(reference_device())).logits
+        assert_close_on_cpu(logits, expected, tolerance(chunked, rtol=1e-5, atol=1e-5))
         ref.train()
         chunked.train()
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     # Inference has its own trace; training never saw a divergence.
     assert chunked.stats().divergences == 0
 
@@ -201,17 +205,18 @@ def test_buffers_batchnorm_running_stats() -> None:
         torch.nn.Flatten(),
         torch.nn.Linear(8 * 6 * 6, 4),
     )
-    ref = copy.deepcopy(model)
+    model, ref = copies(model)
 
     def make(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
     reference_optimizer = make(ref)
     chunked, optimizer, booster = boost(model, make, precision="fp32", chunk_size=300)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # CPU: the same inputs on every machine
     for _ in range(4):
-        x = torch.randn(5, 3, 8, 8, generator=g)
-        y = torch.randint(0, 4, (5,), generator=g)
+        # The targets meet each side's output on its own device (the compute device, both).
+        x = torch.randn(5, 3, 8, 8, generator=g).to(reference_device())
+        y = torch.randint(0, 4, (5,), generator=g).to(reference_device())
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
@@ -219,7 +224,7 @@ def test_buffers_batchnorm_running_stats() -> None:
         optimizer.step()
         optimizer.zero_grad()
     state = chunked.state_dict()
-    assert_state_close(state, ref.state_dict(), rtol=1e-5, atol=1e-6)
+    assert_state_close(state, ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
     assert state["1.num_batches_tracked"].item() == 4
 
 
@@ -238,7 +243,7 @@ def test_no_sync_accumulation_equals_large_batch() -> None:
         booster.backward(lm_loss(chunked, micro[-1]) / 4, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_clip_grad_norm_equals_torch() -> None:
@@ -247,8 +252,8 @@ def test_clip_grad_norm_equals_torch() -> None:
     expected = train_reference(ref, adamw_two_groups, data, clip=0.05)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=12_000)
     losses = train_chunked(chunked, optimizer, booster, data, clip=0.05)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off() -> None:
@@ -322,7 +327,7 @@ def test_lr_scheduler_built_before_boost_keeps_working() -> None:
         boosted.zero_grad()
         scheduler.step()
     assert [g["lr"] for g in boosted.param_groups] == [g["lr"] for g in reference_optimizer.param_groups]
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 @pytest.mark.parametrize(
@@ -340,8 +345,8 @@ def test_any_torch_optimizer(make: Any) -> None:
     expected = train_reference(ref, make, data)
     chunked, optimizer, booster = boost(model, make, precision="fp32", chunk_size=12_000)
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_masters_fall_back_to_the_host_when_the_device_has_no_room(
@@ -363,8 +368,8 @@ def test_masters_fall_back_to_the_host_when_the_device_has_no_room(
     assert sum("no room on the device" in r.message for r in caplog.records) == len(chunks)
     assert all(not p.optim_on_device for p in chunked.runtime.policy.layout_decided.placements)
     losses = train_chunked(chunked, optimizer, booster, data)
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-4, atol=1e-5)
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
 def test_plugin_accepts_a_mapping_or_a_file_for_placement(tmp_path: Any) -> None:
@@ -376,8 +381,7 @@ def test_plugin_accepts_a_mapping_or_a_file_for_placement(tmp_path: Any) -> None
 
 
 def test_a_changed_op_order_logs_one_line_and_is_re_recorded(caplog: Any) -> None:
-    model = _Gated()
-    ref = copy.deepcopy(model)
+    model, ref = copies(_Gated())
 
     def make(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=0.1)
@@ -390,7 +394,7 @@ def test_a_changed_op_order_logs_one_line_and_is_re_recorded(caplog: Any) -> Non
     with caplog.at_level("WARNING", logger="chunkmem"):
         for use_b in schedule:
             x = torch.randn(4, 8, generator=g)
-            ref(x, use_b).backward()
+            ref(x.to(reference_device()), use_b).backward()
             reference_optimizer.step()
             reference_optimizer.zero_grad()
             booster.backward(chunked(x, use_b), optimizer)
@@ -401,7 +405,7 @@ def test_a_changed_op_order_logs_one_line_and_is_re_recorded(caplog: Any) -> Non
     stats = chunked.stats()
     assert stats.divergences == 1 and stats.trace_recordings == 2
     assert stats.prefetch_hits > 0
-    assert_state_close(chunked.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-5, atol=1e-6))
 
 
 @pytest.mark.parametrize("chunk_size", [0, -5, True, 2.5])
