@@ -30,13 +30,20 @@ BUDGET = 3_000_000
 
 
 def test_memory_the_process_holds_counts_as_usable_by_it() -> None:
-    # The host's capacity, asked for by device (the CPU branch): the same on a GPU machine.
-    before = process_capacity(torch.device("cpu"))
-    held = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
-    during = process_capacity(torch.device("cpu"))
-    del held
+    # The host's capacity, asked for by device (the CPU branch): the same on a GPU machine. Other
+    # processes on a shared machine move free memory between two readings, so a few tries are
+    # allowed; were held memory not counted, every try would be off by the whole 512 MiB.
+    drifts = []
+    for _ in range(5):
+        before = process_capacity(torch.device("cpu"))
+        held = torch.ones(128 * 2**20, dtype=torch.float32)  # 512 MiB, touched
+        during = process_capacity(torch.device("cpu"))
+        del held
+        drifts.append(abs(during - before))
+        if drifts[-1] < 128 * 2**20:
+            break
     # Free memory fell by what the process took, and what it holds counts: capacity stays put.
-    assert abs(during - before) < 96 * 2**20
+    assert min(drifts) < 128 * 2**20, drifts
 
 
 def _train(limit: int | None) -> tuple[object, int, list[float]]:
