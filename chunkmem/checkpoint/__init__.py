@@ -28,7 +28,6 @@ from .files import (
     Manifest,
     TensorEntry,
     atomic_save,
-    fingerprint,
     manifest_path,
     read_checkpoint,
     read_manifest,
@@ -36,6 +35,7 @@ from .files import (
     write_checkpoint,
 )
 from .gather import Destination
+from .identity import describe_difference, model_fingerprint, optimizer_entries
 from .optimizer_state import full_optimizer_state, stage_optimizer_state
 from .progress import check_pairing, current_step, record_load
 
@@ -66,42 +66,11 @@ __all__ = [
 log = logging.getLogger("chunkmem")
 
 
-def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
-    return [(info.name, tuple(info.shape), "torch.float32") for info in manager.infos]
-
-
-def model_fingerprint(manager: ChunkManager) -> str:
-    """Hash of the model's parameters (names, shapes, fp32) in registration order."""
-    return fingerprint(_parameter_entries(manager))
-
-
-def _difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
-    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
-    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
-    only_saved = [n for n in saved_map if n not in here_map]
-    only_here = [n for n in here_map if n not in saved_map]
-    changed = [
-        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
-        for n in saved_map
-        if n in here_map and saved_map[n] != here_map[n]
-    ]
-    parts = []
-    if only_saved:
-        parts.append(f"only in the file: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
-    if only_here:
-        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
-    if changed:
-        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
-    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
-        parts.append("the same tensors in another order")
-    return "; ".join(parts) or "the same tensors"
-
-
 def _check_model(path: Path, manifest: Manifest, manager: ChunkManager, here: list[TensorEntry]) -> None:
     if manifest.model_fingerprint != model_fingerprint(manager):
         raise CheckpointMismatchError(
-            f"{path} was saved for another model ({_difference(manifest.tensors, here)}). Load a checkpoint of this "
-            "model, or boost the model the checkpoint was saved from."
+            f"{path} was saved for another model ({describe_difference(manifest.tensors, here)}). Load a checkpoint of "
+            "this model, or boost the model the checkpoint was saved from."
         )
 
 
@@ -148,10 +117,6 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
 
 
 # --- optimizer --------------------------------------------------------------------------------
-def _optimizer_entries(optimizer: ChunkOptimizer) -> list[TensorEntry]:
-    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
-
-
 def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
     """The full optimizer state in PyTorch's format (with the fp16 loss scale), gathered to rank 0
     chunk by chunk and written there, with its manifest. A collective."""
@@ -161,7 +126,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
-    entries = _optimizer_entries(optimizer)
+    entries = optimizer_entries(optimizer)
     on_first_rank(
         comm,
         "saving optimizer checkpoint",
@@ -180,11 +145,11 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "optimizer")
         if manifest is not None:
-            here = _optimizer_entries(optimizer)
+            here = optimizer_entries(optimizer)
             if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer file {target} was saved for an optimizer over other parameters "
-                    f"({_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
+                    f"({describe_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
                 )
             check_pairing(runtime, "optimizer", manifest.step, target)
         return stage_optimizer_state(optimizer, obj, str(target)), manifest
