@@ -11,6 +11,11 @@
   message naming the file and the fix. A file without a manifest (from plain PyTorch) loads unverified.
 * Loads are transactional: every rank reads and checks its file, the ranks agree, and only then is
   anything written. A refused load leaves model, optimizer and scheduler exactly as they were.
+* Sharded checkpoints (``shard=True``) are directories written with ``torch.distributed.checkpoint``:
+  every rank writes its own pieces (no rank gathers anything), with a manifest (``chunkmem.json``)
+  holding every file's checksum, the step and the model's fingerprint; the directory replaces the
+  previous one atomically. A load recognises a directory and reads it at any world size, chunk size
+  or placement, with the same verification and the same transaction (see ``sharded``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
 from .agreement import agree, on_first_rank
+from .directory import is_sharded
 from .files import (
     Manifest,
     TensorEntry,
@@ -38,6 +44,9 @@ from .gather import Destination
 from .identity import describe_difference, model_fingerprint, optimizer_entries
 from .optimizer_state import full_optimizer_state, stage_optimizer_state
 from .progress import check_pairing, current_step, record_load
+from .sharded import SaveRequest, load_directory, save_directory
+from .sharded_model import install_model, model_entries, plan_model_load
+from .sharded_optimizer import optimizer_save_entries, plan_optimizer_load
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -75,12 +84,26 @@ def _check_model(path: Path, manifest: Manifest, manager: ChunkManager, here: li
 
 
 # --- model ------------------------------------------------------------------------------------
-def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
+def _check_shard(shard: object) -> None:
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard must be True (a directory, each rank writing its pieces) or False, got {shard!r}")
+
+
+def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
     """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
-    chunk and written there, with its manifest. A collective: every rank calls it."""
+    chunk and written there, with its manifest; with ``shard=True``, a directory to which every
+    rank writes its own pieces (nothing is gathered). A collective: every rank calls it."""
+    _check_shard(shard)
     runtime = model.runtime
     comm = runtime.manager.comm
     target = Path(path)
+    if shard:
+        what = "saving a sharded model checkpoint"
+        runtime.agree_entry(what)
+        runtime.finish_backward()
+        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
+        save_directory(comm, target, request, lambda: model_entries(model))
+        return
     state = model.full_state_dict(Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
@@ -96,10 +119,20 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
 
 def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
     """Load full weights into the master shards and buffers: every rank reads and verifies the file
-    (only the slices it holds are read), the ranks agree, then every rank writes. A collective."""
+    (only the slices it holds are read), the ranks agree, then every rank writes. A directory is a
+    sharded checkpoint: each rank reads the parts of the saved pieces that fall in its own. A
+    collective."""
     runtime = model.runtime
     target = Path(path)
     runtime.finish_backward()
+    if is_sharded(target):
+        staged_pieces, directory_manifest = load_directory(
+            runtime.manager.comm, target, "model", plan_model_load(model, strict, target)
+        )
+        result = install_model(model, staged_pieces)
+        if directory_manifest is not None:
+            record_load(runtime, "model", directory_manifest.step, target)
+        return result
 
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "model")
@@ -117,12 +150,21 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
 
 
 # --- optimizer --------------------------------------------------------------------------------
-def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
+def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shard: bool = False) -> None:
     """The full optimizer state in PyTorch's format (with the fp16 loss scale), gathered to rank 0
-    chunk by chunk and written there, with its manifest. A collective."""
+    chunk by chunk and written there, with its manifest; with ``shard=True``, a directory to which
+    every rank writes the state of its own pieces. A collective."""
+    _check_shard(shard)
     runtime = optimizer.runtime
     comm = runtime.manager.comm
     target = Path(path)
+    if shard:
+        runtime.agree_entry("saving a sharded optimizer checkpoint")
+        request = SaveRequest(
+            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
+        )
+        save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
+        return
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
@@ -138,9 +180,18 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
 
 def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
     """Load a full optimizer state (from ``save_optimizer`` or plain PyTorch), cut down to this
-    rank's pieces; verified and agreed on every rank before anything changes. A collective."""
+    rank's pieces; verified and agreed on every rank before anything changes. A directory is a
+    sharded checkpoint (``save_optimizer(..., shard=True)``). A collective."""
     runtime = optimizer.runtime
     target = Path(path)
+    if is_sharded(target):
+        staged_state, directory_manifest = load_directory(
+            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target)
+        )
+        staged_state.install(optimizer)
+        if directory_manifest is not None:
+            record_load(runtime, "optimizer", directory_manifest.step, target)
+        return
 
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "optimizer")
