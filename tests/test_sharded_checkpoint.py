@@ -5,6 +5,7 @@ replaced atomically."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import gc
 import hashlib
@@ -394,8 +395,12 @@ def _memory() -> dict[str, int]:
 def _peak_growth_during(action: Any) -> int:
     """How far the resident set rose above where it was, while ``action`` ran. ``ru_maxrss``
     cannot say: in a spawned process it starts at the parent's size (fork before exec). The
-    peak of this process alone (``VmHWM``) is reset first (``clear_refs``)."""
+    peak of this process alone (``VmHWM``) is reset first (``clear_refs``), after freed heap
+    memory is returned to the system (else reusing it would hide growth)."""
     gc.collect()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _memory()["VmRSS"]
