@@ -59,22 +59,27 @@ class Booster:
             yield
 
     # --- checkpoints (see chunkmem.checkpoint: PyTorch formats, verified, transactional) --------
-    def save_model(self, model: ChunkedModel, path: str | os.PathLike[str]) -> None:
+    def save_model(self, model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
         """Write the full fp32 state dict and its manifest (every rank calls it; the state is
-        gathered to rank 0 chunk by chunk and written there)."""
-        checkpoint.save_model(model, path)
+        gathered to rank 0 chunk by chunk and written there). With ``shard=True``, ``path`` is a
+        directory (``torch.distributed.checkpoint``) to which every rank writes its own pieces,
+        gathering nothing; it replaces the previous one atomically."""
+        checkpoint.save_model(model, path, shard=shard)
 
     def load_model(self, model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
-        """Load full weights saved by ``save_model`` (or a plain PyTorch ``state_dict``) on every
-        rank; a corrupted or mismatched file is refused before anything is written."""
+        """Load full weights saved by ``save_model`` (a file, a sharded directory, a plain PyTorch
+        ``state_dict`` file or DCP checkpoint) on every rank, at any world size, chunk size or
+        placement; a corrupted or mismatched checkpoint is refused before anything is written."""
         return checkpoint.load_model(model, path, strict=strict)
 
-    def save_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
-        """Write the full optimizer state in PyTorch's format (every rank calls it; rank 0 writes)."""
-        checkpoint.save_optimizer(optimizer, path)
+    def save_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str], shard: bool = False) -> None:
+        """Write the full optimizer state in PyTorch's format (every rank calls it; rank 0 writes).
+        With ``shard=True``, a directory to which every rank writes the state of its own pieces."""
+        checkpoint.save_optimizer(optimizer, path, shard=shard)
 
     def load_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
-        """Load an optimizer state saved by ``save_optimizer`` (or by plain PyTorch) on every rank."""
+        """Load an optimizer state saved by ``save_optimizer`` (a file or a sharded directory) or by
+        plain PyTorch on every rank, at any world size, chunk size or placement."""
         checkpoint.load_optimizer(optimizer, path)
 
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:

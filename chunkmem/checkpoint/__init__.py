@@ -11,6 +11,11 @@
   message naming the file and the fix. A file without a manifest (from plain PyTorch) loads unverified.
 * Loads are transactional: every rank reads and checks its file, the ranks agree, and only then is
   anything written. A refused load leaves model, optimizer and scheduler exactly as they were.
+* Sharded checkpoints (``shard=True``) are directories written with ``torch.distributed.checkpoint``:
+  every rank writes its own pieces (no rank gathers anything), with a manifest (``chunkmem.json``)
+  holding every file's checksum, the step and the model's fingerprint; the directory replaces the
+  previous one atomically. A load recognises a directory and reads it at any world size, chunk size
+  or placement, with the same verification and the same transaction (see ``sharded``).
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
 from .agreement import agree, on_first_rank
+from .directory import is_sharded
 from .files import (
     Manifest,
     TensorEntry,
     atomic_save,
-    fingerprint,
     manifest_path,
     read_checkpoint,
     read_manifest,
@@ -36,8 +41,12 @@ from .files import (
     write_checkpoint,
 )
 from .gather import Destination
+from .identity import describe_difference, model_fingerprint, optimizer_entries
 from .optimizer_state import full_optimizer_state, stage_optimizer_state
 from .progress import check_pairing, current_step, record_load
+from .sharded import SaveRequest, load_directory, save_directory
+from .sharded_model import install_model, model_entries, plan_model_load
+from .sharded_optimizer import optimizer_save_entries, plan_optimizer_load
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -66,52 +75,35 @@ __all__ = [
 log = logging.getLogger("chunkmem")
 
 
-def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
-    return [(info.name, tuple(info.shape), "torch.float32") for info in manager.infos]
-
-
-def model_fingerprint(manager: ChunkManager) -> str:
-    """Hash of the model's parameters (names, shapes, fp32) in registration order."""
-    return fingerprint(_parameter_entries(manager))
-
-
-def _difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
-    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
-    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
-    only_saved = [n for n in saved_map if n not in here_map]
-    only_here = [n for n in here_map if n not in saved_map]
-    changed = [
-        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
-        for n in saved_map
-        if n in here_map and saved_map[n] != here_map[n]
-    ]
-    parts = []
-    if only_saved:
-        parts.append(f"only in the file: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
-    if only_here:
-        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
-    if changed:
-        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
-    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
-        parts.append("the same tensors in another order")
-    return "; ".join(parts) or "the same tensors"
-
-
 def _check_model(path: Path, manifest: Manifest, manager: ChunkManager, here: list[TensorEntry]) -> None:
     if manifest.model_fingerprint != model_fingerprint(manager):
         raise CheckpointMismatchError(
-            f"{path} was saved for another model ({_difference(manifest.tensors, here)}). Load a checkpoint of this "
-            "model, or boost the model the checkpoint was saved from."
+            f"{path} was saved for another model ({describe_difference(manifest.tensors, here)}). Load a checkpoint of "
+            "this model, or boost the model the checkpoint was saved from."
         )
 
 
 # --- model ------------------------------------------------------------------------------------
-def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
+def _check_shard(shard: object) -> None:
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard must be True (a directory, each rank writing its pieces) or False, got {shard!r}")
+
+
+def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
     """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
-    chunk and written there, with its manifest. A collective: every rank calls it."""
+    chunk and written there, with its manifest; with ``shard=True``, a directory to which every
+    rank writes its own pieces (nothing is gathered). A collective: every rank calls it."""
+    _check_shard(shard)
     runtime = model.runtime
     comm = runtime.manager.comm
     target = Path(path)
+    if shard:
+        what = "saving a sharded model checkpoint"
+        runtime.agree_entry(what)
+        runtime.finish_backward()
+        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
+        save_directory(comm, target, request, lambda: model_entries(model))
+        return
     state = model.full_state_dict(Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
@@ -127,10 +119,20 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str]) -> None:
 
 def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
     """Load full weights into the master shards and buffers: every rank reads and verifies the file
-    (only the slices it holds are read), the ranks agree, then every rank writes. A collective."""
+    (only the slices it holds are read), the ranks agree, then every rank writes. A directory is a
+    sharded checkpoint: each rank reads the parts of the saved pieces that fall in its own. A
+    collective."""
     runtime = model.runtime
     target = Path(path)
     runtime.finish_backward()
+    if is_sharded(target):
+        staged_pieces, directory_manifest = load_directory(
+            runtime.manager.comm, target, "model", plan_model_load(model, strict, target)
+        )
+        result = install_model(model, staged_pieces)
+        if directory_manifest is not None:
+            record_load(runtime, "model", directory_manifest.step, target)
+        return result
 
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "model")
@@ -148,20 +150,25 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
 
 
 # --- optimizer --------------------------------------------------------------------------------
-def _optimizer_entries(optimizer: ChunkOptimizer) -> list[TensorEntry]:
-    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
-
-
-def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
+def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shard: bool = False) -> None:
     """The full optimizer state in PyTorch's format (with the fp16 loss scale), gathered to rank 0
-    chunk by chunk and written there, with its manifest. A collective."""
+    chunk by chunk and written there, with its manifest; with ``shard=True``, a directory to which
+    every rank writes the state of its own pieces. A collective."""
+    _check_shard(shard)
     runtime = optimizer.runtime
     comm = runtime.manager.comm
     target = Path(path)
+    if shard:
+        runtime.agree_entry("saving a sharded optimizer checkpoint")
+        request = SaveRequest(
+            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
+        )
+        save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
+        return
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
-    entries = _optimizer_entries(optimizer)
+    entries = optimizer_entries(optimizer)
     on_first_rank(
         comm,
         "saving optimizer checkpoint",
@@ -173,18 +180,27 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
 
 def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
     """Load a full optimizer state (from ``save_optimizer`` or plain PyTorch), cut down to this
-    rank's pieces; verified and agreed on every rank before anything changes. A collective."""
+    rank's pieces; verified and agreed on every rank before anything changes. A directory is a
+    sharded checkpoint (``save_optimizer(..., shard=True)``). A collective."""
     runtime = optimizer.runtime
     target = Path(path)
+    if is_sharded(target):
+        staged_state, directory_manifest = load_directory(
+            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target)
+        )
+        staged_state.install(optimizer)
+        if directory_manifest is not None:
+            record_load(runtime, "optimizer", directory_manifest.step, target)
+        return
 
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "optimizer")
         if manifest is not None:
-            here = _optimizer_entries(optimizer)
+            here = optimizer_entries(optimizer)
             if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer file {target} was saved for an optimizer over other parameters "
-                    f"({_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
+                    f"({describe_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
                 )
             check_pairing(runtime, "optimizer", manifest.step, target)
         return stage_optimizer_state(optimizer, obj, str(target)), manifest

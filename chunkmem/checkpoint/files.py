@@ -37,10 +37,15 @@ __all__ = [
     "Manifest",
     "TensorEntry",
     "atomic_save",
+    "digest_of",
     "fingerprint",
+    "fsync_directory",
+    "left_by_a_killed_save",
     "manifest_path",
     "read_checkpoint",
     "read_manifest",
+    "remove_stale_temps",
+    "temp_name",
     "write_checkpoint",
 ]
 
@@ -53,7 +58,7 @@ _SAVE_WITH: dict[str, str] = {
     "optimizer": "save_optimizer / load_optimizer",
     "lr_scheduler": "save_lr_scheduler / load_lr_scheduler",
 }
-_READ_BLOCK = 8 << 20
+_READ_BLOCK = 1 << 20
 
 
 class FileDigest(BaseModel):
@@ -129,7 +134,8 @@ class _HashingWriter(io.RawIOBase):
 _HOST = socket.gethostname().replace("-", "_")
 
 
-def _temp_name(target: Path) -> Path:
+def temp_name(target: Path) -> Path:
+    """Where this process writes ``target`` before renaming it into place."""
     return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}")
 
 
@@ -143,18 +149,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def left_by_a_killed_save(candidate: Path, prefix: str) -> bool:
+    """Whether ``candidate`` (named ``<prefix><host>-<pid>``) was left by a save that is gone: one
+    of this host whose process no longer runs, or one of another host (one target has one writer)."""
+    host, _, pid = candidate.name.rpartition("-")
+    host = host.removeprefix(prefix)
+    return not (host == _HOST and pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))))
+
+
 def remove_stale_temps(target: Path) -> list[Path]:
-    """Remove temporary files a killed save to ``target`` left behind (ours from this host whose
-    process is gone, and those of other hosts: one target has one writer). Returns what was removed."""
+    """Remove temporary files (or, for a sharded checkpoint, directories) a killed save to
+    ``target`` left behind (see :func:`left_by_a_killed_save`). Returns what was removed."""
     removed: list[Path] = []
     if not target.parent.is_dir():
         return removed
-    for candidate in target.parent.glob(f".{target.name}.tmp-*"):
-        host, _, pid = candidate.name.rpartition("-")
-        host = host.removeprefix(f".{target.name}.tmp-")
-        if host == _HOST and pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+    prefix = f".{target.name}.tmp-"
+    for candidate in target.parent.glob(f"{prefix}*"):
+        if not left_by_a_killed_save(candidate, prefix):
             continue
-        candidate.unlink(missing_ok=True)
+        if candidate.is_dir() and not candidate.is_symlink():
+            shutil.rmtree(candidate, ignore_errors=True)
+        else:
+            candidate.unlink(missing_ok=True)
         removed.append(candidate)
     return removed
 
@@ -192,7 +208,7 @@ def _write_error(target: Path, obj: Any, error: BaseException) -> CheckpointWrit
     )
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -206,7 +222,7 @@ def _atomic_write(obj: Any, target: Path) -> FileDigest:
         remove_stale_temps(target)
     except OSError as error:
         raise _write_error(target, obj, error) from error
-    tmp = _temp_name(target)
+    tmp = temp_name(target)
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -214,7 +230,7 @@ def _atomic_write(obj: Any, target: Path) -> FileDigest:
             writer.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     except (OSError, RuntimeError) as error:
         raise _write_error(target, obj, error) from error
     finally:
@@ -253,11 +269,11 @@ def write_checkpoint(
     )
     side = manifest_path(target)
     remove_stale_temps(side)
-    tmp = _temp_name(side)
+    tmp = temp_name(side)
     try:
         tmp.write_text(manifest.model_dump_json(indent=1))
         os.replace(tmp, side)
-        _fsync_directory(side.parent)
+        fsync_directory(side.parent)
     except OSError as error:
         raise _write_error(side, None, error) from error
     finally:
@@ -285,13 +301,17 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
         ) from error
 
 
-def _digest_of(path: Path) -> FileDigest:
+def digest_of(path: Path) -> FileDigest:
+    """Size and SHA-256 of the file at ``path``, read through one reused block (hashing a large
+    checkpoint holds a megabyte, not a fresh buffer per read)."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while block := f.read(_READ_BLOCK):
-            digest.update(block)
-            size += len(block)
+    block = bytearray(_READ_BLOCK)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(block):
+            digest.update(view[:count])
+            size += count
     return FileDigest(size=size, sha256=digest.hexdigest())
 
 
@@ -307,7 +327,7 @@ def verify(path: Path, manifest: Manifest, kind: Kind) -> None:
             f"the manifest beside {path} describes the file '{manifest.file}': the files were renamed or swapped. "
             f"Rename them back together (a file and its {MANIFEST_SUFFIX} keep the same base name)."
         )
-    actual = _digest_of(path)
+    actual = digest_of(path)
     if actual.size != manifest.digest.size:
         what = "truncated" if actual.size < manifest.digest.size else "longer than saved"
         raise CheckpointCorruptedError(

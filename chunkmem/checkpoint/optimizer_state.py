@@ -31,7 +31,15 @@ from .gather import Destination, gather_full
 if TYPE_CHECKING:
     from ..tensor_state import TensorInfo
 
-__all__ = ["StagedOptimizerState", "full_optimizer_state", "load_full_optimizer_state", "stage_optimizer_state"]
+__all__ = [
+    "StagedOptimizerState",
+    "check_scaler_state",
+    "full_optimizer_state",
+    "lacking_settings",
+    "load_full_optimizer_state",
+    "refusal",
+    "stage_optimizer_state",
+]
 
 log = logging.getLogger("chunkmem")
 _Where = tuple[int, int]  # (chunk id, index in chunk): a parameter, the same on every rank
@@ -132,7 +140,8 @@ class StagedOptimizerState:
         optimizer.load_local_state(self.states, self.hyperparameters, self.scaler_state, self.stateful)
 
 
-def _refuse(optimizer: ChunkOptimizer, source: str, problems: list[str]) -> StateDictMismatchError:
+def refusal(optimizer: ChunkOptimizer, source: str, problems: list[str]) -> StateDictMismatchError:
+    """The error refusing a state for ``problems`` (listed, the first dozen)."""
     listed = "\n  - ".join(problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
     return StateDictMismatchError(
@@ -156,7 +165,8 @@ def _not_an_optimizer_state(source: str, state_dict: Any) -> StateDictMismatchEr
     return StateDictMismatchError(f"{source} is not an optimizer state dict but a {type(state_dict).__name__}")
 
 
-def _check_scaler(state: Any) -> str | None:
+def check_scaler_state(state: Any) -> str | None:
+    """What is wrong with a saved loss scaler state, or ``None``."""
     if not isinstance(state, Mapping) or set(state) != {"scale", "clean_steps"}:
         return f"'loss_scaler' must be a mapping with 'scale' and 'clean_steps', got {state!r}"
     scale, clean = state["scale"], state["clean_steps"]
@@ -165,6 +175,11 @@ def _check_scaler(state: Any) -> str | None:
     if not isinstance(clean, int) or isinstance(clean, bool) or clean < 0:
         return f"'loss_scaler' clean_steps must be an integer >= 0, got {clean!r}"
     return None
+
+
+def lacking_settings(optimizer: ChunkOptimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any]) -> list[str]:
+    """Settings of ``group`` that the optimizer class needs and ``saved_group`` lacks."""
+    return sorted(k for k in group if k in optimizer.defaults and k not in saved_group and k not in _FILLED_BY_TORCH)
 
 
 def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> StagedOptimizerState:
@@ -176,14 +191,14 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
     if not isinstance(saved_groups, list | tuple) or not all(
         isinstance(g, Mapping) and isinstance(g.get("params"), list | tuple) for g in saved_groups
     ):
-        raise _refuse(optimizer, source, ["'param_groups' must be a list of mappings, each with a 'params' list"])
+        raise refusal(optimizer, source, ["'param_groups' must be a list of mappings, each with a 'params' list"])
     if not isinstance(saved, Mapping):
-        raise _refuse(optimizer, source, [f"'state' must be a mapping, got {type(saved).__name__}"])
+        raise refusal(optimizer, source, [f"'state' must be a mapping, got {type(saved).__name__}"])
     infos_by_group = optimizer.group_infos
     sizes = [len(g["params"]) for g in saved_groups]
     expected = [len(infos) for infos in infos_by_group]
     if sizes != expected:
-        raise _refuse(
+        raise refusal(
             optimizer,
             source,
             [
@@ -203,9 +218,7 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
     current_groups = optimizer.param_groups
     keys_by_group: list[frozenset[str] | None] = []
     for position, (saved_group, group) in enumerate(zip(saved_groups, current_groups, strict=True)):
-        lacking = sorted(
-            k for k in group if k in optimizer.defaults and k not in saved_group and k not in _FILLED_BY_TORCH
-        )
+        lacking = lacking_settings(optimizer, group, saved_group)
         if lacking:
             problems.append(f"param group {position} lacks the settings {lacking}")
         keys_by_group.append(state_keys(optimizer.optimizer_class, {**group, **saved_group}) if not lacking else None)
@@ -245,11 +258,11 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
             )
     scaler_state = state_dict.get("loss_scaler")
     if scaler_state is not None:
-        problem = _check_scaler(scaler_state)
+        problem = check_scaler_state(scaler_state)
         if problem:
             problems.append(problem)
     if problems:
-        raise _refuse(optimizer, source, problems)
+        raise refusal(optimizer, source, problems)
     if dropped:
         log.warning(
             "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it is "

@@ -1,0 +1,338 @@
+"""This rank's pieces as chunks of whole tensors in ``torch.distributed.checkpoint`` (DCP).
+
+A rank holds, of each parameter, the elements ``[start, stop)`` of its *flattened* values (and the
+same range of each elementwise optimizer state). DCP describes a saved tensor by its global shape
+and a list of chunks, each an axis-aligned box (``ChunkStorageMetadata``: offsets and sizes per
+dimension); at load, its planner reads the overlap of the saved boxes with the boxes a rank asks
+for, whatever the saving layout was. A flat range of a row-major tensor is a union of at most
+``2 * ndim - 1`` boxes, each contiguous in memory (:func:`boxes`), so each rank's piece is saved as
+a few chunks of the parameter *in its own shape*. The directory is then an ordinary DCP checkpoint
+of the module's ``state_dict``: plain PyTorch reads it with ``dcp.load(model.state_dict(), ...)``.
+
+How the pieces reach DCP, and why:
+
+* ``DTensor`` cannot express a piece: its shards follow a device mesh and placements (even or
+  ``torch.chunk``-style splits along dimensions), not a range that starts anywhere in a row.
+* ``ShardedTensor`` can (local shards with explicit ``ShardMetadata``), but it is deprecated in
+  favour of DTensor (``torch.distributed._shard``: "we are deprecating ShardedTensor"), needs an
+  initialized process group even for one process, and builds per-tensor metadata collectives.
+* DCP's planner interface (``SavePlanner`` / ``LoadPlanner``, ``WriteItem`` and ``ReadItem``
+  with ``ChunkStorageMetadata``, ``create_read_items_for_chunk_list``) is the documented extension
+  point for custom layouts. :class:`PieceSavePlanner` and :class:`PieceLoadPlanner` extend the
+  default planners only through their extension hooks (``create_local_plan``, ``lookup_object``,
+  ``lookup_tensor``, ``load_bytes``), so DCP's own global planning, deduplication, validation of
+  the saved boxes (in bounds, disjoint, covering each tensor) and resharding reads are kept, and
+  one process needs no process group.
+
+Saving copies nothing: ``torch.save`` writes a tensor's whole storage, so DCP clones any view of a
+larger buffer; each box is instead handed over as a tensor on a slice of the master's storage with
+exactly its bytes (:func:`_exact_storage`), which DCP writes as it is. Loading reads into staging
+tensors the caller owns (this rank's pieces), so nothing is written into the model until every
+rank has read and checked everything.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..comm import Communicator
+from ..errors import NotSupportedError
+
+__all__ = [
+    "Blob",
+    "Box",
+    "FlatRange",
+    "PieceLoadPlanner",
+    "PieceSavePlanner",
+    "Whole",
+    "WholeTarget",
+    "boxes",
+    "dcp_load",
+    "dcp_save",
+    "read_metadata",
+]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """One axis-aligned box of a tensor, holding the flat elements ``[flat_start, flat_start + numel)``."""
+
+    offsets: Shape
+    sizes: Shape
+    flat_start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
+
+
+def boxes(shape: Shape, start: int, stop: int) -> list[Box]:
+    """The flat elements ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in order,
+    each contiguous in memory: from ``start``, the largest box that begins there (a run of whole
+    sub-blocks along the outermost dimension the position is aligned to), and so on."""
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) is outside a tensor of shape {shape} ({numel} elements)")
+    if not shape:
+        return [Box((), (), 0)] if stop > start else []
+    strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    out: list[Box] = []
+    at = start
+    while at < stop:
+        # strides[-1] == 1 always qualifies
+        k = next(d for d, stride in enumerate(strides) if at % stride == 0 and stride <= stop - at)
+        index = [(at // strides[d]) % shape[d] for d in range(len(shape))]
+        count = min(shape[k] - index[k], (stop - at) // strides[k])
+        sizes = (1,) * k + (count,) + tuple(shape[k + 1 :])
+        out.append(Box(tuple(index), sizes, at))
+        at += count * strides[k]
+    return out
+
+
+def _exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous) as a tensor whose storage is exactly its bytes, sharing memory."""
+    if view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    begin = view.storage_offset() * view.element_size()
+    storage = view.untyped_storage()[begin : begin + view.nbytes]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape)
+
+
+# --- what a rank saves ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlatRange:
+    """This rank's elements ``[start, start + values.numel())`` of a tensor of ``shape`` (flattened);
+    ``values`` is 1-D and contiguous. Saved as boxes; at load, ``values`` is filled."""
+
+    values: torch.Tensor
+    shape: Shape
+    start: int
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 1 or not self.values.is_contiguous():
+            raise ValueError("FlatRange values must be a contiguous 1-D tensor")
+
+    def boxes(self) -> list[Box]:
+        return boxes(self.shape, self.start, self.start + self.values.numel())
+
+    def box_view(self, box: Box) -> torch.Tensor:
+        begin = box.flat_start - self.start
+        return self.values[begin : begin + box.numel].view(box.sizes)
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A tensor saved whole by this rank (a buffer, a step count); the others do not save it."""
+
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A small Python object (a hyperparameter) saved whole by this rank, with ``torch.save``."""
+
+    value: Any
+
+
+SaveEntry = FlatRange | Whole | Blob
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Saves a flat mapping of names to :data:`SaveEntry`: pieces as chunks of whole tensors."""
+
+    def __init__(self, entries: Mapping[str, SaveEntry]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._entries = dict(entries)
+        self._data: dict[tuple[str, Shape | None], Any] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for fqn, entry in self._entries.items():
+            if isinstance(entry, Blob):
+                items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+                self._data[(fqn, None)] = entry.value
+                continue
+            if isinstance(entry, Whole):
+                value = entry.value.detach().contiguous()
+                parts = [(Box((0,) * value.dim(), tuple(value.shape), 0), value)]
+                shape: Shape = tuple(value.shape)
+                kind = WriteItemType.TENSOR
+            else:
+                value = entry.values.detach()
+                parts = [(box, entry.box_view(box)) for box in entry.boxes()]
+                shape = entry.shape
+                kind = WriteItemType.SHARD
+            properties = TensorProperties.create_from_tensor(value)
+            for box, data in parts:
+                index = MetadataIndex(fqn, torch.Size(box.offsets))
+                items.append(
+                    WriteItem(
+                        index=index,
+                        type=kind,
+                        tensor_data=TensorWriteData(chunk=box.chunk(), properties=properties, size=torch.Size(shape)),
+                    )
+                )
+                self._data[(fqn, box.offsets)] = _exact_storage(data)
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        offsets = None if index.offset is None else tuple(index.offset)
+        return self._data[(index.fqn, offsets)]
+
+
+# --- what a rank loads ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WholeTarget:
+    """A whole saved tensor, read into ``values`` (the saved shape; any dtype it converts to)."""
+
+    values: torch.Tensor
+
+
+@dataclass
+class BlobTarget:
+    """A saved Python object; ``value`` is set by the load (``torch.load`` with ``weights_only``)."""
+
+    value: Any = None
+    loaded: bool = False
+
+
+LoadTarget = FlatRange | WholeTarget | BlobTarget
+
+
+@dataclass
+class _Destinations:
+    views: dict[tuple[str, Shape], torch.Tensor] = field(default_factory=dict)
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads the overlap of the saved chunks with each :data:`LoadTarget` into it."""
+
+    def __init__(self, targets: Mapping[str, LoadTarget]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._targets = dict(targets)
+        self._destinations = _Destinations()
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "DCP sets the metadata before planning"
+        requests: list[ReadItem] = []
+        for fqn, target in self._targets.items():
+            saved = self.metadata.state_dict_metadata[fqn]
+            if isinstance(target, BlobTarget):
+                requests.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=MetadataIndex(fqn),
+                        dest_offsets=torch.Size((0,)),
+                        storage_index=MetadataIndex(fqn),
+                        storage_offsets=torch.Size((0,)),
+                        lengths=torch.Size((0,)),
+                    )
+                )
+                continue
+            assert isinstance(saved, TensorStorageMetadata), f"{fqn}: checked to be a tensor before loading"
+            if isinstance(target, WholeTarget):
+                local = [(Box((0,) * target.values.dim(), tuple(target.values.shape), 0), target.values)]
+            else:
+                local = [(box, target.box_view(box)) for box in target.boxes()]
+            for box, view in local:
+                self._destinations.views[(fqn, box.offsets)] = view
+            requests += create_read_items_for_chunk_list(fqn, saved, [box.chunk() for box, _ in local])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self._destinations.views[(index.fqn, tuple(index.offset or ()))]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        target = self._targets[read_item.dest_index.fqn]
+        assert isinstance(target, BlobTarget), f"{read_item.dest_index.fqn}: bytes read into a tensor target"
+        target.value = torch.load(value, weights_only=True)
+        target.loaded = True
+
+
+# --- running DCP on the model's ranks ---------------------------------------------------------
+def _no_dist(comm: Communicator, what: str) -> bool:
+    """Whether DCP runs without collectives (one rank). With several, chunkmem's group must be the
+    default group, the one DCP coordinates over here."""
+    if comm.world_size == 1:
+        return True
+    if dist.get_world_size() != comm.world_size:
+        raise NotSupportedError(
+            f"{what}: the model is sharded over a process group of {comm.world_size} ranks, not the default group of "
+            f"{dist.get_world_size()}; sharded checkpoints are written over the default group. Boost over the default "
+            "group, or save full checkpoints (shard=False)."
+        )
+    return False
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # One process without a process group is what chunkmem means at world size 1.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def dcp_save(
+    comm: Communicator, directory: Path, entries: Mapping[str, SaveEntry], what: str
+) -> tuple[Metadata, list[str]]:
+    """Write ``entries`` (this rank's) into ``directory`` (a collective over the model's ranks).
+    Returns DCP's metadata (the same on every rank) and the names of the files this rank wrote."""
+    no_dist = _no_dist(comm, what)
+    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, overwrite=False)
+    planner = PieceSavePlanner(entries)
+    with _quiet():
+        metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist)
+    storage = metadata.storage_data or {}
+    mine = sorted({storage[item.index].relative_path for item in planner.plan.items})
+    return metadata, mine
+
+
+def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str) -> None:
+    """Fill ``targets`` from ``directory`` (a collective over the model's ranks)."""
+    no_dist = _no_dist(comm, what)
+    reader = dcp.FileSystemReader(directory)
+    with _quiet():
+        dcp.load({}, storage_reader=reader, planner=PieceLoadPlanner(targets), no_dist=no_dist)
+    unread = [fqn for fqn, target in targets.items() if isinstance(target, BlobTarget) and not target.loaded]
+    if unread:
+        raise RuntimeError(f"{directory}: the values of {unread[:5]} were not read")
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """DCP's ``.metadata`` of ``directory`` (a pickle: verify its checksum first when you can)."""
+    return dcp.FileSystemReader(directory).read_metadata()

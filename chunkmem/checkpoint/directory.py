@@ -1,0 +1,290 @@
+"""Sharded checkpoint directories on disk: the manifest, atomic replacement, verification.
+
+A sharded checkpoint is a directory written by ``torch.distributed.checkpoint`` (DCP: one data
+file per saving rank and DCP's ``.metadata``) plus ``chunkmem.json`` (a
+:class:`DirectoryManifest`): what kind of state it holds, the size and SHA-256 of every other file
+in it, the step it was saved at and a fingerprint of the model. Loading verifies the files (the
+ranks share the work) before DCP reads anything, so a corrupted, truncated or swapped file, a
+directory of another model, or a model and optimizer from different steps are refused as for
+single files.
+
+Saving is atomic at the directory level. The ranks write into ``.<name>.tmp-<host>-<pid>`` beside
+the target (named after rank 0's process), rank 0 writes the manifest last, then swaps the new
+directory into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; the previous checkpoint comes
+out under the temporary name and is deleted). Where the filesystem cannot exchange, the previous
+directory is first renamed to ``.<name>.old-<host>-<pid>``, the new one renamed into place, then the
+old one deleted; a save killed between the two renames leaves the previous checkpoint there, and
+the next save to the target renames it back before anything else. Temporary directories of killed
+saves are removed by the next save to the same target. Only an empty directory or a chunkmem
+checkpoint of the same kind holding nothing but its own files is ever replaced: another kind's
+checkpoint, or a directory holding anything else, is refused, never deleted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointWriteError
+from .files import (
+    FileDigest,
+    TensorEntry,
+    digest_of,
+    fsync_directory,
+    left_by_a_killed_save,
+    remove_stale_temps,
+    temp_name,
+)
+
+__all__ = [
+    "DCP_METADATA",
+    "MANIFEST_NAME",
+    "DirectoryManifest",
+    "ShardedKind",
+    "check_kind",
+    "check_replaceable",
+    "discard",
+    "install",
+    "is_sharded",
+    "make_temp_directory",
+    "read_directory_manifest",
+    "verify_files",
+]
+
+MANIFEST_NAME = "chunkmem.json"
+DCP_METADATA = ".metadata"
+ShardedKind = Literal["model", "optimizer"]
+_LOAD_WITH = {"model": "load_model", "optimizer": "load_optimizer"}
+_SAVE_WITH = {"model": "save_model", "optimizer": "save_optimizer"}
+
+
+class DirectoryManifest(BaseModel):
+    """What ``<directory>/chunkmem.json`` records about a sharded checkpoint directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["chunkmem-sharded-checkpoint"] = "chunkmem-sharded-checkpoint"
+    version: Literal[1] = 1
+    layout: Literal["torch.distributed.checkpoint"] = "torch.distributed.checkpoint"
+    """How the state is stored: a DCP checkpoint of the module's (optimizer's) state dict."""
+    kind: ShardedKind
+    """Which save wrote it: a model or an optimizer state."""
+    files: dict[str, FileDigest]
+    """Size and SHA-256 of every other file of the directory, by name."""
+    step: int = Field(ge=0)
+    """Optimizer steps (``step()`` calls, skipped fp16 steps included) behind the saved state."""
+    model_fingerprint: str
+    """SHA-256 of the model's parameters (names, shapes, fp32) in registration order."""
+    world_size: int = Field(ge=1)
+    """World size of the run that saved it (informative: directories load at any world size)."""
+    tensors: list[TensorEntry]
+    """For a model, every state-dict entry; for an optimizer, its parameters in param group order."""
+
+
+def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
+    """The manifest of ``directory``, or ``None`` when it has none (a DCP checkpoint written
+    without chunkmem)."""
+    side = directory / MANIFEST_NAME
+    try:
+        text = side.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise CheckpointCorruptedError(
+            f"cannot read the manifest {side} of checkpoint directory {directory}: {error}"
+        ) from error
+    try:
+        return DirectoryManifest.model_validate_json(text)
+    except ValidationError as error:
+        raise CheckpointCorruptedError(
+            f"the manifest {side} of checkpoint directory {directory} is damaged ({error.error_count()} problem(s): "
+            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it to load {directory} "
+            "unverified."
+        ) from error
+
+
+# --- writing ----------------------------------------------------------------------------------
+def _old_prefix(target: Path) -> str:
+    return f".{target.name}.old-"
+
+
+def _restore_interrupted(target: Path) -> None:
+    """A save killed between moving the previous directory aside and moving the new one in left
+    the previous one under ``.<name>.old-*``: put it back. Other leftovers are deleted."""
+    prefix = _old_prefix(target)
+    for candidate in sorted(target.parent.glob(f"{prefix}*")):
+        if not left_by_a_killed_save(candidate, prefix):
+            continue
+        if not target.exists():
+            os.rename(candidate, target)
+        else:
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+def is_sharded(target: Path) -> bool:
+    """Whether ``target`` names a sharded checkpoint: a directory, or a path a directory save was
+    interrupted at (its previous checkpoint waits under ``.<name>.old-*``)."""
+    if target.is_dir():
+        return True
+    return not target.exists() and target.parent.is_dir() and any(target.parent.glob(f"{_old_prefix(target)}*"))
+
+
+def check_replaceable(target: Path, kind: ShardedKind) -> None:
+    """Refuse a target that is a file, or a directory that is not empty and not exactly a chunkmem
+    checkpoint of the same kind (a save replaces the whole directory, so it never deletes what an
+    earlier save of this kind did not write: another kind's checkpoint, files put there since)."""
+    if not target.exists():
+        return
+    if not target.is_dir() or target.is_symlink():
+        raise CheckpointWriteError(
+            f"cannot write a sharded checkpoint at {target}: a file is there (a sharded checkpoint is a directory). "
+            "Choose another path, or remove the file."
+        )
+    present = {entry.name for entry in target.iterdir()}
+    if not present:
+        return
+    if MANIFEST_NAME not in present:
+        raise CheckpointWriteError(
+            f"cannot write a sharded checkpoint at {target}: the directory holds files that are not a chunkmem "
+            f"checkpoint (it has no {MANIFEST_NAME}), and saving replaces the whole directory. Choose another path, "
+            "or empty it."
+        )
+    try:
+        manifest = read_directory_manifest(target)
+    except CheckpointCorruptedError as error:
+        raise CheckpointWriteError(
+            f"cannot replace the checkpoint at {target}: {error}. Remove the directory to save there."
+        ) from error
+    assert manifest is not None, f"{MANIFEST_NAME} is present"
+    if manifest.kind != kind:
+        raise CheckpointWriteError(
+            f"cannot write a sharded {kind} checkpoint at {target}: it holds a {manifest.kind} checkpoint, which this "
+            f"save would replace. Give each state its own directory (e.g. {target / kind})."
+        )
+    extra = sorted(present - set(manifest.files) - {MANIFEST_NAME})
+    if extra:
+        raise CheckpointWriteError(
+            f"cannot replace the checkpoint at {target}: it also holds {extra[:3]}, which the checkpoint does not list "
+            "and saving would delete. Move them elsewhere, or save to another path."
+        )
+
+
+def make_temp_directory(target: Path, kind: ShardedKind) -> Path:
+    """On the first rank: clean up after killed saves to ``target``, check that it may be replaced
+    by a ``kind`` checkpoint, and create the (empty) directory the ranks write into."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _restore_interrupted(target)
+    remove_stale_temps(target)
+    check_replaceable(target, kind)
+    temp = temp_name(target)
+    if temp.exists():  # this process's own, from a save that failed and could not clean up
+        shutil.rmtree(temp)
+    temp.mkdir()
+    return temp
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where
+    the system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def install(temp: Path, target: Path, manifest: DirectoryManifest) -> None:
+    """On the first rank: write the manifest into ``temp`` (durably), then put ``temp`` in place
+    of ``target`` atomically and delete the previous checkpoint."""
+    check_replaceable(target, manifest.kind)
+    side = temp / MANIFEST_NAME
+    with open(side, "w") as f:
+        f.write(manifest.model_dump_json(indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_directory(temp)
+    if not target.exists():
+        os.rename(temp, target)
+        previous = None
+    elif _exchange(temp, target):
+        previous = temp
+    else:
+        previous = target.with_name(f"{temp.name.replace('.tmp-', '.old-', 1)}")
+        os.rename(target, previous)
+        try:
+            os.rename(temp, target)
+        except OSError:
+            os.rename(previous, target)
+            raise
+    fsync_directory(target.parent)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def discard(temp: Path) -> None:
+    """Remove a temporary directory after a failed save (best effort: the next save removes what
+    is left)."""
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+# --- reading ----------------------------------------------------------------------------------
+def check_kind(directory: Path, manifest: DirectoryManifest, kind: ShardedKind) -> None:
+    if manifest.kind != kind:
+        raise CheckpointMismatchError(
+            f"{directory} holds a {manifest.kind} state (written by {_SAVE_WITH[manifest.kind]}), not a {kind} state; "
+            f"load it with {_LOAD_WITH[manifest.kind]}"
+        )
+
+
+def _verify_file(directory: Path, name: str, expected: FileDigest) -> None:
+    path = directory / name
+    try:
+        actual = digest_of(path)
+    except FileNotFoundError:
+        raise CheckpointCorruptedError(
+            f"checkpoint file {path} is missing: the manifest of {directory} lists it. The directory was damaged or "
+            "partly copied; load an intact copy or an earlier checkpoint."
+        ) from None
+    except OSError as error:
+        raise CheckpointCorruptedError(f"cannot read checkpoint file {path}: {error}") from error
+    if actual.size != expected.size:
+        what = "truncated" if actual.size < expected.size else "longer than saved"
+        raise CheckpointCorruptedError(
+            f"checkpoint file {path} is {what}: {actual.size} bytes, the manifest of {directory} says {expected.size}. "
+            "It was damaged after saving or the copy was interrupted; load an intact copy or an earlier checkpoint."
+        )
+    if actual.sha256 != expected.sha256:
+        raise CheckpointCorruptedError(
+            f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
+            f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
+            f"you replaced files on purpose, delete {directory / MANIFEST_NAME} to load the directory unverified."
+        )
+
+
+def verify_files(directory: Path, manifest: DirectoryManifest, rank: int, world_size: int) -> None:
+    """Check this rank's share of the files against the manifest: DCP's ``.metadata`` on every
+    rank (each unpickles it), the data files round robin, so that together the ranks read each
+    file once."""
+    if DCP_METADATA not in manifest.files:
+        raise CheckpointCorruptedError(
+            f"the manifest of {directory} lists no {DCP_METADATA}: it is not a DCP checkpoint"
+        )
+    _verify_file(directory, DCP_METADATA, manifest.files[DCP_METADATA])
+    data = sorted(name for name in manifest.files if name != DCP_METADATA)
+    for name in data[rank::world_size]:
+        _verify_file(directory, name, manifest.files[name])

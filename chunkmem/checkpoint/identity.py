@@ -1,0 +1,52 @@
+"""What a checkpoint was saved for: the model's fingerprint, the tensors a manifest lists, and a
+readable account of how two such lists differ (for the message that refuses a mismatched load)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .files import TensorEntry, fingerprint
+
+if TYPE_CHECKING:
+    from ..manager import ChunkManager
+    from ..optim import ChunkOptimizer
+
+__all__ = ["describe_difference", "model_fingerprint", "optimizer_entries"]
+
+
+def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
+    return [(info.name, tuple(info.shape), "torch.float32") for info in manager.infos]
+
+
+def model_fingerprint(manager: ChunkManager) -> str:
+    """Hash of the model's parameters (names, shapes, fp32) in registration order."""
+    return fingerprint(_parameter_entries(manager))
+
+
+def optimizer_entries(optimizer: ChunkOptimizer) -> list[TensorEntry]:
+    """The optimizer's parameters in param group order (what a PyTorch-format state counts)."""
+    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
+
+
+def describe_difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
+    """How the tensors a checkpoint lists differ from this model's (names only on one side, other
+    shapes or dtypes, or another order)."""
+    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
+    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
+    only_saved = [n for n in saved_map if n not in here_map]
+    only_here = [n for n in here_map if n not in saved_map]
+    changed = [
+        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
+        for n in saved_map
+        if n in here_map and saved_map[n] != here_map[n]
+    ]
+    parts = []
+    if only_saved:
+        parts.append(f"only in the checkpoint: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
+    if only_here:
+        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
+    if changed:
+        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
+    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
+        parts.append("the same tensors in another order")
+    return "; ".join(parts) or "the same tensors"

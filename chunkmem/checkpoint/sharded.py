@@ -1,0 +1,297 @@
+"""Sharded saves and loads: the steps every rank takes, and where the ranks agree.
+
+Saving (a collective; no rank gathers anything, each writes its own pieces):
+
+1. rank 0 cleans up after killed saves and creates the temporary directory (agreed);
+2. every rank learns its name, checks that it sees it (a filesystem all ranks share) and lists
+   its pieces (agreed);
+3. DCP writes each rank's pieces into it, then each rank hashes the files it wrote (agreed; DCP
+   itself reports a failure on any rank to every rank);
+4. rank 0 checks that it sees every file at the size its writer hashed, writes the manifest and
+   swaps the directory into place (agreed).
+
+A failure at any step raises the same error on every rank, the temporary directory is removed and
+the previous checkpoint at the target is unchanged.
+
+Loading (a collective):
+
+1. every rank reads the manifest, checks what it was saved for (kind, model, step), verifies its
+   share of the files (checksums), reads DCP's metadata, checks every key and shape against the
+   model or optimizer, and allocates staging tensors for its pieces (agreed);
+2. DCP reads the overlap of the saved chunks with this rank's pieces into the staging tensors, and
+   the small values read (hyperparameters, the loss scale) are checked (agreed);
+3. only then does the caller install the staged values. A refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..comm import Communicator
+from ..errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointWriteError,
+    ChunkmemError,
+)
+from .agreement import agree, on_first_rank
+from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save, read_metadata
+from .directory import (
+    DCP_METADATA,
+    MANIFEST_NAME,
+    DirectoryManifest,
+    ShardedKind,
+    check_kind,
+    discard,
+    install,
+    make_temp_directory,
+    read_directory_manifest,
+    verify_files,
+)
+from .files import FileDigest, TensorEntry, digest_of
+
+__all__ = ["Reading", "SaveRequest", "load_directory", "save_directory"]
+
+T = TypeVar("T")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _write_error(target: Path, error: BaseException) -> ChunkmemError:
+    if isinstance(error, ChunkmemError):
+        return error
+    try:
+        free = f" ({shutil.disk_usage(target.parent).free} bytes free on its disk.)"
+    except OSError:
+        free = ""
+    return CheckpointWriteError(
+        f"could not write the sharded checkpoint {target}: {type(error).__name__}: {_first_line(error)}.{free} The "
+        f"previous checkpoint at {target}, if any, is unchanged."
+    )
+
+
+def _read_error(target: Path, error: BaseException) -> ChunkmemError:
+    if isinstance(error, ChunkmemError):
+        return error
+    return CheckpointCorruptedError(
+        f"cannot read checkpoint directory {target} ({type(error).__name__}: {_first_line(error)}); it is damaged or "
+        "not a checkpoint of this state. Load an intact copy or an earlier checkpoint."
+    )
+
+
+def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseException], ChunkmemError]) -> T | None:
+    """Run a DCP collective. DCP reports a failure on any rank to every rank; this rank raises
+    only its own (converted), and returns ``None`` when only other ranks failed (the agreement
+    that follows raises here too)."""
+    try:
+        return call()
+    except CheckpointException as error:
+        own = error.failures.get(rank)
+        if own is None:
+            return None
+        raise convert(own[0]) from own[0]
+
+
+# --- saving -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SaveRequest:
+    """What the manifest of a saved directory records."""
+
+    kind: ShardedKind
+    step: int
+    model_fingerprint: str
+    tensors: list[TensorEntry]
+
+
+@dataclass
+class _Written:
+    metadata: Metadata
+    digests: dict[str, FileDigest]
+
+
+def save_directory(
+    comm: Communicator, target: Path, request: SaveRequest, build: Callable[[], Mapping[str, SaveEntry]]
+) -> None:
+    """Save what ``build`` lists on each rank (its pieces, and what it saves once) as the DCP
+    checkpoint directory ``target``, atomically. A collective: every rank calls it."""
+    what = f"saving a sharded {request.kind} checkpoint"
+    subject = str(target)
+    temp: Path | None = None  # rank 0's, until it is installed or removed
+
+    def prepare() -> None:
+        nonlocal temp
+        if comm.rank == 0:
+            try:
+                temp = make_temp_directory(target, request.kind)
+            except OSError as error:
+                raise _write_error(target, error) from error
+
+    try:
+        agree(comm, what, prepare, CheckpointWriteError, subject)
+        shared = target.parent / comm.all_gather_object(temp.name if temp is not None else None)[0]
+        entries: dict[str, SaveEntry] = {}
+
+        def ready() -> None:
+            if not shared.is_dir():
+                raise CheckpointWriteError(
+                    f"rank {comm.rank} does not see {shared}, the directory rank 0 created to write {target}: every "
+                    "rank must save to the same directory, on a filesystem all ranks share"
+                )
+            entries.update(build())
+
+        agree(comm, f"{what} (preparing)", ready, CheckpointWriteError, subject)
+
+        def write() -> _Written | None:
+            done = _through_dcp(
+                lambda: dcp_save(comm, shared, entries, what), comm.rank, lambda e: _write_error(target, e)
+            )
+            if done is None:
+                return None
+            metadata, mine = done
+            try:
+                return _Written(metadata, {name: digest_of(shared / name) for name in mine})
+            except OSError as error:
+                raise _write_error(target, error) from error
+
+        written = agree(comm, f"{what} (writing)", write, CheckpointWriteError, subject)
+        assert written is not None, "a rank that saw another rank fail raised in the agreement"
+        everyone: list[dict[str, FileDigest]] = comm.all_gather_object(written.digests)
+
+        def finish() -> None:
+            assert temp is not None, "rank 0 created the temporary directory"
+            files: dict[str, FileDigest] = {}
+            for digests in everyone:
+                files.update(digests)
+            try:
+                files[DCP_METADATA] = digest_of(temp / DCP_METADATA)
+                referenced = {info.relative_path for info in (written.metadata.storage_data or {}).values()}
+                for name in sorted(referenced | set(files)):
+                    path = temp / name
+                    if name not in files or not path.is_file() or path.stat().st_size != files[name].size:
+                        raise CheckpointWriteError(
+                            f"rank 0 does not see {path} as it was written (a file of the sharded checkpoint "
+                            f"{target}): every rank must save to the same directory, on a filesystem all ranks share"
+                        )
+                manifest = DirectoryManifest(
+                    kind=request.kind,
+                    files=files,
+                    step=request.step,
+                    model_fingerprint=request.model_fingerprint,
+                    world_size=comm.world_size,
+                    tensors=[(name, tuple(shape), dtype) for name, shape, dtype in request.tensors],
+                )
+                install(temp, target, manifest)
+            except OSError as error:
+                raise _write_error(target, error) from error
+
+        on_first_rank(comm, f"{what} (finishing)", finish, CheckpointWriteError, subject)
+        temp = None
+    except ChunkmemError:
+        # Raised on every rank at the same step: rank 0 removes what was written, and no rank
+        # returns before it has (a caller may look at the directory at once).
+        if temp is not None:
+            discard(temp)
+            temp = None
+        _settle(comm)
+        raise
+    finally:
+        if temp is not None:
+            discard(temp)
+
+
+def _settle(comm: Communicator) -> None:
+    """Wait for every rank, after a failure every rank raises; a rank that cannot be reached any
+    more has failed already, and the original error is what matters."""
+    with contextlib.suppress(Exception):
+        comm.barrier()
+
+
+# --- loading ----------------------------------------------------------------------------------
+class Reading(Generic[T]):
+    """What one rank reads of a directory: ``targets`` (staging tensors for its pieces, and the
+    small values everyone needs), and ``finish``, which checks what was read and returns the
+    staged state (raising a ``StateDictMismatchError`` that lists every problem)."""
+
+    def __init__(self, targets: Mapping[str, LoadTarget], finish: Callable[[], T]) -> None:
+        self.targets = dict(targets)
+        self.finish = finish
+
+
+def _open(comm: Communicator, target: Path, kind: ShardedKind) -> tuple[DirectoryManifest | None, Metadata]:
+    if not target.is_dir():
+        interrupted = sorted(target.parent.glob(f".{target.name}.old-*")) if target.parent.is_dir() else []
+        hint = (
+            f"; a save to it was interrupted and left the previous checkpoint at {interrupted[0]} (the next save to "
+            f"{target.name} puts it back, or rename it yourself)"
+            if interrupted
+            else ""
+        )
+        raise CheckpointCorruptedError(f"checkpoint directory {target} does not exist{hint}")
+    manifest = read_directory_manifest(target)
+    if manifest is None and not (target / DCP_METADATA).is_file():
+        raise CheckpointCorruptedError(
+            f"{target} is not a checkpoint directory: it has neither chunkmem's {MANIFEST_NAME} nor DCP's "
+            f"{DCP_METADATA}"
+        )
+    if manifest is not None:
+        check_kind(target, manifest, kind)
+        verify_files(target, manifest, comm.rank, comm.world_size)
+    try:
+        metadata = read_metadata(target)
+    except Exception as error:
+        raise CheckpointCorruptedError(
+            f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {_first_line(error)}): the directory is not "
+            "a DCP checkpoint or it is damaged. Load an intact copy or an earlier checkpoint."
+        ) from error
+    if manifest is not None:
+        referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+        unlisted = sorted(referenced - set(manifest.files))
+        if unlisted:
+            raise CheckpointCorruptedError(
+                f"{target / DCP_METADATA} refers to files its manifest does not list ({unlisted[:3]}): the files of "
+                "two checkpoints were mixed. Load an intact copy or an earlier checkpoint."
+            )
+    return manifest, metadata
+
+
+def load_directory(
+    comm: Communicator,
+    target: Path,
+    kind: ShardedKind,
+    plan: Callable[[DirectoryManifest | None, Metadata], Reading[T]],
+) -> tuple[T, DirectoryManifest | None]:
+    """Verify ``target``, let ``plan`` check the saved keys and shapes and say what this rank
+    reads, read it, and return what ``Reading.finish`` staged, with the manifest (``None`` for a
+    DCP checkpoint written without chunkmem, loaded unverified). Nothing is installed. A
+    collective: every rank calls it."""
+    what = f"loading a sharded {kind} checkpoint"
+
+    def open_and_plan() -> tuple[DirectoryManifest | None, Reading[T]]:
+        manifest, metadata = _open(comm, target, kind)
+        return manifest, plan(manifest, metadata)
+
+    manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
+
+    def read() -> T | None:
+        def run() -> bool:
+            dcp_load(comm, target, reading.targets, what)
+            return True
+
+        if _through_dcp(run, comm.rank, lambda e: _read_error(target, e)) is None:
+            return None
+        return reading.finish()
+
+    staged = agree(comm, f"{what} (reading)", read, CheckpointCorruptedError, str(target))
+    assert staged is not None, "a rank that saw another rank fail raised in the agreement"
+    return staged, manifest

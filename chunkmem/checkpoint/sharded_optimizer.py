@@ -1,0 +1,256 @@
+"""A boosted optimizer's state as a sharded checkpoint: what each rank saves and reads.
+
+The directory is a DCP checkpoint of the optimizer state keyed by parameter name, as
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives it and DCP flattens it:
+
+* ``state.<parameter>.<key>``: elementwise state (``exp_avg``...) in the parameter's shape, each
+  rank writing the elements of its pieces; other state (``step``) whole, written once, by the rank
+  holding the parameter's first element;
+* ``param_groups.<i>.<setting>``: each group's hyperparameters, and ``param_groups.<i>.params``,
+  its parameters' names, written by rank 0;
+* ``loss_scaler.scale`` and ``loss_scaler.clean_steps`` with fp16, written by rank 0.
+
+Loading reads, for each piece of this rank, the overlapping elements of its elementwise state and
+its whole other state, and every hyperparameter; everything is checked as for a full optimizer
+state (group sizes and parameters, the settings and state keys the optimizer class keeps, shapes,
+dtypes, the loss scale) before anything is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ..errors import CheckpointMismatchError, StateDictMismatchError
+from ..optim_probe import state_keys
+from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget
+from .directory import DirectoryManifest
+from .identity import describe_difference, model_fingerprint, optimizer_entries
+from .optimizer_state import StagedOptimizerState, check_scaler_state, lacking_settings, refusal
+from .progress import check_pairing
+from .sharded import Reading
+
+if TYPE_CHECKING:
+    from ..optim import ChunkOptimizer, Piece
+    from ..tensor_state import TensorInfo
+
+__all__ = ["optimizer_save_entries", "plan_optimizer_load"]
+
+log = logging.getLogger("chunkmem")
+
+
+def _value_entry(value: Any) -> SaveEntry:
+    return Whole(value.detach()) if isinstance(value, torch.Tensor) else Blob(value)
+
+
+def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, SaveEntry]:
+    """What this rank saves: the elementwise state of its pieces, the other state of the
+    parameters whose first element it holds, and, on rank 0, the param groups and loss scale."""
+    entries: dict[str, SaveEntry] = {}
+    for piece in optimizer.pieces:
+        for key, value in (optimizer.state.get(piece.tensor) or {}).items():
+            name = f"state.{piece.info.name}.{key}"
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape:
+                entries[name] = FlatRange(value.detach().contiguous(), tuple(piece.info.shape), piece.param_slice.start)
+            elif piece.param_slice.start == 0:
+                entries[name] = _value_entry(value)
+    if optimizer.communicator.rank == 0:
+        for position, (group, infos) in enumerate(zip(optimizer.param_groups, optimizer.group_infos, strict=True)):
+            for setting, value in group.items():
+                if setting != "params":
+                    entries[f"param_groups.{position}.{setting}"] = _value_entry(value)
+            entries[f"param_groups.{position}.params"] = Blob([info.name for info in infos])
+        if optimizer.loss_scaler is not None:
+            for key, value in optimizer.loss_scaler.state_dict().items():
+                entries[f"loss_scaler.{key}"] = Blob(value)
+    return entries
+
+
+def _elementwise(saved: Any, info: TensorInfo) -> bool:
+    """Saved state shaped like its parameter (a one-element tensor of another shape is a scalar)."""
+    return (
+        isinstance(saved, TensorStorageMetadata)
+        and len(saved.size) > 0
+        and not (saved.size.numel() == 1 and tuple(saved.size) != tuple(info.shape))
+    )
+
+
+def _target(saved: Any) -> LoadTarget:
+    if isinstance(saved, BytesStorageMetadata):
+        return BlobTarget()
+    assert isinstance(saved, TensorStorageMetadata), f"DCP stores tensors and bytes, not {type(saved).__name__}"
+    return WholeTarget(torch.empty(tuple(saved.size), dtype=saved.properties.dtype))
+
+
+def _read(target: LoadTarget) -> Any:
+    if isinstance(target, BlobTarget):
+        return target.value
+    return target.values
+
+
+class _Layout:
+    """The entries of a saved optimizer state, sorted by what they hold."""
+
+    def __init__(self, optimizer: ChunkOptimizer, metadata: Metadata, source: Path) -> None:
+        self.infos: dict[str, tuple[int, TensorInfo]] = {
+            info.name: (position, info) for position, infos in enumerate(optimizer.group_infos) for info in infos
+        }
+        self.groups: dict[int, dict[str, Any]] = {}
+        self.state: dict[str, dict[str, Any]] = {}
+        self.scaler: dict[str, Any] = {}
+        self.problems: list[str] = []
+        for name, saved in metadata.state_dict_metadata.items():
+            head, _, rest = name.partition(".")
+            if head == "state":
+                parameter, _, key = rest.rpartition(".")
+                if parameter in self.infos:
+                    self.state.setdefault(parameter, {})[key] = saved
+                else:
+                    self.problems.append(
+                        f"'state' has an entry for parameter '{parameter}', which no param group lists"
+                    )
+            elif head == "param_groups" and rest.partition(".")[0].isdigit():
+                position, _, setting = rest.partition(".")
+                self.groups.setdefault(int(position), {})[setting] = saved
+            elif head == "loss_scaler":
+                self.scaler[rest] = saved
+            else:
+                self.problems.append(f"'{name}' is not part of an optimizer state")
+        if not self.groups:
+            examples = list(metadata.state_dict_metadata)[:4]
+            raise StateDictMismatchError(
+                f"{source} holds no optimizer state (no 'param_groups'; entries such as {examples}); a model "
+                "checkpoint loads with booster.load_model"
+            )
+        sizes = sorted(self.groups)
+        expected = len(optimizer.param_groups)
+        if sizes != list(range(expected)) or any("params" not in settings for settings in self.groups.values()):
+            raise refusal(
+                optimizer,
+                str(source),
+                [
+                    f"{len(sizes)} param groups in the checkpoint (each with its 'params'), {expected} in this "
+                    "optimizer: it was saved for another model or other param groups"
+                ],
+            )
+
+
+def plan_optimizer_load(
+    optimizer: ChunkOptimizer, source: Path
+) -> Callable[[DirectoryManifest | None, Metadata], Reading[StagedOptimizerState]]:
+    """The ``plan`` for ``load_directory``: check the saved state's structure against the
+    optimizer, stage this rank's pieces of it and the hyperparameters; ``finish`` checks the
+    values read (parameters of each group, settings, state keys, loss scale)."""
+
+    def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedOptimizerState]:
+        runtime = optimizer.runtime
+        if manifest is not None:
+            here = optimizer_entries(optimizer)
+            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
+                raise CheckpointMismatchError(
+                    f"optimizer checkpoint {source} was saved for an optimizer over other parameters "
+                    f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this "
+                    "model."
+                )
+            check_pairing(runtime, "optimizer", manifest.step, source)
+        layout = _Layout(optimizer, metadata, source)
+        problems = list(layout.problems)
+        dropped: list[str] = []
+        for parameter, saved_state in layout.state.items():
+            info = layout.infos[parameter][1]
+            if not info.trainable:
+                dropped.append(parameter)
+                continue
+            for key, saved in saved_state.items():
+                where = f"state '{key}' of parameter '{parameter}' (shape {tuple(info.shape)})"
+                if not _elementwise(saved, info):
+                    continue
+                if tuple(saved.size) != tuple(info.shape):
+                    problems.append(
+                        f"{where} has shape {tuple(saved.size)}: it was saved for a parameter of another shape"
+                    )
+                elif not (saved.properties.dtype.is_floating_point or saved.properties.dtype.is_complex):
+                    problems.append(f"{where} has dtype {saved.properties.dtype}, not a floating point dtype")
+        if problems:
+            raise refusal(optimizer, str(source), problems)
+
+        targets: dict[str, LoadTarget] = {}
+        for position, settings in layout.groups.items():
+            for setting, saved in settings.items():
+                targets[f"param_groups.{position}.{setting}"] = _target(saved)
+        for key, saved in layout.scaler.items():
+            targets[f"loss_scaler.{key}"] = _target(saved)
+        staged_keys: list[tuple[Piece, str, str]] = []
+        for piece in optimizer.pieces:
+            parameter = piece.info.name
+            for key, saved in layout.state.get(parameter, {}).items():
+                name = f"state.{parameter}.{key}"
+                if _elementwise(saved, piece.info):
+                    staging = torch.empty(piece.part.numel, dtype=saved.properties.dtype)
+                    targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
+                else:
+                    targets[name] = _target(saved)
+                staged_keys.append((piece, key, name))
+
+        def finish() -> StagedOptimizerState:
+            problems: list[str] = []
+            hyperparameters: list[dict[str, Any]] = []
+            keys_by_group: list[frozenset[str] | None] = []
+            for position, (group, infos) in enumerate(zip(optimizer.param_groups, optimizer.group_infos, strict=True)):
+                settings = {
+                    setting: _read(targets[f"param_groups.{position}.{setting}"]) for setting in layout.groups[position]
+                }
+                names = settings.pop("params")
+                if list(names) != [info.name for info in infos]:
+                    problems.append(
+                        f"param group {position} holds the parameters {list(names)[:4]}... in the checkpoint, "
+                        f"{[info.name for info in infos][:4]}... here: it was saved for other param groups"
+                    )
+                lacking = lacking_settings(optimizer, group, settings)
+                if lacking:
+                    problems.append(f"param group {position} lacks the settings {lacking}")
+                hyperparameters.append(settings)
+                keys_by_group.append(
+                    state_keys(optimizer.optimizer_class, {**group, **settings}) if not lacking else None
+                )
+            for parameter, saved_state in layout.state.items():
+                position, info = layout.infos[parameter]
+                keys = keys_by_group[position]
+                if info.trainable and keys is not None and set(saved_state) != keys:
+                    problems.append(
+                        f"the state of parameter '{parameter}' has the keys {sorted(saved_state)}, but "
+                        f"{optimizer.optimizer_class.__name__} with these settings keeps {sorted(keys)}: it was saved "
+                        "by another optimizer class or settings"
+                    )
+            scaler_state = {key: _read(targets[f"loss_scaler.{key}"]) for key in layout.scaler} or None
+            if scaler_state is not None:
+                problem = check_scaler_state(scaler_state)
+                if problem:
+                    problems.append(problem)
+            if problems:
+                raise refusal(optimizer, str(source), problems)
+            if dropped:
+                log.warning(
+                    "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it "
+                    "is not loaded",
+                    source,
+                    len(dropped),
+                    ", ".join(dropped[:3]),
+                )
+            if scaler_state is not None and optimizer.loss_scaler is None:
+                log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+            states: dict[torch.Tensor, dict[str, Any]] = {}
+            for piece, key, name in staged_keys:
+                states.setdefault(piece.tensor, {})[key] = _read(targets[name])
+            # Which parameters have state is read from the checkpoint's layout, the same on every rank.
+            stateful = [layout.infos[parameter][1] for parameter in layout.state if parameter not in dropped]
+            return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
+
+        return Reading(targets, finish)
+
+    return plan
