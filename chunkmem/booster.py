@@ -34,13 +34,22 @@ class Booster:
         criterion: Any = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
+        *,
+        weights: str | os.PathLike[str] | None = None,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None, Any, Any, Any]:
         """Put the model's parameters in chunks and point the optimizer at the master shards. The
         optimizer must be built over ``model.parameters()``. The returned optimizer is a
         ``torch.optim.Optimizer`` sharing the given optimizer's param groups, so an LR scheduler
         built before or after boosting works; the given optimizer object itself must not be stepped
-        any more (it raises)."""
-        boosted_model, boosted_optimizer = self.plugin.configure(model, optimizer)
+        any more (it raises).
+
+        A model built on the meta device (``with torch.device("meta"): ...``) is given values one
+        parameter at a time, each rank keeping only its shards: the model's own initialisation,
+        exactly as a CPU construction would have run it from torch's generator as it is now, or,
+        with ``weights`` (a transformers model directory or a safetensors file), the checkpoint's
+        values, each rank reading only its slices. The optimizer may be built over the meta model
+        before boosting, without state."""
+        boosted_model, boosted_optimizer = self.plugin.configure(model, optimizer, weights)
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: ChunkOptimizer) -> None:

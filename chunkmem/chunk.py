@@ -23,6 +23,7 @@ from .chunk_grads import ChunkGrads, GradState
 from .chunk_layout import ChunkLayout, ShardPiece
 from .chunk_residency import ChunkResidency, ChunkState
 from .comm import Communicator, PendingGather
+from .param_values import LiveValues, ParamValues
 from .shard import ShardStore
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
@@ -138,10 +139,12 @@ class Chunk:
         self._residency.require("append", f"parameter '{info.name}'")
         self.layout.append(info, self._where())
 
-    def close(self, master: Location, shard: Location) -> None:
+    def close(self, master: Location, shard: Location, values: ParamValues | None = None) -> None:
         """Copy this rank's slice of every parameter into a master shard placed at ``master`` and
-        point the parameters at placeholders: their original storage can be freed. Parameters can
-        come from any device; only the shard's slice of each is read."""
+        point the parameters at placeholders: their original storage can be freed. The slices are
+        read from ``values`` (default: the parameters' own data, on any device), one parameter at
+        a time; parameters with no element in this rank's shard are not read at all."""
+        source = values if values is not None else LiveValues()
         self._residency.require("close")
         store = ShardStore(
             f"chunk {self.chunk_id} (rank {self._comm.rank})",
@@ -161,7 +164,7 @@ class Chunk:
             for info in self.layout.tensors:
                 piece = self.layout.piece(info)
                 if piece is not None:
-                    master_tensor[piece.shard].copy_(info.param.data.reshape(-1)[piece.param])
+                    master_tensor[piece.shard].copy_(source.read(info, piece))
         store.mark_updated()
         self._store = store
         self._grads.close(store)

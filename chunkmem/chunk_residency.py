@@ -114,6 +114,13 @@ class ChunkResidency:
         self._store = store
         nan = torch.full((), float("nan"), dtype=self._layout.compute_dtype, device=self._comm.device)
         self._placeholders = [nan.expand(info.shape) for info in self._layout.tensors]
+        for info in self._layout.tensors:
+            if info.param.is_meta and not self._comm.plans_only:
+                # ``.data`` cannot move a tensor off the meta device; swapping keeps the parameter
+                # object itself, which the model and the user's optimizer hold.
+                real = torch.nn.Parameter(torch.empty((), dtype=info.param.dtype).expand(info.shape))
+                real.requires_grad_(info.param.requires_grad)
+                torch.utils.swap_tensors(info.param, real)
         self._set_param_data(self._placeholders)
 
     @property

@@ -17,6 +17,7 @@ __all__ = [
     "ChunkmemError",
     "CollectiveMismatchError",
     "IllegalTransition",
+    "MaterializeError",
     "NotSupportedError",
     "ShardedGradientError",
     "StateDictMismatchError",
@@ -58,6 +59,13 @@ class CollectiveMismatchError(ChunkmemError, RuntimeError):
 
 class UnmanageableParameter(ChunkmemError, ValueError):
     """A parameter chunkmem cannot put in a chunk."""
+
+
+class MaterializeError(ChunkmemError, ValueError):
+    """A model with parameters on the meta device cannot be given exact values: its own
+    initialisation cannot be replayed as the CPU would have run it, or the weights given for it do
+    not match it. Raised before any parameter is moved into chunks; the message names the module or
+    parameter and what to do."""
 
 
 class IllegalTransition(ChunkmemError, RuntimeError):

@@ -12,6 +12,7 @@ from .accounting import Location, MemoryLedger
 from .chunk import Chunk, ChunkState
 from .comm import Communicator, PendingGather
 from .errors import UnmanageableParameter
+from .param_values import LiveValues, ParamValues
 from .search import group_key
 from .stats import Stats
 from .tensor_state import TensorInfo
@@ -23,10 +24,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class ChunkManager:
-    """Owns the chunks of one model on one rank, the parameter -> chunk map and the byte ledger."""
+    """Owns the chunks of one model on one rank, the parameter -> chunk map and the byte ledger.
+    ``values`` is where closing a chunk reads its parameters' values (default: their own data)."""
 
-    def __init__(self, comm: Communicator, compute_dtype: torch.dtype, stats: Stats) -> None:
+    def __init__(
+        self, comm: Communicator, compute_dtype: torch.dtype, stats: Stats, values: ParamValues | None = None
+    ) -> None:
         self._comm = comm
+        self._values: ParamValues = values if values is not None else LiveValues()
         self._compute_dtype = compute_dtype
         self._stats = stats
         self._ledger = MemoryLedger()
@@ -120,10 +125,8 @@ class ChunkManager:
                 f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
                 "parameter subclasses (unwrap it first)"
             )
-        if param.device.type == "meta" and not self._comm.plans_only:
-            raise UnmanageableParameter(
-                f"{where} is on the meta device; materialize the model (to_empty() and initialize it) first"
-            )
+        if not self._comm.plans_only:  # a plan keeps every tensor on the meta device
+            self._values.check(param, where)
         if param.dtype not in SUPPORTED_DTYPES:
             raise UnmanageableParameter(
                 f"{where} has dtype {param.dtype}; chunks hold float32, bfloat16 or float16 parameters. "
@@ -135,10 +138,11 @@ class ChunkManager:
     # --- building the shards ----------------------------------------------------------------
     def close_all(self, placement: Callable[[Chunk], tuple[Location, Location]]) -> None:
         """Shard every chunk, one at a time (a model larger than the device still wraps), with its
-        master and parameter shard where ``placement`` says."""
+        master and parameter shard where ``placement`` says, its values read from ``values``."""
         for chunk in self._chunks:
             master, shard = placement(chunk)
-            chunk.close(master, shard)
+            chunk.close(master, shard, self._values)
+        self._values.release()
 
     # --- verbs the runtime uses -------------------------------------------------------------
     def gather(self, chunk: Chunk, async_op: bool) -> PendingGather | None:

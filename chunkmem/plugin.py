@@ -27,11 +27,13 @@ from placement import (
 from .accounting import Location
 from .chunk import Chunk
 from .comm import Communicator
-from .errors import BudgetTooSmallError
+from .errors import BudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
+from .materialize import model_values
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
+from .param_values import LiveValues
 from .runtime import ChunkRuntime
 from .search import default_search_range, search_chunk_size
 from .shard import MASTER_DTYPE
@@ -55,6 +57,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
                     "model.parameters() of the model you boost"
                 )
     check_elementwise(optimizer)
+    if optimizer.state and any(p.is_meta for _, p in named):
+        raise MaterializeError(
+            f"{type(optimizer).__name__} already holds state (loaded or stepped) for a model with parameters on the "
+            "meta device, which have no values yet: chunkmem cannot tell which values that state belongs to. Build the "
+            "optimizer over the meta model without state, boost, then load the state with booster.load_optimizer "
+            "(or optimizer.load_state_dict on the optimizer boost returns)."
+        )
 
 
 def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
@@ -164,11 +173,32 @@ class ChunkPlugin:
         return _DTYPES[self.precision]
 
     def configure(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        weights: str | os.PathLike[str] | None = None,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         """Build the chunked model and optimizer. Everything that can be refused (parameters,
-        optimizer, budget) is checked before the model's parameters are moved into chunks, so a
-        refused model is left as it was."""
+        optimizer, budget, weights) is checked before the model's parameters are moved into
+        chunks, so a refused model is left as it was (and torch's generator too).
+
+        Parameter values come from the model itself, or, for parameters on the meta device, from
+        the model's own initialisation replayed piece by piece; with ``weights`` (a safetensors
+        checkpoint: a transformers model directory or a file) every parameter is read from it,
+        this rank's slices only (see ``chunkmem.materialize``)."""
+        generator_state = torch.random.default_generator.get_state()
+        try:
+            return self._configure(model, optimizer, weights)
+        except BaseException:
+            torch.random.default_generator.set_state(generator_state)
+            raise
+
+    def _configure(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        weights: str | os.PathLike[str] | None,
+    ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         if isinstance(model, ChunkedModel):
             raise ValueError("this model is already boosted")
         named = list(model.named_parameters())  # each shared parameter once, first name
@@ -187,8 +217,10 @@ class ChunkPlugin:
             self._check_chunk_size(named, comm.world_size)
         chunk_size = self.chunk_size or self._search(named, comm.world_size)
 
+        # A plan keeps every tensor on the meta device: nothing is initialised or read.
+        values = LiveValues() if comm.plans_only and weights is None else model_values(model, weights)
         stats = Stats()
-        manager = ChunkManager(comm, dtype, stats)
+        manager = ChunkManager(comm, dtype, stats, values)
         manager.register(named, chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
@@ -205,6 +237,7 @@ class ChunkPlugin:
             master = Location.DEVICE if place.optim_on_device else Location.HOST
             return master, Location.DEVICE if place.shard_on_device else Location.HOST
 
+        values.prepare_buffers(model)
         manager.close_all(placement)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, layout, stats)
