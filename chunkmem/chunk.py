@@ -27,6 +27,7 @@ from .param_values import LiveValues, ParamValues
 from .shard import ShardStore
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
+from .transfers import HostTransfers
 
 __all__ = ["Chunk", "ChunkState", "GradState"]
 
@@ -43,11 +44,13 @@ class Chunk:
         comm: Communicator,
         ledger: MemoryLedger,
         stats: Stats,
+        transfers: HostTransfers | None = None,
     ) -> None:
         self.layout = ChunkLayout(chunk_id, capacity, comm.world_size, comm.rank, compute_dtype, trainable)
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
+        self._transfers = transfers if transfers is not None else HostTransfers(stats, comm.device)
         self._residency = ChunkResidency(self.layout, comm, ledger, stats, self._where)
         self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where)
         self._store: ShardStore | None = None
@@ -152,7 +155,7 @@ class Chunk:
             self.compute_dtype,
             self._comm.device,
             self._ledger,
-            self._stats,
+            self._transfers,
             master,
             shard,
             self.trainable,

@@ -212,13 +212,7 @@ class ChunkGrads:
             reduced = buffer[begin:end]
             if self._comm.world_size > 1:
                 reduced.div_(self._comm.world_size)
-            if self._shard.master_location is Location.HOST:
-                self._stats.d2h_bytes += reduced.numel() * reduced.element_size()
-            if self._machine.state is GradState.REDUCING:
-                self._shard.allocate_grad().copy_(reduced)
-            else:
-                shard = self._shard.grad
-                shard.add_(reduced.to(shard.device))
+            self._shard.receive_grad(reduced, accumulate=self._machine.state is not GradState.REDUCING)
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._stats.grad_reductions += 1

@@ -16,6 +16,7 @@ from .param_values import LiveValues, ParamValues
 from .search import group_key
 from .stats import Stats
 from .tensor_state import TensorInfo
+from .transfers import HostTransfers
 
 __all__ = ["ChunkManager"]
 
@@ -34,6 +35,7 @@ class ChunkManager:
         self._values: ParamValues = values if values is not None else LiveValues()
         self._compute_dtype = compute_dtype
         self._stats = stats
+        self._transfers = HostTransfers(stats, comm.device)
         self._ledger = MemoryLedger()
         self._chunks: list[Chunk] = []
         self._infos: dict[int, TensorInfo] = {}
@@ -42,6 +44,18 @@ class ChunkManager:
     @property
     def ledger(self) -> MemoryLedger:
         return self._ledger
+
+    @property
+    def transfers(self) -> HostTransfers:
+        """Every copy between host and device of this model's chunks."""
+        return self._transfers
+
+    def prepare_master_writes(self) -> None:
+        """The CPU is about to write master shards (an optimizer step, a load): wait for
+        asynchronous copies still reading host masters."""
+        for chunk in self._chunks:
+            if chunk.state is not ChunkState.OPEN:
+                chunk.store.prepare_host_write()
 
     @property
     def comm(self) -> Communicator:
@@ -111,7 +125,14 @@ class ChunkManager:
 
     def _new_chunk(self, capacity: int, trainable: bool) -> Chunk:
         chunk = Chunk(
-            len(self._chunks), capacity, self._compute_dtype, trainable, self._comm, self._ledger, self._stats
+            len(self._chunks),
+            capacity,
+            self._compute_dtype,
+            trainable,
+            self._comm,
+            self._ledger,
+            self._stats,
+            self._transfers,
         )
         self._chunks.append(chunk)
         return chunk

@@ -311,6 +311,7 @@ class ChunkedModel(torch.nn.Module):
     def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
         """Write a validated state into this rank's master shards and the buffers."""
         manager = self._runtime.manager
+        manager.prepare_master_writes()
         with torch.no_grad():
             for info, value in staged.params:
                 chunk = manager.chunk(info.chunk_id)

@@ -279,6 +279,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 if chunk.trainable and chunk.grad_state is GradState.REDUCED:
                     flags = chunk.params_with_grad
                     self._stateful.update(id(info) for info in chunk.tensors if flags[info.index])
+            self._runtime.manager.prepare_master_writes()
             try:
                 with self._guard.inside():
                     self._optim.step()

@@ -116,6 +116,7 @@ class ChunkRuntime(ParamOpHook):
 
     def stats(self) -> Stats:
         """A snapshot of the counters, with the ledger's current and peak bytes."""
+        self._manager.transfers.settle()
         self._stats.device_bytes = self._ledger.device_bytes
         self._stats.host_bytes = self._ledger.host_bytes
         self._stats.peak_device_bytes = self._ledger.peak_device_bytes

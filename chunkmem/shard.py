@@ -10,6 +10,9 @@ its fp32 gradient shard (beside it), and the compute-dtype copies derived from i
   ``offload_param``): a device copy in compute dtype, refreshed once per optimizer step.
 
 Copies are caches keyed by the master's version, which the optimizer bumps after each update.
+Every copy between host and device goes through :class:`HostTransfers` (counted, timed, and
+asynchronous from pinned memory on CUDA); a CPU write into a pinned buffer first waits for the
+copies still reading it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import enum
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
-from .stats import Stats
+from .transfers import Direction, HostTransfers
 
 __all__ = ["ShardStore", "SourceKind"]
 
@@ -95,7 +98,7 @@ class ShardStore:
         compute_dtype: torch.dtype,
         device: torch.device,
         ledger: MemoryLedger,
-        stats: Stats,
+        transfers: HostTransfers,
         master: Location,
         shard: Location,
         trainable: bool,
@@ -111,7 +114,7 @@ class ShardStore:
         self._compute_dtype = compute_dtype
         self._device = device
         self._ledger = ledger
-        self._stats = stats
+        self._transfers = transfers
         self._pin = device.type == "cuda"
         self._version = 0
         self._master_location = master
@@ -236,24 +239,21 @@ class ShardStore:
         optimizer is built after placement and never moves it)."""
         if target is self._master_location:
             return
+        direction = Direction.TO_DEVICE if target is Location.DEVICE else Direction.TO_HOST
         old, old_location = self._master, self._master_location
         self._master = self._master_buffers.take(target)
-        self._master.copy_(old)
+        self._before_write(self._master)
+        self._transfers.copy(self._master, old, direction)
         self._master_buffers.give_back(old_location)
-        moved = self._master_bytes
         if self._trainable:
             self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._master_bytes)
             self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._master_bytes)
         if self._grad is not None:
             old_grad = self._grad
             self._grad = self._grad_buffers.take(target)
-            self._grad.copy_(old_grad)
+            self._before_write(self._grad)
+            self._transfers.copy(self._grad, old_grad, direction)
             self._grad_buffers.give_back(old_location)
-            moved += self._master_bytes
-        if target is Location.DEVICE:
-            self._stats.h2d_bytes += moved
-        else:
-            self._stats.d2h_bytes += moved
         self._master_location = target
         if target is Location.DEVICE:
             self._drop_device_copy()
@@ -282,6 +282,34 @@ class ShardStore:
         else:
             self._alloc_device_copy()
 
+    def prepare_host_write(self) -> None:
+        """The CPU is about to write the master (an optimizer step, a load): wait for copies
+        still reading it from pinned memory."""
+        if self._master_location is Location.HOST:
+            self._transfers.before_host_write(self._master)
+
+    def receive_grad(self, reduced: torch.Tensor, accumulate: bool) -> None:
+        """Put this rank's reduced gradient slot (on the device) into the gradient shard: a fresh
+        shard, or added to what an earlier reduction left there (accumulation)."""
+        to_host = self._master_location is Location.HOST
+        if not accumulate:
+            target = self.allocate_grad()
+            self._before_write(target)
+            if to_host:
+                self._transfers.copy(target, reduced, Direction.TO_HOST)
+            else:
+                target.copy_(reduced)
+            return
+        if to_host:
+            staged = torch.empty(reduced.shape, dtype=reduced.dtype, device=self._host_device)
+            self._transfers.copy(staged, reduced, Direction.TO_HOST)
+            reduced = staged
+        self.grad.add_(reduced)
+
+    def _before_write(self, buffer: torch.Tensor) -> None:
+        if buffer.device.type != self._device.type:  # a host buffer on a CUDA machine
+            self._transfers.before_host_write(buffer)
+
     def mark_updated(self) -> None:
         """The master changed (optimizer step, checkpoint load): derived copies are stale."""
         self._version += 1
@@ -299,14 +327,13 @@ class ShardStore:
             if source.data_ptr() != slot.data_ptr():
                 slot.copy_(source)
         else:
-            source = self._host_compute()
-            slot.copy_(source, non_blocking=self._pin)
-            self._stats.h2d_bytes += source.numel() * source.element_size()
+            self._transfers.copy(slot, self._host_compute(), Direction.TO_DEVICE)
 
     def _host_compute(self) -> torch.Tensor:
         if self._host_cast is None:
             return self._master
         if self._host_cast_version != self._version:
+            self._transfers.before_host_write(self._host_cast)
             self._host_cast.copy_(self._master)
             self._host_cast_version = self._version
         return self._host_cast
@@ -322,9 +349,7 @@ class ShardStore:
             self._alloc_device_copy()
         assert self._device_copy is not None, f"{self._label}: device copy missing after allocation"
         if self._device_copy_version != self._version:
-            source = self._host_compute()
-            self._device_copy.copy_(source, non_blocking=self._pin)
-            self._stats.h2d_bytes += source.numel() * source.element_size()
+            self._transfers.copy(self._device_copy, self._host_compute(), Direction.TO_DEVICE)
             self._device_copy_version = self._version
         return self._device_copy
 

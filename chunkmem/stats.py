@@ -23,6 +23,12 @@ class Stats:
     """Bytes copied from host memory to the compute device."""
     d2h_bytes: int = 0
     """Bytes copied from the compute device to host memory."""
+    h2d_seconds: float = 0.0
+    """Seconds the host-to-device copies took (CUDA events, so ``h2d_bytes / h2d_seconds`` is the
+    achieved bandwidth; on the CPU the wall clock of each copy). A timing, not a count: it differs
+    between ranks and runs."""
+    d2h_seconds: float = 0.0
+    """Seconds the device-to-host copies took (as ``h2d_seconds``)."""
     allgather_bytes: int = 0
     """Bytes of gathered chunk buffers produced by all-gathers (compute dtype; 0 at world size 1)."""
     reduce_scatter_bytes: int = 0
@@ -54,10 +60,13 @@ class Stats:
     skipped_steps: int = 0
     """Optimizer steps skipped for inf/nan gradients (fp16 loss scaling)."""
 
+    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds"})
+    """The fields that are timings; every other field is an exact count, the same on every rank."""
+
     def snapshot(self) -> Stats:
         """A copy that later counting does not change."""
         return dataclasses.replace(self)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         """The counters by name (for JSON)."""
         return dataclasses.asdict(self)

@@ -16,7 +16,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from models import adamw_two_groups, assert_state_close, batches, gpt2, lm_loss, train_reference
 
-from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin
+from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Stats
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
 CHUNK = 6_000
@@ -84,7 +84,9 @@ def _check(per_rank: list[list[dict]]) -> None:
     for configs in zip(*runs, strict=True):
         # Every rank made the same decisions: identical counters (check mode also agreed each plan).
         # (Whether a prefetch had landed when claimed is timing, counted for statistics only.)
-        counters = [{k: v for k, v in c["stats"].items() if k != "prefetch_waits"} for c in configs]
+        counters = [
+            {k: v for k, v in c["stats"].items() if k not in {"prefetch_waits", *Stats.TIMINGS}} for c in configs
+        ]
         differ = {k for c in counters for k in c if c[k] != counters[0][k]}
         assert not differ, {k: [c[k] for c in counters] for k in differ}
         mean = [sum(c["losses"][i] for c in configs) / len(configs) for i in range(len(configs[0]["losses"]))]
