@@ -15,7 +15,8 @@ weights, same data); the script warns when it is not. Prints a table, writes JSO
     python benchmarks/peers.py --layers 24 --width 1024 --seq 1024 --batch 8 --schedule sequential  # GPU
 
 Systems: plain (W=1 only), ddp, fsdp2, fsdp2-offload (CPUOffloadPolicy), chunkmem (default static
-ZeRO-3 placement), chunkmem-offload (StaticPlacementConfig(offload_optim_frac=1.0)), chunkmem-auto
+ZeRO-3 placement), chunkmem-prefetch1 and -prefetch2 (the same with max_prefetch 1 or 2),
+chunkmem-offload (StaticPlacementConfig(offload_optim_frac=1.0)), chunkmem-auto
 (AutoPlacementConfig()), deepspeed-z3 and deepspeed-z3-offload (optimizer and parameters on the CPU).
 
 DeepSpeed is optional (``pip install -e ".[peers]"``); without it its systems are skipped with a
@@ -82,6 +83,9 @@ def systems() -> dict[str, System]:
             FSDP2(),
             FSDP2("fsdp2-offload", offload=True),
             Chunkmem("chunkmem", StaticPlacementConfig()),
+            # The static policy's prefetch depth, measured against the default (no prefetch).
+            Chunkmem("chunkmem-prefetch1", StaticPlacementConfig(max_prefetch=1)),
+            Chunkmem("chunkmem-prefetch2", StaticPlacementConfig(max_prefetch=2)),
             Chunkmem("chunkmem-offload", StaticPlacementConfig(offload_optim_frac=1.0)),
             Chunkmem("chunkmem-auto", AutoPlacementConfig()),
             DeepSpeedZero3(),

@@ -54,7 +54,7 @@ class HostTransfers:
         target.copy_(source, non_blocking=pinned)
         end.record()
         if pinned:
-            self._readers[source.untyped_storage()._cdata] = end
+            self._readers[source.untyped_storage().data_ptr()] = end
         self._timings.append((direction, begin, end))
         if len(self._timings) > 256:
             self.settle()
@@ -63,7 +63,7 @@ class HostTransfers:
         """The CPU is about to write ``host``: wait for copies still reading it."""
         if not self._readers:
             return
-        event = self._readers.pop(host.untyped_storage()._cdata, None)
+        event = self._readers.pop(host.untyped_storage().data_ptr(), None)
         if event is not None:
             event.synchronize()
 

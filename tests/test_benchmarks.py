@@ -169,11 +169,15 @@ def test_peers_train_the_same_model_and_ratios_are_against_the_same_run(tmp_path
     _assert_aligned(_table_lines(out, 2))
 
 
-def test_overhead_benchmark_trains_the_same_model_on_both_sides(tmp_path: Path) -> None:
-    _run("overhead.py", "--steps", "2", "--out-dir", str(tmp_path))
+def test_overhead_benchmark_trains_the_same_model_on_every_side(tmp_path: Path) -> None:
+    _run("overhead.py", "--steps", "2", "--variants", "static,auto-prefetch2", "--out-dir", str(tmp_path))
     payload = json.loads((tmp_path / "overhead.json").read_text())
-    plain, chunked = payload["losses"]["plain"], payload["losses"]["chunkmem"]
-    assert len(plain) == len(chunked) == 2 + 3
-    assert max(abs(a - b) for a, b in zip(plain, chunked, strict=True)) < 1e-5
-    assert payload["ratio"] == pytest.approx(payload["median_chunkmem_ms"] / payload["median_plain_ms"])
-    assert len(payload["plain_ms"]) == len(payload["chunkmem_ms"]) == 2
+    plain = payload["losses"]["plain"]
+    for variant in ("static", "auto-prefetch2"):
+        chunked = payload["losses"][variant]
+        assert len(plain) == len(chunked) == 2 + 3
+        assert max(abs(a - b) for a, b in zip(plain, chunked, strict=True)) < 1e-5
+        ratio = payload["median_ms"][variant] / payload["median_ms"]["plain"]
+        assert payload["ratio_to_plain"][variant] == pytest.approx(ratio)
+        assert len(payload["step_ms"][variant]) == 2
+    assert len(payload["step_ms"]["plain"]) == 2

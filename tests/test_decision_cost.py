@@ -42,5 +42,5 @@ def test_decision_work_per_op_is_bounded_by_the_look_ahead(make: type) -> None:
 
 
 def test_no_decision_work_without_prefetch_or_budget() -> None:
-    work, _ = _work_per_op(StaticPlacementConfig(), chunk_size=2_000)
+    work, _ = _work_per_op(StaticPlacementConfig(max_prefetch=0), chunk_size=2_000)
     assert work == 0
