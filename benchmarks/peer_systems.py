@@ -208,6 +208,8 @@ class Chunkmem(System):
     name: str
     placement: Any
     """A ``StaticPlacementConfig`` or ``AutoPlacementConfig``."""
+    chunk_size: int | None = None
+    """Elements per chunk (``None``: searched, the default)."""
 
     def group_init(self, world_size: int) -> GroupInit | None:
         return init_torch_group if world_size > 1 else None
@@ -216,7 +218,7 @@ class Chunkmem(System):
         from chunkmem import Booster, ChunkPlugin
 
         model = setup.model()
-        booster = Booster(ChunkPlugin(placement=self.placement, precision=setup.precision))
+        booster = Booster(ChunkPlugin(placement=self.placement, precision=setup.precision, chunk_size=self.chunk_size))
         chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
         ctx.state["chunked"] = chunked
 

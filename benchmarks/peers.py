@@ -15,7 +15,7 @@ weights, same data); the script warns when it is not. Prints a table, writes JSO
     python benchmarks/peers.py --layers 24 --width 1024 --seq 1024 --batch 8 --schedule sequential  # GPU
 
 Systems: plain (W=1 only), ddp, fsdp2, fsdp2-offload (CPUOffloadPolicy), chunkmem (default static
-ZeRO-3 placement), chunkmem-prefetch1 and -prefetch2 (the same with max_prefetch 1 or 2),
+ZeRO-3 placement, prefetching 2 chunks), chunkmem-prefetch0 and -prefetch1 (the same with max_prefetch 0 or 1),
 chunkmem-offload (StaticPlacementConfig(offload_optim_frac=1.0)), chunkmem-auto
 (AutoPlacementConfig()), deepspeed-z3 and deepspeed-z3-offload (optimizer and parameters on the CPU).
 
@@ -72,7 +72,7 @@ from benchmarks.peer_systems import (
 from benchmarks.workers import CallFailure, RankPool
 
 
-def systems() -> dict[str, System]:
+def systems(chunk_size: int | None = None) -> dict[str, System]:
     from placement import AutoPlacementConfig, StaticPlacementConfig
 
     return {
@@ -82,12 +82,12 @@ def systems() -> dict[str, System]:
             DDP(),
             FSDP2(),
             FSDP2("fsdp2-offload", offload=True),
-            Chunkmem("chunkmem", StaticPlacementConfig()),
-            # The static policy's prefetch depth, measured against the default (no prefetch).
-            Chunkmem("chunkmem-prefetch1", StaticPlacementConfig(max_prefetch=1)),
-            Chunkmem("chunkmem-prefetch2", StaticPlacementConfig(max_prefetch=2)),
-            Chunkmem("chunkmem-offload", StaticPlacementConfig(offload_optim_frac=1.0)),
-            Chunkmem("chunkmem-auto", AutoPlacementConfig()),
+            Chunkmem("chunkmem", StaticPlacementConfig(), chunk_size),
+            # The static policy's prefetch depth, measured against the default (2).
+            Chunkmem("chunkmem-prefetch0", StaticPlacementConfig(max_prefetch=0), chunk_size),
+            Chunkmem("chunkmem-prefetch1", StaticPlacementConfig(max_prefetch=1), chunk_size),
+            Chunkmem("chunkmem-offload", StaticPlacementConfig(offload_optim_frac=1.0), chunk_size),
+            Chunkmem("chunkmem-auto", AutoPlacementConfig(), chunk_size),
             DeepSpeedZero3(),
             DeepSpeedZero3("deepspeed-z3-offload", offload=True),
         )
@@ -225,7 +225,7 @@ class Runner:
 
 def resolve_systems(args: argparse.Namespace) -> tuple[list[System], list[Result]]:
     """The systems to run, and the ones skipped (with why)."""
-    known = systems()
+    known = systems(args.chunk_size)
     names = args.systems.split(",") if args.systems else list(DEFAULTS.get(args.world_size, DEFAULTS[2]))
     if not args.systems and args.world_size == 1 and args.backend == "nccl":
         names[1:1] = CUDA_W1_PEERS
@@ -391,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="alternate: every system resident, rounds interleaved (default on the CPU); sequential: one "
         "system at a time (default on CUDA, where systems would share the card's memory)",
     )
+    parser.add_argument("--chunk-size", type=int, default=None, help="chunkmem: elements per chunk (default searched)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     parser.add_argument("--device-memory", default=None, help="cap each rank's CUDA memory, e.g. 20GiB")
     parser.add_argument("--activation-checkpointing", action="store_true")

@@ -62,6 +62,27 @@ class PendingGather:
 _POLL = datetime.timedelta(seconds=1)
 
 
+class _SlotOfAllReduce:
+    """A reduce-scatter carried out as an in-place all-reduce of the whole buffer: waiting on it
+    leaves this rank's slot of the sum in ``output`` (copied when ``output`` is not that slot)."""
+
+    def __init__(self, work: Any, output: torch.Tensor, slot: torch.Tensor) -> None:
+        self._work = work
+        self._output = output
+        self._slot = slot
+        self._copied = output.data_ptr() == slot.data_ptr()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        done = self._work.wait() if timeout is None else self._work.wait(timeout=timeout)
+        if not self._copied:
+            self._output.copy_(self._slot)
+            self._copied = True
+        return bool(done) if done is not None else True
+
+
 def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The process group's timeout (the cross-rank checks wait as long as its collectives would)."""
     try:
@@ -91,6 +112,7 @@ class Communicator:
         self._checks: RankChecks | None = None
         self._divergence: str | None = None
         self._poll_waits = False
+        self._reduce_by_all_reduce = False
         if self._world_size > 1:
             pg = group if group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(pg)
@@ -98,6 +120,11 @@ class Communicator:
             # Waits on gloo block this thread: they wake up now and then to look for alarms. NCCL
             # waits only order streams, so they never block here.
             self._poll_waits = dist.get_backend(pg) == "gloo"
+            # gloo's all-reduce is faster than its reduce-scatter at every size we measured, though
+            # it moves twice the bytes (W=2, 0.8-8 MB chunks: 2.9-7.9 ms against 3.6-12.1 ms; W=4:
+            # 5.0-16.7 against 6.5-23.5), so on gloo a chunk's gradients are all-reduced in place
+            # and each rank keeps its slot. NCCL's reduce-scatter is the better collective.
+            self._reduce_by_all_reduce = dist.get_backend(pg) == "gloo"
 
     @property
     def checks(self) -> RankChecks | None:
@@ -213,12 +240,18 @@ class Communicator:
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, async_op: bool, what: str) -> Any | None:
         """``output`` = this rank's slot of the sum of ``full`` over ranks. ``output`` may be this
-        rank's slot of ``full``. Returns the ``Work`` when ``async_op``."""
+        rank's slot of ``full``. Returns the ``Work`` when ``async_op``. On gloo the rest of
+        ``full`` is overwritten too (with the other ranks' slots of the sum)."""
         if self._checks is not None:
             self._checks.collective(what, full.numel())
-        work = self.guard(
-            lambda: self._reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        )
+        if self._reduce_by_all_reduce:
+            slot = full.view(self._world_size, -1)[self._rank]
+            reduce = self.guard(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self._group, async_op=True))
+            work: Any = _SlotOfAllReduce(reduce, output, slot)
+        else:
+            work = self.guard(
+                lambda: self._reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+            )
         if async_op:
             return work
         self.wait(work, what)

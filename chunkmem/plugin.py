@@ -292,7 +292,7 @@ class ChunkPlugin:
 
     def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> int:
         params = [p for _, p in named]
-        low, high = default_search_range(sum(p.numel() for p in params))
+        low, high = default_search_range(sum(p.numel() for p in params), 1024, self.compute_dtype.itemsize)
         result = search_chunk_size(params, low, high, 1024, world_size, self.compute_dtype.itemsize)
         log.info("chunkmem: searched %s", result.describe())
         return result.chunk_size

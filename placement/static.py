@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from .config import StaticPlacementConfig
 from .policy import PlacementPolicy
 from .snapshot import ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
-from .trace import Phase
+from .trace import ComputeTrace, Phase
 
 __all__ = ["StaticPolicy"]
 
@@ -65,11 +65,26 @@ class StaticPolicy(PlacementPolicy):
 
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
         """Release a chunk once no op of the current pass uses it again (so it is gathered once
-        per pass), except chunks kept gathered. While recording there is no future to consult:
-        release after every op, except during recomputation, whose backward comes next and needs
-        the same chunks."""
+        per pass), except chunks kept gathered and those the next pass of the iteration starts
+        with. While recording there is no future to consult: release after every op, except
+        during recomputation, whose backward comes next and needs the same chunks."""
         layout = self.layout_decided
         finished = [c for c in snap.finished if not layout[c].keep_gathered]
-        if snap.trace is None:
+        trace = snap.trace
+        if trace is None:
             return () if snap.phase is Phase.FORWARD and snap.in_backward else tuple(finished)
-        return tuple(c for c in finished if not snap.trace.used_again_in_pass(c, snap.position))
+        return tuple(c for c in finished if not self._needed_soon(trace, c, snap.position))
+
+    def _needed_soon(self, trace: ComputeTrace, chunk_id: int, position: int) -> bool:
+        """Used again in this pass, or among the first ``1 + max_prefetch`` chunks the next pass
+        of the same iteration enters: its first op and prefetches would gather those right back
+        (nothing changes the parameters in between: the optimizer step ends the iteration). FSDP2
+        likewise keeps the root's parameters from forward into backward."""
+        nxt = trace.next_use(chunk_id, position)
+        if nxt is None:
+            return False
+        here = trace.pass_of(position)
+        if trace.pass_of(nxt) == here:
+            return True
+        rank = trace.entry_rank(chunk_id, nxt)
+        return trace.pass_of(nxt) == here + 1 and rank is not None and rank <= self.max_prefetch

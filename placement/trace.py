@@ -64,6 +64,7 @@ class ComputeTrace:
         positions: dict[tuple[int, Phase | None], list[int]] = {}
         passes: list[int] = []
         entries: list[tuple[int, int]] = []
+        entry_rank: dict[tuple[int, int], int] = {}
         grad_entries: list[tuple[int, int]] = []
         seen: set[int] = set()
         seen_backward: set[int] = set()
@@ -78,6 +79,7 @@ class ComputeTrace:
                 positions.setdefault((chunk_id, None), []).append(index)
                 positions.setdefault((chunk_id, step.phase), []).append(index)
                 if chunk_id not in seen:
+                    entry_rank[(index, chunk_id)] = len(seen)
                     seen.add(chunk_id)
                     entries.append((index, chunk_id))
                 if step.phase is Phase.BACKWARD and chunk_id not in seen_backward:
@@ -86,6 +88,7 @@ class ComputeTrace:
         self._positions = {key: tuple(p) for key, p in positions.items()}
         self._passes = tuple(passes)
         self._entries = tuple(entries)
+        self._entry_rank = entry_rank
         self._entry_positions = tuple(p for p, _ in entries)
         self._grad_entries = tuple(grad_entries)
         self._grad_entry_positions = tuple(p for p, _ in grad_entries)
@@ -132,6 +135,11 @@ class ComputeTrace:
         released now is not needed again before the pass ends."""
         nxt = self.next_use(chunk_id, position)
         return nxt is not None and self._passes[nxt] == self._passes[position]
+
+    def entry_rank(self, chunk_id: int, position: int) -> int | None:
+        """How many chunks the pass of ``position`` entered before ``chunk_id``, when ``position``
+        is ``chunk_id``'s first use in that pass (``None`` otherwise)."""
+        return self._entry_rank.get((position, chunk_id))
 
     def entries_after(self, after: int) -> Iterator[tuple[int, int]]:
         """Yield ``(position, chunk_id)`` for each chunk's first use in its pass, strictly after

@@ -199,29 +199,46 @@ def test_auto_total_fetches_with_prefetch_never_below_optimum(max_prefetch: int,
     check_within(result, budget)
 
 
-def first_uses_per_pass(steps: Sequence[tuple[Phase, Sequence[int]]]) -> int:
+def first_uses_per_pass(steps: Sequence[tuple[Phase, Sequence[int]]], carry: int = 0) -> int:
     """Chunk gathers when every chunk is released after its last use in each pass (a forward
-    pass, then a backward pass, ...): one per chunk per pass that uses it."""
-    count, seen, backward = 0, set(), None
+    pass, then a backward pass, ...): one per chunk per pass that uses it, except that a chunk the
+    previous pass used and that is among the first ``carry`` chunks the next pass enters stays
+    gathered across the boundary."""
+    passes: list[list[int]] = []
+    backward = None
     for phase, chunks in steps:
         if (phase is Phase.BACKWARD) is not backward:
-            seen, backward = set(), phase is Phase.BACKWARD
-        for c in chunks:
-            if c not in seen:
-                seen.add(c)
-                count += 1
+            passes.append([])
+            backward = phase is Phase.BACKWARD
+        passes[-1].extend(c for c in chunks if c not in passes[-1])
+    count = 0
+    for index, entered in enumerate(passes):
+        carried = set(entered[:carry]) & set(passes[index - 1]) if index else set()
+        count += len(entered) - len(carried)
     return count
 
 
 @FAST
 @given(problem=paging_problems(max_width=3))
 def test_static_gathers_once_per_pass_without_budget_pressure(problem: Problem) -> None:
-    # ZeRO-3 by default: gather at a chunk's first use in a pass, release after its last.
+    # ZeRO-3 by default: gather at a chunk's first use in a pass, release after its last, except
+    # the chunk the next pass starts with (max_prefetch=0: only the first), which stays gathered.
     n, _, steps = problem
     trace = trace_of(steps)
     result = simulate(static(None), catalog(n), trace, working_sets=op_working_sets(trace))
-    assert result.demand_fetches == first_uses_per_pass(steps)
+    assert result.demand_fetches == first_uses_per_pass(steps, carry=1)
     assert result.prefetches == 0
+
+
+@FAST
+@given(problem=paging_problems(max_width=3), max_prefetch=st.integers(1, 3))
+def test_static_prefetching_gathers_once_per_pass(problem: Problem, max_prefetch: int) -> None:
+    # Prefetching moves gathers earlier without adding any; the chunks a pass starts with, up to
+    # 1 + max_prefetch of them, stay gathered from the pass before.
+    n, _, steps = problem
+    trace = trace_of(steps)
+    result = simulate(static(None, max_prefetch), catalog(n), trace, working_sets=op_working_sets(trace))
+    assert result.demand_fetches + result.prefetches == first_uses_per_pass(steps, carry=1 + max_prefetch)
 
 
 @FAST

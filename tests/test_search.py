@@ -163,7 +163,11 @@ def test_invalid_ranges_raise() -> None:
 
 def test_default_search_range() -> None:
     assert default_search_range(10) == (1024, 1024)  # tiny models: one granule
-    assert default_search_range(4 * 2**20) == (2**16, 2**20)
+    # Small models: chunks of at least 4 MiB (of the compute dtype), at most a quarter of the model.
+    assert default_search_range(4 * 2**20) == (2**20, 2**20)
+    assert default_search_range(2**26, element_size=2) == (2**21, 2**24)
+    assert default_search_range(2**26, element_size=4) == (2**20, 2**24)
+    assert default_search_range(2**30) == (2**22, 2**26)  # large models: 1/64 of the model is larger
     assert default_search_range(2**40) == (2**22, 2**26)  # capped
     for total in (1, 10**6, 124_439_808, 6_738_415_616):
         low, high = default_search_range(total)
