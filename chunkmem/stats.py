@@ -32,7 +32,8 @@ class Stats:
     allgather_bytes: int = 0
     """Bytes of gathered chunk buffers produced by all-gathers (compute dtype; 0 at world size 1)."""
     reduce_scatter_bytes: int = 0
-    """Bytes of fp32 gradient buffers reduce-scattered (0 at world size 1)."""
+    """Bytes of fp32 gradient buffers reduced over ranks (0 at world size 1). On gloo the reduction
+    is an all-reduce of the buffer (faster there than its reduce-scatter); the count is the same."""
     gathers: int = 0
     """Chunk gathers started because an op needed the chunk (demand fetches)."""
     prefetches: int = 0

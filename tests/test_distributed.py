@@ -251,6 +251,26 @@ class _DelayedWork:
         return True
 
 
+def _reduce_slots(rank: int, world_size: int) -> list[bool]:
+    comm = Communicator(None, torch.device("cpu"))
+    n = 6 * world_size
+    every = [torch.arange(n, dtype=torch.float32) * (r + 1) + r for r in range(world_size)]
+    expected = sum(every)[rank * 6 : (rank + 1) * 6]
+    separate = torch.full((6,), float("nan"))
+    full = every[rank].clone()
+    comm.wait(comm.reduce_scatter_sum(separate, full, async_op=True, what="separate output"), "separate output")
+    in_place = every[rank].clone()
+    slot = in_place[rank * 6 : (rank + 1) * 6]
+    comm.reduce_scatter_sum(slot, in_place, async_op=False, what="slot of the input")
+    return [torch.equal(separate, expected), torch.equal(slot, expected)]
+
+
+def test_gradient_reduction_leaves_each_rank_its_slot_of_the_sum() -> None:
+    # On gloo the reduction is an all-reduce of the whole buffer; the contract is a reduce-scatter.
+    # W=4 (the W=2 slot form runs in every two-rank training test).
+    assert run_ranks(_reduce_slots, 4) == [[True, True]] * 4
+
+
 class DelayedCommunicator(Communicator):
     """Computes on the CPU on every machine (it is the communicator that picks the device)."""
 
