@@ -62,6 +62,14 @@ def test_each_chunk_is_gathered_at_most_twice_per_step(gathers: dict[str, Any]) 
     assert max(found["per_step"]) <= 2 * found["chunks"], found
 
 
+def test_backward_starts_with_the_chunks_forward_left_gathered(gathers: dict[str, Any]) -> None:
+    # Every chunk is used in both passes (all are trainable): once per pass each, except the first
+    # 1 + max_prefetch chunks the backward enters, which stay gathered from the forward.
+    found = gathers["plain"]
+    carried = min(1 + StaticPlacementConfig().max_prefetch, found["chunks"])
+    assert found["per_step"] == [2 * found["chunks"] - carried] * (STEPS - 1), found
+
+
 def test_each_chunk_is_gathered_at_most_three_times_per_step_with_checkpointing(gathers: dict[str, Any]) -> None:
     found = gathers["checkpointed"]
     assert max(found["per_step"]) <= 3 * found["chunks"], found
