@@ -120,10 +120,11 @@ class Communicator:
             # Waits on gloo block this thread: they wake up now and then to look for alarms. NCCL
             # waits only order streams, so they never block here.
             self._poll_waits = dist.get_backend(pg) == "gloo"
-            # gloo's all-reduce is faster than its reduce-scatter at every size we measured, though
-            # it moves twice the bytes (W=2, 0.8-8 MB chunks: 2.9-7.9 ms against 3.6-12.1 ms; W=4:
-            # 5.0-16.7 against 6.5-23.5), so on gloo a chunk's gradients are all-reduced in place
-            # and each rank keeps its slot. NCCL's reduce-scatter is the better collective.
+            # gloo's all-reduce is faster than its reduce-scatter at most sizes though it moves
+            # twice the bytes (benchmarks/collectives.py, 2-core CPU: W=2, 0.8/8/32 MB: 0.95/7.4/22.9
+            # ms against 1.7/10.7/34.3; W=4: 5.0/14.4/50.3 against 7.6/18.7/72.9; equal at 3.2 MB),
+            # so on gloo a chunk's gradients are all-reduced in place and each rank keeps its slot.
+            # NCCL's reduce-scatter is the better collective.
             self._reduce_by_all_reduce = dist.get_backend(pg) == "gloo"
 
     @property

@@ -60,8 +60,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 MIN_EFFICIENT_CHUNK_BYTES = 4 * 2**20
 """Below about this many bytes a chunk's collectives are dominated by their fixed cost. Measured
-with gloo at W=2 on a 2-core CPU: an all-gather moves 0.49 GB/s at 0.8 MB, 0.87 GB/s at 3.2 MB and
-1.35 GB/s at 32 MB, and an all-reduce costs 2.9 ms at 0.8 MB against 7.9 ms at 8 MB; NCCL's fixed
+with ``benchmarks/collectives.py`` (gloo, W=2, 2-core CPU): an all-gather moves 0.85 GB/s at 0.8 MB,
+1.26 GB/s at 3.2 MB and 1.43 GB/s at 32 MB (at W=4: 0.23, 0.50 and 0.77 GB/s); NCCL's fixed
 cost, tens of microseconds at hundreds of GB/s, is worth megabytes too."""
 
 
