@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -25,12 +24,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, print_table, write_json
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from benchmarks.workers import free_port
 
 
 def _timed(fn: Any, calls: int, device: torch.device) -> float:
@@ -83,7 +77,7 @@ def main() -> None:
     sizes = [float(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank, args=(r, args.world_size, port, sizes, args.calls, queue))
         for r in range(args.world_size)

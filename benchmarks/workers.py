@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["CallFailure", "LocalRanks", "RankContext", "RankPool", "init_torch_group"]
+__all__ = ["CallFailure", "LocalRanks", "RankContext", "RankPool", "free_port", "init_torch_group"]
 
 FailureKind = Literal["error", "timeout", "died"]
 
@@ -77,7 +77,8 @@ def init_torch_group(ctx: RankContext, backend: str) -> None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -176,7 +177,7 @@ class RankPool:
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         full_env = {
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": str(threads),
             **(env or {}),
         }
