@@ -36,7 +36,8 @@ def _minimum(model: torch.nn.Module, policy: str) -> int:
     return refused.value.minimum
 
 
-def _matrix(rank: int, world_size: int, policy: str, factors: list[float], prefetches: list[int]) -> list[dict]:
+def _matrix(rank: int, world_size: int, policy: str, configs: list[tuple[float, int]]) -> list[dict]:
+    """Train under each (budget factor over the reported minimum, max_prefetch) of ``configs``."""
     data = batches(3, batch=8)
     reference = gpt2(n_layer=3)
     expected = train_reference(copy.deepcopy(reference), adamw_two_groups, data)
@@ -44,37 +45,44 @@ def _matrix(rank: int, world_size: int, policy: str, factors: list[float], prefe
     train_reference(final, adamw_two_groups, data)
     minimum = _minimum(copy.deepcopy(reference), policy)
     results = []
-    for factor in factors:
-        for prefetch in prefetches:
-            budget = int(minimum * factor)
-            model = copy.deepcopy(reference)
-            plugin = ChunkPlugin(placement=_placement(policy, budget, prefetch), precision="fp32", chunk_size=CHUNK)
-            booster = Booster(plugin)
-            chunked, optimizer, *_ = booster.boost(model, adamw_two_groups(model))
-            losses = []
-            for ids in data:
-                loss = lm_loss(chunked, ids.chunk(world_size)[rank])
-                booster.backward(loss, optimizer)
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(float(loss))
-            assert_state_close(chunked.state_dict(), final.state_dict(), 1e-4, 1e-5)
-            stats = chunked.stats()
-            assert stats.peak_device_bytes <= budget, (factor, prefetch, stats.peak_device_bytes, budget)
-            results.append({"factor": factor, "prefetch": prefetch, "losses": losses, "stats": stats.as_dict()})
+    for factor, prefetch in configs:
+        budget = int(minimum * factor)
+        model = copy.deepcopy(reference)
+        plugin = ChunkPlugin(placement=_placement(policy, budget, prefetch), precision="fp32", chunk_size=CHUNK)
+        booster = Booster(plugin)
+        chunked, optimizer, *_ = booster.boost(model, adamw_two_groups(model))
+        losses = []
+        for ids in data:
+            loss = lm_loss(chunked, ids.chunk(world_size)[rank])
+            booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        assert_state_close(chunked.state_dict(), final.state_dict(), 1e-4, 1e-5)
+        stats = chunked.stats()
+        assert stats.peak_device_bytes <= budget, (factor, prefetch, stats.peak_device_bytes, budget)
+        results.append({"factor": factor, "prefetch": prefetch, "losses": losses, "stats": stats.as_dict()})
     return [{"expected": expected, "minimum": minimum}, *results]
+
+
+def _both_policies(rank: int, world_size: int, configs: dict[str, list[tuple[float, int]]]) -> dict[str, list[dict]]:
+    return {policy: _matrix(rank, world_size, policy, pairs) for policy, pairs in configs.items()}
 
 
 @pytest.mark.parametrize("policy", ["static", "auto"])
 def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
-    per_rank = run_ranks(_matrix, 2, args=(policy, [1.0, 1.5, 2.0], [0, 1, 2, 3]), timeout=400)
+    configs = [(factor, prefetch) for factor in (1.0, 1.5, 2.0) for prefetch in (0, 1, 2, 3)]
+    per_rank = run_ranks(_matrix, 2, args=(policy, configs), timeout=400)
     _check(per_rank)
 
 
-@pytest.mark.parametrize("policy", ["static", "auto"])
-def test_budgets_at_four_ranks(policy: str) -> None:
-    per_rank = run_ranks(_matrix, 4, args=(policy, [1.0, 2.0], [0, 3]), timeout=400)
-    _check(per_rank)
+def test_budgets_at_four_ranks() -> None:
+    # One spawn of four ranks for both policies (each spawn costs ~10 s on 2 cores): the tightest
+    # budget with and without prefetch, and twice it with the deepest prefetch.
+    configs = {"static": [(1.0, 0), (1.0, 3), (2.0, 3)], "auto": [(1.0, 0), (1.0, 3), (2.0, 3)]}
+    per_rank = run_ranks(_both_policies, 4, args=(configs,), timeout=400)
+    for policy in configs:
+        _check([r[policy] for r in per_rank])
 
 
 def _check(per_rank: list[list[dict]]) -> None:
