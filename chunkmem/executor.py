@@ -247,6 +247,13 @@ class PlanExecutor:
         if chunk.holds_device_buffer and not self._layout[chunk.chunk_id].keep_gathered:
             self._gathered[chunk.chunk_id] = None
 
+    def gather_served(self) -> None:
+        """Gather, once and for all, every chunk a resident shard serves (world size 1): nothing is
+        allocated or copied, and no plan releases them (releasing them would free nothing)."""
+        for chunk in self._manager.chunks:
+            if chunk.state is ChunkState.RELEASED and chunk.gather_bytes == 0:
+                self._gather(chunk, async_op=False)
+
     def release(self, chunk: Chunk) -> None:
         """Release ``chunk``, waiting first for a gather still in flight."""
         if chunk.state is ChunkState.GATHERING:

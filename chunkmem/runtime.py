@@ -9,6 +9,12 @@ It ties together three parts, each in its own module:
 and, when the policy asks for it, measures non-model memory during an iteration. At the end of each
 synchronised backward the ranks agree (one small all-reduce) that they ran the same ops and which
 parameters got gradients.
+
+When nothing can move (one rank, every chunk served by its resident compute-dtype shard, gradients
+added straight into the gradient shards, and a policy that measures nothing), the chunks are
+gathered once at boost and the runtime does not observe ops: ops run as on plain parameters, with
+only in-place writes refused, and gradients still arrive through the gradient hooks. Per-op hooks
+would have nothing to do, yet cost Python time around every op and its backward.
 """
 
 from __future__ import annotations
@@ -63,6 +69,13 @@ class ChunkRuntime(ParamOpHook):
         check = self._checks if self._checks is not None and self._checks.check_plans else None
         self._executor = PlanExecutor(manager, policy, layout, self._grads, stats, check)
         self._sampler: NonModelSampler | None = None
+        self._resident = (
+            self._comm.world_size == 1
+            and all(c.gather_bytes == 0 and c.grad_buffer_bytes == 0 for c in manager.chunks)
+            and not policy.needs_profile(None)
+        )
+        if self._resident:
+            self._executor.gather_served()
         params = [info.param for info in manager.infos]
         to_hooked(params)
         bind(params, self)
@@ -87,6 +100,11 @@ class ChunkRuntime(ParamOpHook):
     @property
     def tracker(self) -> IterationTracker:
         return self._tracker
+
+    @property
+    def observes_ops(self) -> bool:
+        """False when nothing can move (module docstring): no trace is recorded then."""
+        return not self._resident
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -291,6 +309,12 @@ class ChunkRuntime(ParamOpHook):
 
     def pre_backward(self, params: Sequence[torch.Tensor]) -> None:
         """Make the chunks the op's backward reads resident, with gradient buffers."""
+        self._enter_backward()
+        self._before(params, Phase.BACKWARD)
+
+    def _enter_backward(self) -> None:
+        """A backward reached managed parameters (an op's backward, or without op hooks the first
+        gradient): refuse double backward, and mark the backward begun."""
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 f"rank {self._rank}: backward with create_graph=True (double backward, e.g. a gradient penalty) is "
@@ -300,7 +324,6 @@ class ChunkRuntime(ParamOpHook):
         if self._tracker.mode is Mode.FORWARD:
             self.agree_entry("backward")
         self._tracker.begin_backward()
-        self._before(params, Phase.BACKWARD)
 
     def post_backward(self, params: Sequence[torch.Tensor]) -> None:
         """The op's backward is done with its parameters."""
@@ -356,6 +379,8 @@ class ChunkRuntime(ParamOpHook):
         param.grad = None
         if grad is None:
             return
+        if self._resident:
+            self._enter_backward()
         chunk = self._manager.chunk(info.chunk_id)
         if not chunk.has_grad_buffer:
             self._executor.ensure_grad_buffer(chunk, self._tracker.position, self._tracker.trace)

@@ -15,12 +15,12 @@ checkpoint recomputation) on its own threads.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["ParamOpHook", "bind", "bound_hooks", "hooks_for", "param_op_hooks", "unbind"]
 
@@ -45,13 +45,54 @@ class ParamOpHook(ABC):
     def post_backward(self, params: Sequence[torch.Tensor]) -> None:
         """After the op's backward ran (the parameters' gradients may not be accumulated yet)."""
 
+    @property
+    def observes_ops(self) -> bool:
+        """Whether this hook wants ``pre_op`` / ``post_op`` and the backward bracket. A hook that
+        answers False is only asked about in-place writes (``mutating_op``); an op all of whose
+        hooks answer False runs as on a plain parameter, with no autograd bridges."""
+        return True
+
     def mutating_op(self, params: Sequence[torch.Tensor], op_name: str) -> None:  # noqa: B027
         """Before an op that writes into ``params`` in place. The default allows it; a hook that
         keeps the authoritative copy elsewhere raises here."""
 
 
+class _BoundTable:
+    """Hooks per parameter, keyed by identity, holding parameters weakly. Looked up on every op,
+    so a lookup is one dict access and one weak-reference call (``WeakIdKeyDictionary`` builds a
+    weak reference per lookup)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], tuple[ParamOpHook, ...]]] = {}
+
+    def get(self, param: torch.Tensor) -> tuple[ParamOpHook, ...]:
+        entry = self._entries.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return ()
+        return entry[1]
+
+    def set(self, param: torch.Tensor, hooks: tuple[ParamOpHook, ...]) -> None:
+        key = id(param)
+        if not hooks:
+            self._entries.pop(key, None)
+            return
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is param:
+            self._entries[key] = (entry[0], hooks)
+            return
+        entries = self._entries
+
+        def forget(ref: weakref.ref[torch.Tensor]) -> None:
+            # Only this parameter's entry: its id may already belong to a new object.
+            current = entries.get(key)
+            if current is not None and current[0] is ref:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(param, forget), hooks)
+
+
 _region: list[ParamOpHook] = []
-_bound: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_bound = _BoundTable()
 
 
 @contextmanager
@@ -67,33 +108,34 @@ def param_op_hooks(*hooks: ParamOpHook) -> Iterator[None]:
 def bind(params: Iterable[torch.Tensor], hook: ParamOpHook) -> None:
     """Make ``hook`` fire for every op on each of ``params``, wherever it runs."""
     for p in params:
-        existing = _bound.get(p, ())
+        existing = _bound.get(p)
         if hook not in existing:
-            _bound[p] = (*existing, hook)
+            _bound.set(p, (*existing, hook))
 
 
 def unbind(params: Iterable[torch.Tensor], hook: ParamOpHook) -> None:
     """Stop ``hook`` from firing for ``params``."""
     for p in params:
-        remaining = tuple(h for h in _bound.get(p, ()) if h is not hook)
-        if remaining:
-            _bound[p] = remaining
-        else:
-            _bound.pop(p, None)
+        _bound.set(p, tuple(h for h in _bound.get(p) if h is not hook))
 
 
 def bound_hooks(param: torch.Tensor) -> tuple[ParamOpHook, ...]:
     """The hooks bound to ``param``."""
-    return _bound.get(param, ())
+    return _bound.get(param)
 
 
 def hooks_for(params: Sequence[torch.Tensor]) -> tuple[tuple[ParamOpHook, tuple[torch.Tensor, ...]], ...]:
     """The hooks an op on ``params`` calls, each with the parameters it should see: a bound hook
     sees the parameters bound to it (an op may mix parameters of several owners), a region hook
     sees all of them. Bound hooks first, in first-seen order; each hook once."""
+    if not _region and params:
+        # The common case, one owner: every parameter bound to the same hooks.
+        first = _bound.get(params[0])
+        if all(_bound.get(p) is first for p in params[1:]):
+            return tuple((h, tuple(params)) for h in first)
     calls: dict[int, tuple[ParamOpHook, list[torch.Tensor]]] = {}
     for p in params:
-        for h in _bound.get(p, ()):
+        for h in _bound.get(p):
             calls.setdefault(id(h), (h, []))[1].append(p)
     for h in _region:
         calls[id(h)] = (h, list(params))

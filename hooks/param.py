@@ -3,8 +3,9 @@
 Metadata queries (shape, dtype, device, ``.data``, ``.grad``...) run unhooked: they never need the
 parameter's values. Every other op calls ``pre_op`` / ``post_op`` with the hooked parameters among
 its arguments and, when it records autograd history, is bridged (``hooks.bridges``) so that
-``pre_backward`` / ``post_backward`` fire around its backward. Outputs are plain tensors and never
-views of a hooked parameter.
+``pre_backward`` / ``post_backward`` fire around its backward; its outputs are plain tensors and
+never views of a hooked parameter. Hooks that do not observe ops (``ParamOpHook.observes_ops``)
+are only asked about in-place writes, and the op runs as on a plain parameter.
 """
 
 from __future__ import annotations
@@ -123,7 +124,28 @@ class HookedParameter(torch.nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             if not calls:
                 return func(*args, **kwargs)
-            return _run_hooked(func, args, kwargs, leaves, spec, params, calls)
+            written = _guard_writes(func, args, kwargs, calls)
+            observing = tuple(call for call in calls if call[0].observes_ops)
+            if not observing:
+                return func(*args, **kwargs)
+            return _run_hooked(func, args, kwargs, leaves, spec, params, observing, written)
+
+
+def _guard_writes(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    calls: tuple[tuple[ParamOpHook, tuple[torch.Tensor, ...]], ...],
+) -> list[torch.Tensor]:
+    """Ask each hook about the parameters it sees that ``func`` writes in place; returns what
+    ``func`` writes."""
+    written = _written(func, args, kwargs)
+    if written:
+        for hook, seen in calls:
+            mutated = [t for t in written if any(t is p for p in seen)]
+            if mutated:
+                hook.mutating_op(mutated, getattr(func, "__name__", repr(func)))
+    return written
 
 
 def _run_hooked(
@@ -134,12 +156,8 @@ def _run_hooked(
     spec: Any,
     params: list[torch.Tensor],
     calls: tuple[tuple[ParamOpHook, tuple[torch.Tensor, ...]], ...],
+    written: list[torch.Tensor],
 ) -> Any:
-    written = _written(func, args, kwargs)
-    for hook, seen in calls:
-        mutated = [t for t in written if any(t is p for p in seen)]
-        if mutated:
-            hook.mutating_op(mutated, getattr(func, "__name__", repr(func)))
     grad_inputs = [
         i
         for i, leaf in enumerate(leaves)

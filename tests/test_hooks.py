@@ -406,6 +406,45 @@ def test_inplace_op_on_param_calls_mutating_op_before_it(
     assert torch.equal(p.detach(), expected)
 
 
+class _Guard(Recorder):
+    """Observes no ops: only asked about in-place writes."""
+
+    @property
+    def observes_ops(self) -> bool:
+        return False
+
+
+def test_a_hook_that_observes_no_ops_sees_only_writes_and_ops_run_plain() -> None:
+    lin, ref = clones(nn.Linear(4, 3))
+    guard = _Guard(hook_params(lin))
+    x = torch.randn(2, 4)
+    with param_op_hooks(guard):
+        y = lin(x)
+        y.sum().backward()
+        view = lin.weight.T
+        with torch.no_grad():
+            lin.bias.add_(1.0)
+    ref(x).sum().backward()
+    assert torch.equal(y, ref(x))
+    assert_grads_equal(lin, ref)
+    # No op events, no autograd bridges (the backward ran no hook), and outputs are what plain
+    # torch returns: a view of the parameter stays a view.
+    assert guard.events == [("mutating_op", ("bias",), "add_")]
+    assert view._base is lin.weight or view.untyped_storage().data_ptr() == lin.weight.untyped_storage().data_ptr()
+    assert torch.equal(lin.bias.detach(), ref.bias.detach() + 1.0)
+
+
+def test_an_observing_hook_beside_a_guard_still_gets_every_event() -> None:
+    lin = nn.Linear(4, 3)
+    names = hook_params(lin)
+    guard, rec = _Guard(names), Recorder(names)
+    with param_op_hooks(guard, rec):
+        lin(torch.randn(2, 4)).sum().backward()
+    assert guard.events == []
+    kinds = [event[0] for event in rec.events]
+    assert kinds == ["pre_op", "post_op", "pre_backward", "post_backward"]
+
+
 def test_out_kwarg_into_param_calls_mutating_op() -> None:
     p = nn.Parameter(torch.zeros(3))
     to_hooked([p])

@@ -302,6 +302,39 @@ def test_in_place_update_of_a_managed_parameter_is_refused() -> None:
         model.transformer.wte.weight.mul_(2)
 
 
+@pytest.mark.parametrize(
+    ("placement", "precision", "observed"),
+    [
+        ("static", "fp32", False),  # one rank, fp32 masters on the device: the chunks are the masters
+        ("static-prefetch3", "fp32", False),  # nothing to prefetch
+        ("static", "bf16", True),  # compute copies are gathered and released
+        ("offload-optim", "fp32", True),  # gradients go to the host masters through buffers
+        ("auto", "fp32", True),  # measures non-model memory op by op
+    ],
+)
+def test_ops_are_observed_only_where_a_chunk_can_move(placement: str, precision: str, observed: bool) -> None:
+    chunked, optimizer, booster = boost(
+        gpt2(), adamw_two_groups, placement=PLACEMENTS[placement], precision=precision, chunk_size=12_000
+    )
+    assert chunked.runtime.observes_ops is observed
+    for ids in batches(2):
+        booster.backward(lm_loss(chunked, ids), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    # Observed ops leave a trace of the iteration; unobserved ones none.
+    trace = chunked.runtime.trace
+    assert (trace is not None and len(trace) > 0) is observed
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # without op hooks, and with them
+def test_double_backward_is_refused(precision: str) -> None:
+    chunked, *_ = boost(gpt2(), adamw_two_groups, precision=precision, chunk_size=12_000)
+    loss = lm_loss(chunked, batches(1)[0])
+    with pytest.raises(NotImplementedError, match="create_graph=True"):
+        loss.backward(create_graph=True)
+
+
 def test_optimizer_over_foreign_parameters_is_refused() -> None:
     model = gpt2()
     other = torch.nn.Linear(3, 3)
