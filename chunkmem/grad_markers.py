@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hooks import unhooked
+
 from .errors import ShardedGradientError
 
 __all__ = ["GradientMarkers", "ShardedGradient", "clear_markers"]
@@ -96,10 +98,15 @@ class GradientMarkers:
         self._handles.clear()
 
 
+# Both run for every gradient of every parameter: ``unhooked`` reads and sets ``.grad`` without a
+# round trip through the parameter's ``__torch_function__``.
+
+
 def _clearer(param: torch.Tensor) -> Any:
     def clear(grad: torch.Tensor) -> None:
-        if isinstance(param.grad, ShardedGradient):
-            param.grad = None
+        with unhooked():
+            if isinstance(param.grad, ShardedGradient):
+                param.grad = None
 
     return clear
 
@@ -107,7 +114,8 @@ def _clearer(param: torch.Tensor) -> Any:
 def _setter(marker: ShardedGradient) -> Any:
     def mark(param: torch.Tensor) -> None:
         # Only where the runtime took the gradient away: never hide a real gradient.
-        if param.grad is None:
-            param.grad = marker
+        with unhooked():
+            if param.grad is None:
+                param.grad = marker
 
     return mark

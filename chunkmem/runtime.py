@@ -375,8 +375,9 @@ class ChunkRuntime(ParamOpHook):
     # --- gradients --------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         info: TensorInfo = self._manager.info(param)
-        grad = param.grad
-        param.grad = None
+        with unhooked():
+            grad = param.grad
+            param.grad = None
         if grad is None:
             return
         if self._resident:
