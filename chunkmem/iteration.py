@@ -66,7 +66,7 @@ class IterationTracker:
         self._mode = Mode.IDLE
         self._resume: tuple[TraceCursor | None, Mode] = (None, Mode.IDLE)
         self._iterations = {IterationKind.TRAINING: -1, IterationKind.INFERENCE: -1}
-        self._digest = hashlib.blake2b(digest_size=8)
+        self._ops: list[TraceStep] = []  # of the training iteration, for its digest
 
     # --- where we are ---------------------------------------------------------------------------
     @property
@@ -122,8 +122,12 @@ class IterationTracker:
 
     @property
     def digest(self) -> int:
-        """Digest of the ops of the current training iteration (signed 63-bit)."""
-        return int.from_bytes(self._digest.digest(), "little", signed=True) >> 1
+        """Digest of the ops of the current training iteration (signed 63-bit). Hashed when
+        asked (once per synchronised backward, and only with several ranks), not op by op."""
+        digest = hashlib.blake2b(digest_size=8)
+        for step in self._ops:
+            digest.update(step_digest(step))
+        return int.from_bytes(digest.digest(), "little", signed=True) >> 1
 
     # --- transitions ------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> bool:
@@ -136,7 +140,7 @@ class IterationTracker:
         new = self._cursor is not self._train
         if new:
             self._begin(self._train, IterationKind.TRAINING)
-            self._digest = hashlib.blake2b(digest_size=8)
+            self._ops.clear()
         self._mode = Mode.FORWARD
         return new
 
@@ -181,7 +185,7 @@ class IterationTracker:
             return -1
         step = TraceStep(phase, chunk_ids, recompute)
         if cursor is self._train:
-            self._digest.update(step_digest(step))
+            self._ops.append(step)
         self._note(cursor.observe(step))
         return cursor.position
 
