@@ -22,6 +22,8 @@ from placement import ComputeTrace, Divergence, Phase, TraceCursor, TraceStep, s
 
 __all__ = ["IterationKind", "IterationTracker", "Mode", "Where"]
 
+_FOLD_EVERY = 4096
+
 
 class Mode(enum.Enum):
     """Which part of an iteration the runtime is in."""
@@ -66,7 +68,8 @@ class IterationTracker:
         self._mode = Mode.IDLE
         self._resume: tuple[TraceCursor | None, Mode] = (None, Mode.IDLE)
         self._iterations = {IterationKind.TRAINING: -1, IterationKind.INFERENCE: -1}
-        self._ops: list[TraceStep] = []  # of the training iteration, for its digest
+        self._digest = hashlib.blake2b(digest_size=8)
+        self._unhashed: list[TraceStep] = []  # ops of the training iteration not in the digest yet
 
     # --- where we are ---------------------------------------------------------------------------
     @property
@@ -122,12 +125,15 @@ class IterationTracker:
 
     @property
     def digest(self) -> int:
-        """Digest of the ops of the current training iteration (signed 63-bit). Hashed when
-        asked (once per synchronised backward, and only with several ranks), not op by op."""
-        digest = hashlib.blake2b(digest_size=8)
-        for step in self._ops:
-            digest.update(step_digest(step))
-        return int.from_bytes(digest.digest(), "little", signed=True) >> 1
+        """Digest of the ops of the current training iteration (signed 63-bit). Ops are hashed in
+        batches (when asked, once per synchronised backward with several ranks), not op by op."""
+        self._fold()
+        return int.from_bytes(self._digest.digest(), "little", signed=True) >> 1
+
+    def _fold(self) -> None:
+        for step in self._unhashed:
+            self._digest.update(step_digest(step))
+        self._unhashed.clear()
 
     # --- transitions ------------------------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> bool:
@@ -140,7 +146,8 @@ class IterationTracker:
         new = self._cursor is not self._train
         if new:
             self._begin(self._train, IterationKind.TRAINING)
-            self._ops.clear()
+            self._digest = hashlib.blake2b(digest_size=8)
+            self._unhashed.clear()
         self._mode = Mode.FORWARD
         return new
 
@@ -185,7 +192,9 @@ class IterationTracker:
             return -1
         step = TraceStep(phase, chunk_ids, recompute)
         if cursor is self._train:
-            self._ops.append(step)
+            self._unhashed.append(step)
+            if len(self._unhashed) >= _FOLD_EVERY:  # bounded memory when nobody asks (one rank)
+                self._fold()
         self._note(cursor.observe(step))
         return cursor.position
 

@@ -103,8 +103,9 @@ class ChunkRuntime(ParamOpHook):
 
     @property
     def observes_ops(self) -> bool:
-        """False when nothing can move (module docstring): no trace is recorded then."""
-        return not self._resident
+        """False when nothing can move (module docstring): no trace is recorded then. While
+        torch.compile traces, ops are observed so that it is refused as everywhere else."""
+        return not self._resident or torch.compiler.is_compiling()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -48,8 +48,10 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
     # end without a backward.
     _S.HOLD_AFTER_FWD: frozenset({_S.COMPUTE, _S.READY_FOR_REDUCE, _S.HOLD}),
     _S.HOLD_AFTER_BWD: frozenset({_S.COMPUTE, _S.READY_FOR_REDUCE, _S.HOLD}),
-    # Used again after its gradient arrived (recomputation, gradient accumulation), or reduced.
-    _S.READY_FOR_REDUCE: frozenset({_S.COMPUTE, _S.HOLD}),
+    # Used again after its gradient arrived (recomputation, gradient accumulation), or reduced; or
+    # another gradient arrives while its chunk waits for others (where ops are not observed, nothing
+    # moves it in between: a second backward, shared weights under reentrant checkpointing).
+    _S.READY_FOR_REDUCE: frozenset({_S.COMPUTE, _S.HOLD, _S.READY_FOR_REDUCE}),
 }
 
 

@@ -131,7 +131,7 @@ def hooks_for(params: Sequence[torch.Tensor]) -> tuple[tuple[ParamOpHook, tuple[
     if not _region and params:
         # The common case, one owner: every parameter bound to the same hooks.
         first = _bound.get(params[0])
-        if all(_bound.get(p) is first for p in params[1:]):
+        if all(_bound.get(p) == first for p in params[1:]):
             return tuple((h, tuple(params)) for h in first)
     calls: dict[int, tuple[ParamOpHook, list[torch.Tensor]]] = {}
     for p in params:

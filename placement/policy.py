@@ -190,7 +190,8 @@ class PlacementPolicy(ABC):
             else:
                 break
             examined += 1
-            for _, c in trace.grad_entries_in(scanned, position):
+            # The reserve only limits what fits under a cap: without one, skip the scan.
+            for _, c in trace.grad_entries_in(scanned, position) if cap is not None else ():
                 examined += 1
                 if c in counted or c in grads_now or not self._specs[c].trainable:
                     continue

@@ -426,3 +426,27 @@ def test_recording_stops_past_max_steps_and_keeps_the_previous_trace() -> None:
     cursor.end_iteration()
     assert cursor.last_frozen is first
     assert cursor.mode is CursorMode.FOLLOWING
+
+
+# --- the iteration tracker's op-sequence digest ----------------------------------------------------
+
+
+@pytest.mark.parametrize("asked_at", [[], [1], [5_000], [1, 4_096, 4_097, 9_000]])
+def test_tracker_digest_does_not_depend_on_when_it_is_asked(asked_at: list[int]) -> None:
+    """Ranks compare the digest after each synchronised backward: however often it was asked (and
+    however ops were batched into it), it is the digest of the whole op sequence so far."""
+    from chunkmem.iteration import IterationTracker
+
+    def digest_of(ask: list[int], odd_op: int = -1) -> int:
+        tracker = IterationTracker(lambda divergence: None)
+        tracker.begin_forward(grad_enabled=True)
+        for i in range(10_000):
+            chunks = (i % 7, i % 5) if i != odd_op else (i % 5, i % 7)
+            tracker.observe(F if i % 3 else B, chunks, recompute=False)
+            if i in ask:
+                assert isinstance(tracker.digest, int)
+        return tracker.digest
+
+    assert digest_of(asked_at) == digest_of([])
+    # Every op counts, also one late in the sequence, after earlier ops were folded in.
+    assert digest_of(asked_at, odd_op=9_990) != digest_of([])

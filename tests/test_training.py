@@ -326,6 +326,63 @@ def test_ops_are_observed_only_where_a_chunk_can_move(placement: str, precision:
     assert (trace is not None and len(trace) > 0) is observed
 
 
+class _WithUnused(torch.nn.Module):
+    """Three layers in one chunk, the middle one never used: the chunk's gradients are never all
+    in, so a parameter can get a second gradient before its chunk is reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.unused, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+def _second_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scenario: str) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    if scenario == "two losses":
+        first, second = model(x), model(2 * x)
+        first.backward()
+        second.backward()
+    elif scenario == "retain_graph":
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:  # zero_grad between plain backward passes
+        model(x).backward()
+        optimizer.zero_grad()
+        model(x).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("placement", ["static", "offload-optim"])  # unobserved and observed ops
+@pytest.mark.parametrize("scenario", ["two losses", "retain_graph", "zero_grad between"])
+def test_second_gradient_before_the_chunk_is_reduced_matches_pytorch(placement: str, scenario: str) -> None:
+    reference = _WithUnused()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _second_gradients(reference, reference_optimizer, scenario)
+    chunked, optimizer, _ = boost(
+        _WithUnused(),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        placement=PLACEMENTS[placement],
+        precision="fp32",
+        chunk_size=400,
+    )
+    assert len(chunked.runtime.manager.chunks) == 1
+    _second_gradients(chunked, optimizer, scenario)
+    assert_state_close(chunked.state_dict(), reference.state_dict(), 1e-6, 1e-7)
+
+
+def test_torch_compile_of_the_inner_module_is_refused_where_ops_are_not_observed() -> None:
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    chunked, *_ = boost(inner, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), precision="fp32", chunk_size=150)
+    assert not chunked.runtime.observes_ops
+    # Dynamo wraps chunkmem's error in its own exception type; the message is chunkmem's.
+    with pytest.raises(Exception, match=r"torch\.compile is tracing an op on managed parameters"):
+        torch.compile(chunked.module, backend="eager")(torch.randn(2, 8))
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])  # without op hooks, and with them
 def test_double_backward_is_refused(precision: str) -> None:
