@@ -237,8 +237,10 @@ class PlanExecutor:
         backward, or reduced before a later gradient of a shared parameter): make room, allocate."""
         if chunk.reducing:
             self._grads.finish(chunk)
-        self._plan(position, Phase.BACKWARD, (chunk.chunk_id,), chunk.grad_buffer_bytes, trace)
-        self._require_room(chunk.grad_buffer_bytes, [chunk], position)
+        needed = chunk.grad_buffer_bytes
+        if needed:  # else the buffer is the gradient shard (world size 1): there is no room to make
+            self._plan(position, Phase.BACKWARD, (chunk.chunk_id,), needed, trace)
+            self._require_room(needed, [chunk], position)
         self._grads.prepare(chunk)
 
     # --- moving chunks ---------------------------------------------------------------------------

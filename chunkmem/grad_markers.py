@@ -72,9 +72,10 @@ class ShardedGradient(torch.Tensor):
 
 def clear_markers(params: Iterable[torch.Tensor]) -> None:
     """``p.grad = None`` for each parameter whose ``.grad`` is a marker (``zero_grad``)."""
-    for p in params:
-        if isinstance(p.grad, ShardedGradient):
-            p.grad = None
+    with unhooked():
+        for p in params:
+            if isinstance(p.grad, ShardedGradient):
+                p.grad = None
 
 
 class GradientMarkers:

@@ -269,16 +269,20 @@ class ChunkOptimizer(torch.optim.Optimizer):
             stats.skipped_steps += 1
             log.info("chunkmem: inf/nan gradients at loss scale %s; step skipped", self.loss_scale)
         else:
+            reduced = {
+                chunk.chunk_id: (chunk.grad_shard, chunk.params_with_grad)
+                for chunk in self._runtime.manager.chunks
+                if chunk.trainable and chunk.grad_state is GradState.REDUCED
+            }
             for piece in self._pieces:
-                chunk = piece.chunk
-                if chunk.grad_state is GradState.REDUCED and chunk.params_with_grad[piece.info.index]:
-                    piece.tensor.grad = chunk.grad_shard[piece.shard_slice]
+                grads = reduced.get(piece.chunk.chunk_id)
+                if grads is not None and grads[1][piece.info.index]:
+                    piece.tensor.grad = grads[0][piece.shard_slice]
             # Which parameters get state is agreed (a gradient on any rank), so every rank
             # accounts the same chunks.
-            for chunk in self._runtime.manager.chunks:
-                if chunk.trainable and chunk.grad_state is GradState.REDUCED:
-                    flags = chunk.params_with_grad
-                    self._stateful.update(id(info) for info in chunk.tensors if flags[info.index])
+            for chunk_id, (_, flags) in reduced.items():
+                tensors = self._runtime.manager.chunk(chunk_id).tensors
+                self._stateful.update(id(info) for info in tensors if flags[info.index])
             self._runtime.manager.prepare_master_writes()
             try:
                 with self._guard.inside():
@@ -436,7 +440,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         for piece in self._pieces:
             for value in self._optim.state.get(piece.tensor, {}).values():
                 if isinstance(value, torch.Tensor):
-                    actual[piece.chunk.store.master_location] += value.numel() * value.element_size()
+                    actual[piece.chunk.store.master_location] += value.nbytes
         for location in Location:
             if actual[location] > reserved[location]:
                 raise NotSupportedError(

@@ -322,7 +322,10 @@ class ChunkRuntime(ParamOpHook):
                 "not supported: the second-order graph reads parameters long after their chunks are released. "
                 "Compute the penalty without create_graph, or train that model without chunkmem."
             )
-        if self._tracker.mode is Mode.FORWARD:
+        mode = self._tracker.mode
+        if mode is Mode.BACKWARD:
+            return
+        if mode is Mode.FORWARD:
             self.agree_entry("backward")
         self._tracker.begin_backward()
 

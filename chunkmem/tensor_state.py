@@ -72,6 +72,11 @@ class TensorInfo:
     state: TensorState = TensorState.HOLD
     compute_depth: int = field(default=0)
     """How many ops are using the parameter right now (overlapping backward ops may share it)."""
+    strides: tuple[int, ...] = field(init=False)
+    """The strides of ``shape`` laid out contiguously, as in the chunk."""
+
+    def __post_init__(self) -> None:
+        self.strides = _contiguous_strides(self.shape)
 
     def transition(self, target: TensorState, rank: int) -> None:
         """Move to ``target`` if the table allows it, else raise naming the parameter, chunk and
@@ -85,3 +90,12 @@ class TensorInfo:
                 "(an op on a managed parameter ran outside the hooks, or a backward ran twice without a forward)."
             )
         self.state = target
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -130,9 +130,14 @@ def hooks_for(params: Sequence[torch.Tensor]) -> tuple[tuple[ParamOpHook, tuple[
     sees all of them. Bound hooks first, in first-seen order; each hook once."""
     if not _region and params:
         # The common case, one owner: every parameter bound to the same hooks.
-        first = _bound.get(params[0])
-        if all(_bound.get(p) == first for p in params[1:]):
-            return tuple((h, tuple(params)) for h in first)
+        get = _bound.get
+        first = get(params[0])
+        for p in params[1:]:
+            if get(p) != first:
+                break
+        else:
+            seen = tuple(params)
+            return tuple([(h, seen) for h in first])
     calls: dict[int, tuple[ParamOpHook, list[torch.Tensor]]] = {}
     for p in params:
         for h in _bound.get(p):

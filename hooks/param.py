@@ -92,9 +92,11 @@ _CONTAINERS = (list, tuple, dict)
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     """Leaves of an op's arguments; flat arguments (the common case) skip pytree."""
-    if any(isinstance(a, _CONTAINERS) for a in args) or any(isinstance(v, _CONTAINERS) for v in kwargs.values()):
-        return tree_flatten((args, kwargs))
-    return [*args, *kwargs.values()], None
+    leaves = [*args, *kwargs.values()]
+    for leaf in leaves:  # a loop: this runs for every op, and a generator costs more
+        if isinstance(leaf, _CONTAINERS):
+            return tree_flatten((args, kwargs))
+    return leaves, None
 
 
 def _unflatten(leaves: list[Any], spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -125,10 +127,10 @@ class HookedParameter(torch.nn.Parameter):
             if not calls:
                 return func(*args, **kwargs)
             written = _guard_writes(func, args, kwargs, calls)
-            observing = tuple(call for call in calls if call[0].observes_ops)
+            observing = [call for call in calls if call[0].observes_ops]
             if not observing:
                 return func(*args, **kwargs)
-            return _run_hooked(func, args, kwargs, leaves, spec, params, observing, written)
+            return _run_hooked(func, args, kwargs, leaves, spec, params, tuple(observing), written)
 
 
 def _guard_writes(
