@@ -4,13 +4,14 @@ or for a region). Knows nothing about chunks."""
 
 from .bridges import OpBackward, PreForwardPostBackward
 from .hook import ParamOpHook, bind, bound_hooks, hooks_for, param_op_hooks, unbind
-from .param import HookedParameter, to_hooked, to_plain, unhooked
+from .param import HookedParameter, ValueCopy, to_hooked, to_plain, unhooked
 
 __all__ = [
     "HookedParameter",
     "OpBackward",
     "ParamOpHook",
     "PreForwardPostBackward",
+    "ValueCopy",
     "bind",
     "bound_hooks",
     "hooks_for",

@@ -1,15 +1,20 @@
 """``HookedParameter``: an ``nn.Parameter`` whose torch ops call the active parameter-op hooks.
 
-Metadata queries (shape, dtype, device, ``.data``, ``.grad``...) run unhooked: they never need the
-parameter's values. Every other op calls ``pre_op`` / ``post_op`` with the hooked parameters among
-its arguments and, when it records autograd history, is bridged (``hooks.bridges``) so that
-``pre_backward`` / ``post_backward`` fire around its backward; its outputs are plain tensors and
-never views of a hooked parameter. Hooks that do not observe ops (``ParamOpHook.observes_ops``)
-are only asked about in-place writes, and the op runs as on a plain parameter.
+Metadata queries (shape, dtype, device, ``.grad``...) run unhooked: they never need the
+parameter's values. Every other op (reading ``.data`` included) calls ``pre_op`` / ``post_op``
+with the hooked parameters among its arguments and, when it records autograd history, is bridged
+(``hooks.bridges``) so that ``pre_backward`` / ``post_backward`` fire around its backward. Its
+outputs are never views of a hooked parameter: a hook may move or free the parameter's storage
+after the op, so a view (``p.data``, ``p.detach()``, ``w.T``, ``w[:n]``) comes back as a
+:class:`ValueCopy`, which refuses in-place writes: in plain PyTorch a write through it would change
+the parameter, here it would be lost. Hooks that do not observe ops
+(``ParamOpHook.observes_ops``) are only asked about in-place writes, and the op runs as on a plain
+parameter (views are views).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .bridges import OpBackward, PreForwardPostBackward
 from .hook import ParamOpHook, hooks_for
 
-__all__ = ["HookedParameter", "to_hooked", "to_plain", "unhooked"]
+__all__ = ["HookedParameter", "ValueCopy", "to_hooked", "to_plain", "unhooked"]
 
 
 def unhooked() -> Any:
@@ -143,6 +148,9 @@ def _guard_writes(
     ``func`` writes."""
     written = _written(func, args, kwargs)
     if written:
+        for target in written:
+            if isinstance(target, ValueCopy):
+                target._refuse(getattr(func, "__name__", repr(func)))
         for hook, seen in calls:
             mutated = [t for t in written if any(t is p for p in seen)]
             if mutated:
@@ -194,9 +202,9 @@ def _run_hooked(
 
 def _unalias(leaves: list[Any], params: list[torch.Tensor]) -> bool:
     """Replace, in ``leaves``, outputs that are views of a hooked parameter (``w.T``, ``w[:n]``,
-    ``w.view(...)``) with copies: a hook may free or move the parameter's storage after the op, and
-    the view must outlive that. An in-place op that returns the parameter itself is left alone.
-    Returns whether anything was replaced."""
+    ``w.view(...)``, ``w.data``) with :class:`ValueCopy` copies: a hook may free or move the
+    parameter's storage after the op, and the view must outlive that. An in-place op that returns
+    the parameter itself is left alone. Returns whether anything was replaced."""
     storages = {p.untyped_storage().data_ptr() for p in params}
     storages.discard(0)
     changed = False
@@ -206,9 +214,61 @@ def _unalias(leaves: list[Any], params: list[torch.Tensor]) -> bool:
             and not any(leaf is p for p in params)
             and leaf.untyped_storage().data_ptr() in storages
         ):
-            leaves[i] = leaf.clone()
+            leaves[i] = ValueCopy.of(leaf, params)
             changed = True
     return changed
+
+
+class ValueCopy(torch.Tensor):
+    """A copy of (part of) a hooked parameter's values, standing where plain PyTorch returns a
+    view of the parameter (module docstring). Reading it, and any op on it, works as on a plain
+    tensor (results are plain tensors, and so are its ``clone()``, deep copies and pickles). An
+    in-place write is refused: it would change the copy and not the parameter. The parameters'
+    hooks are asked first (``ParamOpHook.mutating_op``), so that their message can name them."""
+
+    _sources: tuple[weakref.ref[torch.Tensor], ...]
+
+    @staticmethod
+    def of(values: torch.Tensor, sources: Iterable[torch.Tensor]) -> ValueCopy:
+        copy = values.clone().as_subclass(ValueCopy)
+        copy._sources = tuple(weakref.ref(p) for p in sources)
+        return copy
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not _is_metadata(func):
+            for target in _written(func, args, kwargs):
+                if isinstance(target, ValueCopy):
+                    target._refuse(getattr(func, "__name__", repr(func)))
+        if any(t is not ValueCopy for t in types):
+            return NotImplemented  # a hooked parameter takes part: its hooks must run
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _refuse(self, op_name: str) -> None:
+        what = f"{op_name} through a copy of its values (p.data, p.detach() or a view of p)"
+        sources = [p for p in (ref() for ref in self._sources) if p is not None]
+        if sources:
+            with torch._C.DisableTorchFunctionSubclass():
+                for hook, seen in hooks_for(sources):
+                    hook.mutating_op(seen, what)
+        shapes = [tuple(p.shape) for p in sources]
+        raise RuntimeError(
+            f"in-place op {what} refused: the parameter(s) of shape {shapes} are hooked, and between ops their "
+            "storage may be moved or freed, so p.data, p.detach() and views of p are copies; the write would "
+            "change the copy and not the parameter"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            copy = self.as_subclass(torch.Tensor).clone()
+        memo[id(self)] = copy
+        return copy
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
 def to_hooked(params: Iterable[torch.nn.Parameter]) -> None:

@@ -9,6 +9,7 @@ helpers are in ``hook_helpers.py``."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from hooks import (
     HookedParameter,
+    ValueCopy,
     bind,
     bound_hooks,
     hooks_for,
@@ -138,11 +140,15 @@ def test_outputs_are_plain_tensors(active: bool) -> None:
     rec = Recorder({id(w): "w"})
     ctx = param_op_hooks(rec) if active else param_op_hooks()
     with ctx:
-        outs = [w * 2, w.detach(), w.clone(), w.sum(), w[0], w.view(3, 2), *w.split(1)]
-    for out in outs:
+        computed = [w * 2, w.clone(), w.sum()]
+        aliases = [w.detach(), w[0], w.view(3, 2), *w.split(1)]
+    for out in computed:
         assert type(out) is torch.Tensor
+    # Views of the parameter are copies where hooks observe ops; plain views otherwise.
+    for out in aliases:
+        assert type(out) is (ValueCopy if active else torch.Tensor)
         assert not isinstance(out, nn.Parameter)
-    assert len(rec.kinds("pre_op")) == (len(outs) - 1 if active else 0)  # split: one op, two outputs
+    assert len(rec.kinds("pre_op")) == (len(computed) + len(aliases) - 1 if active else 0)  # split: one op
 
 
 def test_post_op_fires_when_the_op_raises() -> None:
@@ -189,7 +195,7 @@ def test_reading_data_is_an_op_that_returns_a_copy() -> None:
     storage = FreeStorage([w])
     bind([w], storage)
     data = w.data
-    assert type(data) is torch.Tensor and torch.equal(data, expected)
+    assert type(data) is ValueCopy and torch.equal(data, expected)
     assert storage.all_released()
     unbind([w], storage)
 
@@ -211,8 +217,69 @@ def test_transpose_property_fires_hooks() -> None:
     with param_op_hooks(rec):
         t = w.T
     assert rec.events == [("pre_op", ("w",)), ("post_op", ("w",))]
-    assert type(t) is torch.Tensor
+    assert type(t) is ValueCopy
     assert torch.equal(t, ref.T)
+
+
+# In plain PyTorch each of these writes into the parameter (they are views of it); where hooks
+# observe ops they write into a copy, so they are refused.
+_WRITES_THROUGH_A_COPY: dict[str, Callable[[torch.Tensor], Any]] = {
+    "data.mul_": lambda w: w.data.mul_(2),
+    "detach.zero_": lambda w: w.detach().zero_(),
+    "row.fill_": lambda w: w[0].fill_(1.0),
+    "view.add_": lambda w: w.view(-1).add_(1.0),
+    "data.setitem": lambda w: w.data.__setitem__(0, 5.0),
+    "T.copy_": lambda w: w.T.copy_(torch.zeros(4, 3)),
+    "out=": lambda w: torch.add(torch.ones(3, 4), 1.0, out=w.detach()),
+    "data.cpu.mul_": lambda w: w.data.cpu().mul_(3),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES_THROUGH_A_COPY))
+def test_a_write_through_a_copy_of_a_hooked_parameter_is_refused(write: str) -> None:
+    w = nn.Parameter(torch.randn(3, 4))
+    expected = w.detach().clone()
+    to_hooked([w])
+    storage = FreeStorage([w])
+    rec = Recorder({id(w): "w"})
+    bind([w], storage)
+    bind([w], rec)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="would change the copy and not the parameter"):
+        _WRITES_THROUGH_A_COPY[write](w)
+    # The parameter's own hooks were asked first (so a hook can refuse naming the parameter).
+    [(names, op_name)] = [e[1:] for e in rec.events if e[0] == "mutating_op"]
+    assert names == ("w",) and "through a copy of its values" in op_name
+    storage.gather([w])
+    with unhooked():
+        assert torch.equal(w.data, expected)
+
+
+def test_a_copy_of_a_hooked_parameter_reads_like_it_and_gives_plain_tensors(tmp_path: Any) -> None:
+    w, v = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4, 2))
+    w_ref, v_ref = w.detach().clone(), v.detach().clone()
+    to_hooked([w, v])
+    rec = Recorder({id(w): "w", id(v): "v"})
+    bind([w, v], rec)
+    data = w.data
+    assert type(data) is ValueCopy and torch.equal(data, w_ref)
+    assert type(data * 2) is torch.Tensor and torch.equal(data * 2, w_ref * 2)
+    rec.events.clear()
+    # An op mixing the copy with another hooked parameter still calls that parameter's hooks.
+    product = torch.mm(data, v)
+    assert type(product) is torch.Tensor and torch.equal(product, w_ref @ v_ref)
+    assert rec.events == [("pre_op", ("v",)), ("post_op", ("v",))]
+    # Copies made from it are independent tensors, writable like any other.
+    for independent in (data.clone(), copy.deepcopy(data)):
+        assert type(independent) is torch.Tensor
+        independent.zero_()
+    torch.save(data, tmp_path / "w.pt")
+    loaded = torch.load(tmp_path / "w.pt")
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, w_ref)
+    # Gradients flow through a view taken while recording, as through plain PyTorch's view.
+    w_plain = nn.Parameter(w_ref.clone())
+    (w.T * torch.arange(3.0)).sum().backward()
+    (w_plain.T * torch.arange(3.0)).sum().backward()
+    assert torch.equal(w.grad, w_plain.grad)
 
 
 # --------------------------------------------------------------------------------------------

@@ -302,6 +302,42 @@ def test_in_place_update_of_a_managed_parameter_is_refused() -> None:
         model.transformer.wte.weight.mul_(2)
 
 
+@pytest.mark.parametrize(("placement", "precision"), [("static", "bf16"), ("offload-optim", "fp32")])
+def test_a_write_through_p_data_is_refused_where_ops_are_observed(placement: str, precision: str) -> None:
+    """``p.data`` is a copy there (the chunk may be released after the op): a write into it would be
+    lost, so it is refused, naming the parameter and the rank, and the weights stay as they were."""
+    model = gpt2()
+    chunked, _, _ = boost(model, adamw_two_groups, placement=PLACEMENTS[placement], precision=precision)
+    assert chunked.runtime.observes_ops
+    name = "transformer.h.0.mlp.c_fc.weight"
+    before = chunked.state_dict()[name].clone()
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=rf"rank 0: in-place op 'mul_ through a copy .*\['{name}'\] would be lost"),
+    ):
+        model.transformer.h[0].mlp.c_fc.weight.data.mul_(2)
+    assert torch.equal(chunked.state_dict()[name], before)
+
+
+def test_a_write_through_p_data_reaches_the_parameter_where_ops_are_not_observed() -> None:
+    """Where the chunks are the fp32 masters and never move, ``p.data`` is the parameter's storage,
+    as in plain PyTorch: the write changes the weights and training goes on from them."""
+    model, ref = copies(gpt2())
+    chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=12_000)
+    assert not chunked.runtime.observes_ops
+    ref_optimizer = adamw_two_groups(ref)
+    losses, expected = [], []
+    for step, ids in enumerate(batches(3)):
+        if step == 1:
+            with torch.no_grad():
+                for net in (model, ref):
+                    net.transformer.h[0].mlp.c_fc.weight.data.mul_(0.5)
+        losses.append(train_chunked(chunked, optimizer, booster, [ids])[0])
+        expected.append(train_reference(ref, lambda _: ref_optimizer, [ids])[0])
+    assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
+
+
 @pytest.mark.parametrize(
     ("placement", "precision", "observed"),
     [
