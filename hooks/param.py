@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .bridges import OpBackward, PreForwardPostBackward
 from .hook import ParamOpHook, hooks_for
@@ -150,7 +150,7 @@ def _guard_writes(
     if written:
         for target in written:
             if isinstance(target, ValueCopy):
-                target._refuse(getattr(func, "__name__", repr(func)))
+                target.refuse_write(getattr(func, "__name__", repr(func)))
         for hook, seen in calls:
             mutated = [t for t in written if any(t is p for p in seen)]
             if mutated:
@@ -222,9 +222,11 @@ def _unalias(leaves: list[Any], params: list[torch.Tensor]) -> bool:
 class ValueCopy(torch.Tensor):
     """A copy of (part of) a hooked parameter's values, standing where plain PyTorch returns a
     view of the parameter (module docstring). Reading it, and any op on it, works as on a plain
-    tensor (results are plain tensors, and so are its ``clone()``, deep copies and pickles). An
-    in-place write is refused: it would change the copy and not the parameter. The parameters'
-    hooks are asked first (``ParamOpHook.mutating_op``), so that their message can name them."""
+    tensor: results are plain tensors, and so are its ``clone()``, deep copies and pickles, except
+    its own views (``p.data[0]``, ``p.detach().view(-1)``), which are copies of the parameter too.
+    An in-place write into it or its views is refused: it would change the copy and not the
+    parameter. The parameters' hooks are asked first (``ParamOpHook.mutating_op``), so that their
+    message can name them."""
 
     _sources: tuple[weakref.ref[torch.Tensor], ...]
 
@@ -240,13 +242,32 @@ class ValueCopy(torch.Tensor):
         if not _is_metadata(func):
             for target in _written(func, args, kwargs):
                 if isinstance(target, ValueCopy):
-                    target._refuse(getattr(func, "__name__", repr(func)))
+                    target.refuse_write(getattr(func, "__name__", repr(func)))
         if any(t is not ValueCopy for t in types):
             return NotImplemented  # a hooked parameter takes part: its hooks must run
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            copies = {
+                leaf.untyped_storage().data_ptr(): leaf
+                for leaf in _flatten(args, kwargs)[0]
+                if isinstance(leaf, ValueCopy) and leaf.untyped_storage().data_ptr() != 0
+            }
+            return tree_map_only(torch.Tensor, lambda t: ValueCopy._as_view(t, copies), out) if copies else out
 
-    def _refuse(self, op_name: str) -> None:
+    @staticmethod
+    def _as_view(tensor: torch.Tensor, copies: dict[int, ValueCopy]) -> torch.Tensor:
+        """``tensor`` as a copy of the same parameters when it aliases one of ``copies``."""
+        if type(tensor) is not torch.Tensor:
+            return tensor
+        source = copies.get(tensor.untyped_storage().data_ptr())
+        if source is None:
+            return tensor
+        view = tensor.as_subclass(ValueCopy)
+        view._sources = source._sources
+        return view
+
+    def refuse_write(self, op_name: str) -> None:
+        """Raise: ``op_name`` writes into this copy."""
         what = f"{op_name} through a copy of its values (p.data, p.detach() or a view of p)"
         sources = [p for p in (ref() for ref in self._sources) if p is not None]
         if sources:

@@ -232,6 +232,11 @@ _WRITES_THROUGH_A_COPY: dict[str, Callable[[torch.Tensor], Any]] = {
     "T.copy_": lambda w: w.T.copy_(torch.zeros(4, 3)),
     "out=": lambda w: torch.add(torch.ones(3, 4), 1.0, out=w.detach()),
     "data.cpu.mul_": lambda w: w.data.cpu().mul_(3),
+    # Views of the copy are copies of the parameter too.
+    "data.row.zero_": lambda w: w.data[:, 0].zero_(),
+    "detach.view.mul_": lambda w: w.detach().view(-1).mul_(2),
+    "data.data.add_": lambda w: w.data.data.add_(1.0),
+    "data.unbind.fill_": lambda w: w.data.unbind(0)[1].fill_(0.0),
 }
 
 
@@ -263,6 +268,9 @@ def test_a_copy_of_a_hooked_parameter_reads_like_it_and_gives_plain_tensors(tmp_
     data = w.data
     assert type(data) is ValueCopy and torch.equal(data, w_ref)
     assert type(data * 2) is torch.Tensor and torch.equal(data * 2, w_ref * 2)
+    assert type(data[0]) is ValueCopy and torch.equal(data[0], w_ref[0])
+    values, indices = data.max(dim=1)
+    assert type(values) is torch.Tensor and torch.equal(indices, w_ref.max(dim=1).indices)
     rec.events.clear()
     # An op mixing the copy with another hooked parameter still calls that parameter's hooks.
     product = torch.mm(data, v)
