@@ -72,7 +72,7 @@ class ShardedGradient(torch.Tensor):
 
 def clear_markers(params: Iterable[torch.Tensor]) -> None:
     """``p.grad = None`` for each parameter whose ``.grad`` is a marker (``zero_grad``)."""
-    with unhooked():
+    with unhooked():  # .grad read and set without a round trip through each parameter's hooks
         for p in params:
             if isinstance(p.grad, ShardedGradient):
                 p.grad = None

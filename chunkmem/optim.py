@@ -275,9 +275,10 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 if chunk.trainable and chunk.grad_state is GradState.REDUCED
             }
             for piece in self._pieces:
-                grads = reduced.get(piece.chunk.chunk_id)
-                if grads is not None and grads[1][piece.info.index]:
-                    piece.tensor.grad = grads[0][piece.shard_slice]
+                if piece.chunk.chunk_id in reduced:
+                    shard, flags = reduced[piece.chunk.chunk_id]
+                    if flags[piece.info.index]:
+                        piece.tensor.grad = shard[piece.shard_slice]
             # Which parameters get state is agreed (a gradient on any rank), so every rank
             # accounts the same chunks.
             for chunk_id, (_, flags) in reduced.items():

@@ -93,6 +93,7 @@ class TensorInfo:
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` has (a size-0 dimension counts as 1, as in torch)."""
     strides: list[int] = []
     step = 1
     for size in reversed(shape):

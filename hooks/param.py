@@ -74,12 +74,20 @@ def _is_metadata(func: Any) -> bool:
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors that ``func`` writes into in place (``self`` of an in-place method, ``out=``, an
-    assigned property such as ``.data``)."""
-    name = getattr(func, "__name__", "")
+    """Tensors that ``func`` writes into in place: the first argument of an in-place function
+    (``p.mul_``, ``torch.nn.init.normal_(tensor=p)``, which passes it by keyword, each tensor of a
+    ``torch._foreach_*_`` list, an ``inplace=True`` functional), ``out=``, an assigned property such
+    as ``.data``."""
+    name = getattr(func, "__name__", "").split(".")[0]  # torch.ops overloads: "add_.Tensor"
     targets: list[Any] = []
-    if (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS or name == "__set__":
-        targets.append(args[0] if args else None)
+    if (
+        (name.endswith("_") and not name.startswith("__"))
+        or name in _INPLACE_DUNDERS
+        or name == "__set__"
+        or kwargs.get("inplace") is True
+    ):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        targets.extend(first if isinstance(first, tuple | list) else [first])
     out = kwargs.get("out")
     if out is not None:
         targets.extend(out if isinstance(out, tuple | list) else [out])
@@ -244,7 +252,7 @@ class ValueCopy(torch.Tensor):
                 if isinstance(target, ValueCopy):
                     target.refuse_write(getattr(func, "__name__", repr(func)))
         if any(t is not ValueCopy for t in types):
-            return NotImplemented  # a hooked parameter takes part: its hooks must run
+            return NotImplemented  # another subclass takes part (a hooked parameter: its hooks must run)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
             copies = {
@@ -282,8 +290,10 @@ class ValueCopy(torch.Tensor):
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
-        with torch._C.DisableTorchFunctionSubclass():
-            copy = self.as_subclass(torch.Tensor).clone()
+        # Like Tensor.__deepcopy__: a new leaf with the same requires_grad.
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+            copy = self.as_subclass(torch.Tensor).detach().clone()
+        copy.requires_grad_(self.requires_grad)
         memo[id(self)] = copy
         return copy
 

@@ -237,6 +237,11 @@ _WRITES_THROUGH_A_COPY: dict[str, Callable[[torch.Tensor], Any]] = {
     "detach.view.mul_": lambda w: w.detach().view(-1).mul_(2),
     "data.data.add_": lambda w: w.data.data.add_(1.0),
     "data.unbind.fill_": lambda w: w.data.unbind(0)[1].fill_(0.0),
+    # Writes that name their target otherwise than as self.
+    "init.normal_": lambda w: nn.init.normal_(w.data),
+    "init.kaiming_uniform_.T": lambda w: nn.init.kaiming_uniform_(w.T),
+    "foreach": lambda w: torch._foreach_mul_([w.data], 2.0),
+    "relu-inplace": lambda w: F.relu(w.detach(), inplace=True),
 }
 
 
@@ -277,9 +282,10 @@ def test_a_copy_of_a_hooked_parameter_reads_like_it_and_gives_plain_tensors(tmp_
     assert type(product) is torch.Tensor and torch.equal(product, w_ref @ v_ref)
     assert rec.events == [("pre_op", ("v",)), ("post_op", ("v",))]
     # Copies made from it are independent tensors, writable like any other.
-    for independent in (data.clone(), copy.deepcopy(data)):
-        assert type(independent) is torch.Tensor
-        independent.zero_()
+    for independent in (data.clone(), copy.deepcopy(data), copy.deepcopy(w.detach().requires_grad_())):
+        assert type(independent) is torch.Tensor and independent.is_leaf
+        with torch.no_grad():
+            independent.zero_()
     torch.save(data, tmp_path / "w.pt")
     loaded = torch.load(tmp_path / "w.pt")
     assert type(loaded) is torch.Tensor and torch.equal(loaded, w_ref)
@@ -456,8 +462,12 @@ def test_hook_both_bound_and_in_region_fires_once() -> None:
         ("add_", lambda p: p.__iadd__(2.0), lambda t: t + 2.0),  # `p += 2` reaches torch as add_
         ("__setitem__", lambda p: p.__setitem__(0, 5.0), lambda t: torch.cat([torch.tensor([5.0]), t[1:]])),
         ("zero_", lambda p: p.zero_(), torch.zeros_like),
+        # nn.init passes the tensor by keyword; foreach ops take lists; functionals say inplace=True.
+        ("constant_", lambda p: nn.init.constant_(p, 2.0), lambda t: torch.full_like(t, 2.0)),
+        ("_foreach_mul_", lambda p: torch._foreach_mul_([p], 2.0), lambda t: t * 2.0),
+        ("relu", lambda p: F.relu(p, inplace=True), torch.relu),
     ],
-    ids=["add_", "mul_", "iadd", "setitem", "zero_"],
+    ids=["add_", "mul_", "iadd", "setitem", "zero_", "init.constant_", "foreach", "relu-inplace"],
 )
 def test_inplace_op_on_param_calls_mutating_op_before_it(
     name: str, op: Callable[[torch.Tensor], Any], plain: Callable[[torch.Tensor], torch.Tensor]
