@@ -71,15 +71,17 @@ def _both_policies(rank: int, world_size: int, configs: dict[str, list[tuple[flo
 
 @pytest.mark.parametrize("policy", ["static", "auto"])
 def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
-    configs = [(factor, prefetch) for factor in (1.0, 1.5, 2.0) for prefetch in (0, 1, 2, 3)]
+    # Every prefetch depth at the tightest budget (where decisions are hardest), looser budgets at
+    # the default depth and the deepest: the suite's time is bounded (2 cores, 15 minutes).
+    configs = [(1.0, prefetch) for prefetch in (0, 1, 2, 3)] + [(1.5, 2), (2.0, 2), (2.0, 3)]
     per_rank = run_ranks(_matrix, 2, args=(policy, configs), timeout=400)
     _check(per_rank)
 
 
 def test_budgets_at_four_ranks() -> None:
     # One spawn of four ranks for both policies (each spawn costs ~10 s on 2 cores): the tightest
-    # budget with and without prefetch, and twice it with the deepest prefetch.
-    configs = {"static": [(1.0, 0), (1.0, 3), (2.0, 3)], "auto": [(1.0, 0), (1.0, 3), (2.0, 3)]}
+    # budget with and without prefetch, and for one policy twice it with the deepest prefetch.
+    configs = {"static": [(1.0, 0), (1.0, 3)], "auto": [(1.0, 0), (1.0, 3), (2.0, 3)]}
     per_rank = run_ranks(_both_policies, 4, args=(configs,), timeout=400)
     for policy in configs:
         _check([r[policy] for r in per_rank])
