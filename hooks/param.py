@@ -156,14 +156,23 @@ def _guard_writes(
     ``func`` writes."""
     written = _written(func, args, kwargs)
     if written:
-        for target in written:
-            if isinstance(target, ValueCopy):
-                target.refuse_write(getattr(func, "__name__", repr(func)))
+        name = _op_name(func)
+        _refuse_writes_into_copies(written, name)
         for hook, seen in calls:
             mutated = [t for t in written if any(t is p for p in seen)]
             if mutated:
-                hook.mutating_op(mutated, getattr(func, "__name__", repr(func)))
+                hook.mutating_op(mutated, name)
     return written
+
+
+def _op_name(func: Any) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+def _refuse_writes_into_copies(written: list[torch.Tensor], op_name: str) -> None:
+    for target in written:
+        if isinstance(target, ValueCopy):
+            target.refuse_write(op_name)
 
 
 def _run_hooked(
@@ -248,9 +257,7 @@ class ValueCopy(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not _is_metadata(func):
-            for target in _written(func, args, kwargs):
-                if isinstance(target, ValueCopy):
-                    target.refuse_write(getattr(func, "__name__", repr(func)))
+            _refuse_writes_into_copies(_written(func, args, kwargs), _op_name(func))
         if any(t is not ValueCopy for t in types):
             return NotImplemented  # another subclass takes part (a hooked parameter: its hooks must run)
         with torch._C.DisableTorchFunctionSubclass():
