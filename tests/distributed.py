@@ -1,14 +1,30 @@
 """Run a test function on several gloo ranks in spawned processes.
 
-``run_ranks(fn, world_size=2, args=...)`` starts one process per rank, initializes a gloo process
-group on a free port, calls ``fn(rank, world_size, *args)`` and collects every rank's result. A rank
-that raises, dies or hangs past ``timeout`` fails the test with every rank's report, never blocks
-CI. ``fn`` must be importable (defined at module level in a test module).
+``run_ranks(fn, world_size=2, args=...)`` calls ``fn(rank, world_size, *args)`` on every rank of a
+gloo process group and returns every rank's result. A rank that raises, dies or hangs past
+``timeout`` fails the test with every rank's report, never blocks CI. ``fn`` must be importable
+(defined at module level in a test module).
+
+Spawning ranks costs most of a small test (each process imports torch and transformers and forms a
+process group: about eight seconds on a 2-core machine), so ranks are kept in a **pool** per world
+size and reused by later tests. A pooled call runs in a process that earlier tests used, so:
+
+* what a call changes in the process (environment variables, torch's default dtype and thread
+  count) is put back after it;
+* after each call the ranks meet in a ``monitored_barrier``: a call that left the group's
+  collectives out of step (a rank issued one the others did not) fails that check, and the pool is
+  closed, as it is after any error, timeout or death. The next call starts a new one.
+
+``fresh=True`` runs the call in new processes that exit after it, as every call did before the
+pool: for tests that measure a process's memory, set a process-group timeout of their own, or make
+ranks depart from each other on purpose (a failed collective leaves a group unusable).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import os
 import queue
 import socket
@@ -18,6 +34,12 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+__all__ = ["RankFailure", "free_port", "run_ranks"]
+
+_POOL_PG_TIMEOUT = 60.0
+_HEALTH_TIMEOUT = datetime.timedelta(seconds=20)
+_GRACE = 10.0  # seconds to wait for the other ranks' reports once one rank failed
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -25,7 +47,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(
+class RankFailure(AssertionError):
+    pass
+
+
+def _init(rank: int, world_size: int, port: int, pg_timeout: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+
+
+def _call(rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+    """Run one call, putting back what it may have changed in the process."""
+    import torch
+
+    environment = dict(os.environ)
+    dtype = torch.get_default_dtype()
+    try:
+        return "ok", fn(rank, world_size, *args)
+    except BaseException:
+        return "error", traceback.format_exc()
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(1)
+
+
+def _serve(rank: int, world_size: int, port: int, pg_timeout: float, inbox: Any, outbox: Any) -> None:
+    """A pooled rank: run calls until told to stop, or until one fails (then exit, so that the
+    other ranks' collectives fail at once instead of waiting for the group timeout)."""
+    try:
+        _init(rank, world_size, port, pg_timeout)
+    except BaseException:
+        outbox.put((-1, rank, "error", traceback.format_exc()))
+        return
+    import torch.distributed as dist
+
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        call_id, fn, args = message
+        status, value = _call(rank, world_size, fn, args)
+        if status == "ok":
+            try:
+                dist.monitored_barrier(timeout=_HEALTH_TIMEOUT, wait_all_ranks=True)
+            except RuntimeError as error:
+                status, value = "unhealthy", f"the ranks' collectives were out of step after the call: {error}"
+        outbox.put((call_id, rank, status, value))
+        if status != "ok":
+            break
+    dist.destroy_process_group()
+
+
+def _fresh(
     rank: int,
     world_size: int,
     port: int,
@@ -34,30 +119,97 @@ def _entry(
     results: Any,
     pg_timeout: float,
 ) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
+    try:
+        _init(rank, world_size, port, pg_timeout)
+    except BaseException:
+        results.put((0, rank, "error", traceback.format_exc()))
+        return
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    status, value = _call(rank, world_size, fn, args)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", value))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        dist.destroy_process_group()
+    finally:
+        results.put((0, rank, status, value))
 
 
-class RankFailure(AssertionError):
-    pass
+class _Ranks:
+    """Processes forming one process group; a pool serves many calls, fresh ranks one."""
+
+    def __init__(self, procs: list[Any], results: Any, inboxes: list[Any] | None) -> None:
+        self.procs = procs
+        self.results = results
+        self.inboxes = inboxes
+        self.calls = itertools.count(1)
+
+    def collect(self, call_id: int, world_size: int, timeout: float) -> dict[int, tuple[str, Any]]:
+        reports: dict[int, tuple[str, Any]] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(reports) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                break
+            try:
+                got_id, rank, status, value = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in self.procs) and self.results.empty():
+                    break
+                continue
+            if got_id in (call_id, -1):
+                reports[rank] = (status, value)
+                if status != "ok":  # the others fail soon (the failed rank left the group)
+                    grace = datetime.datetime.now() + datetime.timedelta(seconds=_GRACE)
+                    deadline = min(deadline, grace)
+        return reports
+
+    def close(self) -> None:
+        if self.inboxes is not None:
+            for inbox in self.inboxes:
+                inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+_POOLS: dict[int, _Ranks] = {}
+
+
+def _start_pool(world_size: int) -> _Ranks:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(world_size)]
+    port = free_port()
+    procs = [
+        ctx.Process(target=_serve, args=(rank, world_size, port, _POOL_PG_TIMEOUT, inboxes[rank], results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return _Ranks(procs, results, inboxes)
+
+
+def _start_fresh(
+    world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], pg_timeout: float
+) -> tuple[_Ranks, int]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_fresh, args=(rank, world_size, port, fn, args, results, pg_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return _Ranks(procs, results, None), 0
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
 
 
 def run_ranks(
@@ -65,44 +217,44 @@ def run_ranks(
     world_size: int = 2,
     args: tuple[Any, ...] = (),
     timeout: float = 240.0,
-    pg_timeout: float = 60.0,
+    pg_timeout: float | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
-    """Return ``fn``'s results in rank order; raise ``RankFailure`` naming every failed rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results, pg_timeout), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    reports: dict[int, tuple[str, Any]] = {}
+    """Return ``fn``'s results in rank order; raise ``RankFailure`` naming every failed rank. A
+    ``pg_timeout`` (seconds) of its own implies fresh processes; pooled ranks use 60 s."""
+    if fresh or pg_timeout is not None:
+        ranks, call_id = _start_fresh(world_size, fn, args, pg_timeout or _POOL_PG_TIMEOUT)
+    else:
+        ranks = _POOLS.get(world_size)
+        if ranks is None:
+            ranks = _POOLS[world_size] = _start_pool(world_size)
+        call_id = next(ranks.calls)
+        assert ranks.inboxes is not None, "a pool has inboxes"
+        for inbox in ranks.inboxes:
+            inbox.put((call_id, fn, args))
     try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-        while len(reports) < world_size:
-            remaining = (deadline - datetime.datetime.now()).total_seconds()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-                reports[rank] = (status, value)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
+        reports = ranks.collect(call_id, world_size, timeout)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        ranks.close()
+        raise
+    healthy = len(reports) == world_size and all(status == "ok" for status, _ in reports.values())
+    if ranks.inboxes is None or not healthy:
+        if _POOLS.get(world_size) is ranks:
+            del _POOLS[world_size]
+        if ranks.inboxes is not None:
+            for p in ranks.procs:  # a failed pool may have ranks stuck in a collective
                 p.terminate()
-                p.join(timeout=5)
+        ranks.close()
     problems = []
     for rank in range(world_size):
         if rank not in reports:
-            code = procs[rank].exitcode
+            code = ranks.procs[rank].exitcode
             problems.append(f"rank {rank}: no result (exit code {code}; hung past {timeout}s or died)")
-        elif reports[rank][0] != "ok":
+        elif reports[rank][0] == "error":
             problems.append(f"rank {rank} raised:\n{reports[rank][1]}")
+        elif reports[rank][0] == "unhealthy":
+            problems.append(f"rank {rank}: {reports[rank][1]}")
     if problems:
         raise RankFailure("\n\n".join(problems))
     return [reports[rank][1] for rank in range(world_size)]

@@ -178,7 +178,9 @@ def _host_memory_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
 def host_memory() -> dict[str, dict[str, int]]:
     # Each measurement in its own spawned process (RSS is per process); run_ranks at world size 1
     # gives a fresh interpreter, and chunkmem does not shard over a group of one.
-    return {kind: run_ranks(_host_memory_rank, world_size=1, args=(kind,))[0] for kind in ("plain", "chunkmem")}
+    return {
+        kind: run_ranks(_host_memory_rank, world_size=1, args=(kind,), fresh=True)[0] for kind in ("plain", "chunkmem")
+    }
 
 
 # Host RSS of training on the CPU: where chunkmem computes on a GPU its masters live there and the

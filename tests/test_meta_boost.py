@@ -341,7 +341,7 @@ def test_peak_host_memory_while_boosting_is_near_the_shard(tmp_path: Path) -> No
         model = LlamaForCausalLM(_rss_config())
     model.to_empty(device="cpu").save_pretrained(tmp_path, max_shard_size="40MB")  # values do not matter here
     del model
-    for rank, result in enumerate(run_ranks(_rss_rank, args=(str(tmp_path),))):
+    for rank, result in enumerate(run_ranks(_rss_rank, args=(str(tmp_path),), fresh=True)):
         for kind, m in result.items():
             mib = {k: round(v / 2**20, 1) if k != "s" else round(v, 2) for k, v in m.items()}
             # A rank holds its fp32 master shards (half the model at W=2, exact bytes from its
