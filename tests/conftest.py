@@ -1,6 +1,6 @@
 """Shared pytest configuration: the ``cuda`` marker skips without a GPU, the ``cpu_compute``
-marker skips where chunkmem computes on a GPU; quiet, single-threaded torch so that two-rank
-tests do not oversubscribe small machines."""
+marker skips where chunkmem computes on a GPU; ``multirank`` and ``benchmark`` tests are marked
+``slow`` unless they are chosen for the fast tier (``fast_tier``); quiet torch."""
 
 from __future__ import annotations
 
@@ -26,14 +26,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "cpu_compute(reason): measures what only holds while chunkmem computes on the CPU (skipped where "
         "it picks a GPU); the reason says why",
     )
+    # The fast tier (``-m "not slow"``) gives property tests a smaller budget (see ``tier``); set
+    # before test modules are imported, which read it at import.
+    if "not slow" in (config.getoption("markexpr", "") or ""):
+        os.environ.setdefault("CHUNKMEM_TEST_TIER", "fast")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from models import reference_device  # after the path insert above
 
     has_gpu = torch.cuda.is_available()
     computes_on_gpu = reference_device().type != "cpu"
     for item in items:
+        if ("multirank" in item.keywords or "benchmark" in item.keywords) and "fast_tier" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
         if "cuda" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         marker = item.get_closest_marker("cpu_compute")

@@ -167,6 +167,7 @@ def _hang(ctx: RankContext) -> None:
     time.sleep(120)
 
 
+@pytest.mark.benchmark
 def test_rank_pool_runs_commands_keeps_state_and_reports_the_failing_rank() -> None:
     pool = RankPool(2, env={"BENCH_PG_TIMEOUT": "30"})
     try:
@@ -186,6 +187,7 @@ def test_rank_pool_runs_commands_keeps_state_and_reports_the_failing_rank() -> N
         pool.close(force=True)
 
 
+@pytest.mark.benchmark
 def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
     pool = RankPool(2, init=None)
     pids = [pid for pid in pool.pids if pid is not None]

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = [pytest.mark.benchmark, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--layers", "1", "--width", "64", "--vocab", "256", "--seq", "32", "--batch", "2"]
 CHUNK = "16384"  # 256 x 64 embedding and 64 x 256 MLP weights: every chunk the same size

@@ -69,6 +69,7 @@ def _both_policies(rank: int, world_size: int, configs: dict[str, list[tuple[flo
     return {policy: _matrix(rank, world_size, policy, pairs) for policy, pairs in configs.items()}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("policy", ["static", "auto"])
 def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
     # Every prefetch depth at the tightest budget (where decisions are hardest), looser budgets at
@@ -78,6 +79,7 @@ def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
     _check(per_rank)
 
 
+@pytest.mark.multirank
 def test_budgets_at_four_ranks() -> None:
     # One spawn of four ranks for both policies (each spawn costs ~10 s on 2 cores): the tightest
     # budget with and without prefetch, and for one policy twice it with the deepest prefetch.
@@ -148,6 +150,8 @@ def _property(rank: int, world_size: int) -> int:
     return len(tried)
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_random_models_budgets_and_prefetch_never_diverge() -> None:
     counts = run_ranks(_property, 2, timeout=400)
     assert counts[0] == counts[1] == 8

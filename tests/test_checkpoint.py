@@ -99,6 +99,8 @@ def _save_on_two_ranks(rank: int, world_size: int, directory: str) -> None:
     booster.save_optimizer(optimizer, Path(directory) / "optim.pt")
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     run_ranks(_save_on_two_ranks, args=(str(tmp_path),))
     data = batches(5)

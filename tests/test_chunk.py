@@ -601,6 +601,8 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_two_ranks() -> None:
     results = run_ranks(_two_ranks, world_size=2)
     capacity = 26

@@ -50,6 +50,8 @@ def gathers() -> dict[str, Any]:
     return results[0]
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_every_chunk_is_gathered_at_least_once_per_step(gathers: dict[str, Any]) -> None:
     # Sharded chunks at world size 2 must be gathered for forward: a lower bound that holds for any
     # implementation (and catches counters that stopped counting).
@@ -57,11 +59,15 @@ def test_every_chunk_is_gathered_at_least_once_per_step(gathers: dict[str, Any])
         assert all(count >= found["chunks"] for count in found["per_step"]), (name, found)
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_each_chunk_is_gathered_at_most_twice_per_step(gathers: dict[str, Any]) -> None:
     found = gathers["plain"]
     assert max(found["per_step"]) <= 2 * found["chunks"], found
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_backward_starts_with_the_chunks_forward_left_gathered(gathers: dict[str, Any]) -> None:
     # Every chunk is used in both passes (all are trainable): once per pass each, except the first
     # 1 + max_prefetch chunks the backward enters, which stay gathered from the forward.
@@ -70,6 +76,8 @@ def test_backward_starts_with_the_chunks_forward_left_gathered(gathers: dict[str
     assert found["per_step"] == [2 * found["chunks"] - carried] * (STEPS - 1), found
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_each_chunk_is_gathered_at_most_three_times_per_step_with_checkpointing(gathers: dict[str, Any]) -> None:
     found = gathers["checkpointed"]
     assert max(found["per_step"]) <= 3 * found["chunks"], found
@@ -189,6 +197,7 @@ def host_memory() -> dict[str, dict[str, int]]:
 HOST_TRAINING = pytest.mark.cpu_compute(reason="compares host RSS of CPU training with plain PyTorch's")
 
 
+@pytest.mark.multirank
 @HOST_TRAINING
 def test_host_memory_measurement_sees_the_model(host_memory: dict[str, dict[str, int]]) -> None:
     # Independent sanity of the probe: plain training holds weights, gradients and two Adam moments
@@ -199,6 +208,7 @@ def test_host_memory_measurement_sees_the_model(host_memory: dict[str, dict[str,
     assert plain["peak"] - plain["after_setup"] >= 0.9 * 12 * plain["params"]
 
 
+@pytest.mark.multirank
 @HOST_TRAINING
 def test_host_memory_after_boost_and_at_peak_within_5_percent_of_plain(
     host_memory: dict[str, dict[str, int]],

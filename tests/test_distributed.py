@@ -70,7 +70,14 @@ def _parity(rank: int, world_size: int, arch: str, precision: str, placement: st
     return {"losses": losses, "expected": expected, "loss_tolerance": loss_tolerance, "stats": stats}
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "placement",
+    [
+        pytest.param(p, marks=pytest.mark.fast_tier) if p in ("static", "static-offload-prefetch1") else p
+        for p in PLACEMENTS
+    ],
+)
 def test_gpt2_fp32_two_ranks_match_pytorch(placement: str) -> None:
     results = run_ranks(_parity, args=("gpt2", "fp32", placement))
     for result in results:
@@ -78,11 +85,14 @@ def test_gpt2_fp32_two_ranks_match_pytorch(placement: str) -> None:
     assert results[0]["stats"].allgather_bytes > 0 or placement == "zero2"
 
 
+@pytest.mark.multirank
 def test_llama_fp32_two_ranks_offloaded_match_pytorch() -> None:
     for result in run_ranks(_parity, args=("llama", "fp32", "static-offload-prefetch1")):
         assert result["losses"] == result["loss_tolerance"].approx(result["expected"])
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_llama_bf16_two_ranks_within_tolerance() -> None:
     for result in run_ranks(_parity, args=("llama", "bf16", "static")):
         assert result["losses"] == result["loss_tolerance"].approx(result["expected"])
@@ -97,6 +107,7 @@ def _traffic(rank: int, world_size: int) -> dict[str, int]:
     return out
 
 
+@pytest.mark.multirank
 def test_bf16_allgathers_half_the_bytes_of_fp32() -> None:
     for result in run_ranks(_traffic):
         assert result["bf16"] * 2 == result["fp32"]
@@ -124,6 +135,8 @@ def _accumulate(rank: int, world_size: int) -> None:
     assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_no_sync_accumulation_equals_large_batch() -> None:
     run_ranks(_accumulate)
 
@@ -149,6 +162,8 @@ def _clip(rank: int, world_size: int) -> list[float]:
     return norms
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_clip_grad_norm_matches_torch_and_ranks_agree() -> None:
     norms = run_ranks(_clip)
     assert norms[0] == norms[1]
@@ -200,6 +215,8 @@ def _branches(rank: int, world_size: int, schedule: list[dict[str, bool]]) -> in
     return chunked.stats().divergences
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_unused_parameter_and_changed_order_on_all_ranks() -> None:
     plain, skip, swap = {}, {"skip": True}, {"swap": True}
     divergences = run_ranks(_branches, args=([plain, plain, skip, plain, swap, swap, plain],))
@@ -217,6 +234,7 @@ def _rank_dependent(rank: int, world_size: int) -> None:
         optimizer.zero_grad()
 
 
+@pytest.mark.multirank
 def test_rank_dependent_branch_is_reported_with_its_rank() -> None:
     with pytest.raises(RankFailure) as failure:
         run_ranks(_rank_dependent, timeout=120, pg_timeout=15)
@@ -265,6 +283,8 @@ def _reduce_slots(rank: int, world_size: int) -> list[bool]:
     return [torch.equal(separate, expected), torch.equal(slot, expected)]
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_gradient_reduction_leaves_each_rank_its_slot_of_the_sum() -> None:
     # On gloo the reduction is an all-reduce of the whole buffer; the contract is a reduce-scatter.
     # (W=4 training parity, in test_budget_ranks, runs the slot form at four ranks.)
@@ -315,6 +335,8 @@ def _delayed(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_compute_waits_for_delayed_gathers() -> None:
     for result in run_ranks(_delayed):
         assert result["delayed"] > 0
@@ -337,6 +359,8 @@ def _fp16_overflow_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
     return {"unchanged": unchanged, "scale": (scale, optimizer.loss_scale), "skipped": chunked.stats().skipped_steps}
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere() -> None:
     for result in run_ranks(_fp16_overflow_on_one_rank):
         assert result["unchanged"]
@@ -349,6 +373,7 @@ def _mean_loss_agrees(rank: int, world_size: int) -> float:
     return mean_over_ranks(x, world_size)
 
 
+@pytest.mark.multirank
 def test_helper_reports_every_rank() -> None:
     assert run_ranks(_mean_loss_agrees) == [1.5, 1.5]
 
@@ -359,6 +384,7 @@ def _fails_on_rank_one(rank: int, world_size: int) -> None:
         raise ValueError("boom on rank 1")
 
 
+@pytest.mark.multirank
 def test_helper_names_the_failing_rank() -> None:
     with pytest.raises(RankFailure, match="rank 1 raised"):
         run_ranks(_fails_on_rank_one)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import gpt2
+from tier import examples
 
 from chunkmem import Communicator, Location, MemoryKind, Stats, UnmanageableParameter, search_chunk_size
 from chunkmem.manager import ChunkManager
@@ -312,7 +313,7 @@ def test_values_survive_manager_moves() -> None:
 
 
 # --- packing properties --------------------------------------------------------------------------
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     specs=st.lists(st.tuples(st.integers(0, 300), st.booleans()), min_size=1, max_size=25),
     chunk_size=st.integers(1, 400),

@@ -212,6 +212,8 @@ def _parity_w2(rank: int, world_size: int, llama_dir: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_meta_boost_and_streaming_at_w2(tmp_path: Path) -> None:
     llama(seed=3).save_pretrained(tmp_path, max_shard_size="20KB")
     for rank, result in enumerate(run_ranks(_parity_w2, args=(str(tmp_path),))):
@@ -335,6 +337,7 @@ def _rss_rank(rank: int, world_size: int, directory: str) -> dict[str, dict[str,
     return {"stream": _boost_growth(directory), "init": _boost_growth(None)}
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
 def test_peak_host_memory_while_boosting_is_near_the_shard(tmp_path: Path) -> None:
     with torch.device("meta"):

@@ -57,6 +57,7 @@ def _accumulate(rank: int, world_size: int, kind: str, factor: float, micro: int
     return {"peak": chunked.stats().peak_device_bytes, "budget": budget}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     ("kind", "factor", "micro", "world_size"),
     [
@@ -99,6 +100,8 @@ def _refused(rank: int, world_size: int) -> dict[str, Any]:
     return {"minimum": refused.value.minimum}
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_no_sync_that_cannot_fit_is_refused_on_entry_on_every_rank() -> None:
     results = run_ranks(_refused, 2)
     assert results[0]["minimum"] == results[1]["minimum"]

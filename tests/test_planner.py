@@ -80,7 +80,10 @@ def _predicted(world_size: int, placement: Any, precision: str, arch: str) -> Pl
     )
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "placement", [pytest.param(p, marks=pytest.mark.fast_tier) if p == "static" else p for p in PLACEMENTS]
+)
 def test_prediction_equals_a_run_at_world_size_1(placement: str) -> None:
     predicted = _predicted(1, PLACEMENTS[placement], "fp32", "gpt2")
     measured = run_ranks(_measured, 1, args=(PLACEMENTS[placement], "fp32", "gpt2"))[0]
@@ -90,12 +93,13 @@ def test_prediction_equals_a_run_at_world_size_1(placement: str) -> None:
         assert predicted.fits and predicted.peak_device_bytes <= budget
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     ("placement", "precision", "arch"),
     [
         ("static-prefetch2", "bf16", "gpt2"),
         ("auto-budget-prefetch3", "fp32", "llama"),
-        ("static-offload-budget", "fp32", "gpt2"),
+        pytest.param("static-offload-budget", "fp32", "gpt2", marks=pytest.mark.fast_tier),
     ],
 )
 def test_prediction_equals_a_run_at_world_size_2(placement: str, precision: str, arch: str) -> None:
@@ -118,6 +122,7 @@ def _trains_at(rank: int, world_size: int, budget: int) -> int:
     return chunked.stats().peak_device_bytes
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_minimum_budget_is_accepted_by_a_real_run(world_size: int) -> None:
     predicted = _predicted(world_size, AutoPlacementConfig(device_budget=10**9, max_prefetch=1), "fp32", "gpt2")
@@ -132,6 +137,7 @@ def test_the_minimum_budget_is_the_minimum() -> None:
         _trains_at(0, 1, predicted.min_device_budget - 1)
 
 
+@pytest.mark.slow
 def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
     done = subprocess.run(
         [

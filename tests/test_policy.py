@@ -28,6 +28,7 @@ from policy_helpers import (
     static,
     trace_of,
 )
+from tier import examples
 
 from placement import (
     AutoPlacementConfig,
@@ -450,7 +451,7 @@ def test_auto_needs_a_capacity(capacity: int | None) -> None:
         make_policy(AutoPlacementConfig(), capacity)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(
     capacity=st.integers(1, 10**12),
     budget=st.one_of(st.none(), st.integers(1, 10**12)),

@@ -31,6 +31,7 @@ from policy_helpers import (
     static,
     trace_of,
 )
+from tier import examples
 
 from placement import (
     ChunkSpec,
@@ -45,7 +46,7 @@ from placement import (
     simulate,
 )
 
-FAST = settings(max_examples=100, deadline=None, derandomize=True)
+FAST = settings(max_examples=examples(100), deadline=None, derandomize=True)
 
 
 # --- the independent optimum ---------------------------------------------------------------------
@@ -146,7 +147,7 @@ def check_within(result: SimulationResult, budget: int) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=examples(300), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=1), paging_problems(max_width=1, hard=True)))
 def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: Problem) -> None:
     n, k, steps = problem
@@ -168,7 +169,7 @@ def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=examples(300), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=3), paging_problems(max_width=3, hard=True)))
 def test_auto_demand_fetches_multi_chunk_ops(layout: str, problem: Problem) -> None:
     n, k, steps = problem
@@ -429,7 +430,10 @@ GRAD_AFTER_PREFETCH = (
 @pytest.mark.parametrize("max_prefetch", [1, 3])
 @pytest.mark.parametrize("policy_kind", POLICY_KINDS[:-1])  # all-gathered never prefetches
 @settings(
-    max_examples=100, deadline=None, derandomize=True, phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate]
+    max_examples=examples(100),
+    deadline=None,
+    derandomize=True,
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
 )
 @given(problem=training_problems(trainable=True))
 @example(problem=GRAD_AFTER_PREFETCH)

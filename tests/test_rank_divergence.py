@@ -19,6 +19,8 @@ from models import boost
 
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
 DEADLINE = 30.0  # seconds from the departure to an error on every rank
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tier import examples
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import search_chunk_size
@@ -110,7 +111,7 @@ def test_waste_on_a_frozen_embedding_model() -> None:
         assert (result.waste_elements, result.chunk_size) == brute_force(sizes, low, high, 256, world)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     specs=st.lists(
         st.tuples(st.integers(1, 200), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans()),

@@ -103,6 +103,7 @@ def _save_at_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, 
     return {"chunk_gathers": counted["all_gather"], "resumed": _resume(rank, world_size, directory, 5_000, True)}
 
 
+@pytest.mark.multirank
 def test_saved_at_two_ranks_resumes_at_one_two_and_four_ranks_like_plain_pytorch(tmp_path: Path) -> None:
     saving = run_ranks(_save_at_two_ranks, args=(str(tmp_path),))
     assert [r["chunk_gathers"] for r in saving] == [0, 0]  # no rank gathered a chunk to save
@@ -286,6 +287,8 @@ def _refusals_on_two_ranks(rank: int, world_size: int, directory: str) -> dict[s
     return out
 
 
+@pytest.mark.multirank
+@pytest.mark.fast_tier
 def test_refused_loads_and_a_failed_save_raise_on_every_rank_and_change_nothing(tmp_path: Path) -> None:
     results = run_ranks(_refusals_on_two_ranks, args=(str(tmp_path),))
     for rank, out in enumerate(results):
@@ -420,6 +423,7 @@ def _save_memory(rank: int, world_size: int, directory: str) -> dict[str, int]:
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 def test_a_sharded_save_holds_no_more_than_a_small_part_of_its_shard(tmp_path: Path) -> None:
     model_bytes = 24 * 1024 * 1024 * 4
