@@ -32,9 +32,11 @@ from .chunk_layout import ShardPiece
 from .comm import Communicator
 from .errors import NotSupportedError, UnscaledBackwardError
 from .grad_markers import clear_markers
+from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
 from .runtime import ChunkRuntime
+from .step_runs import Run, StepRuns
 from .tensor_state import TensorInfo
 
 __all__ = ["ChunkOptimizer", "Piece", "StateSize", "check_elementwise", "optimizer_state_size", "slice_state"]
@@ -140,6 +142,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
         # Each group's original parameters, in order: what a full (PyTorch-format) state dict indexes.
         self._group_infos: list[tuple[TensorInfo, ...]] = []
         self._guard = _OriginalGuard(optimizer)
+        self._runs = StepRuns(lambda: self._optim.state)
+        self._kernels = HostKernels(type(optimizer))
         existing = dict(optimizer.state)
         resharded: dict[torch.Tensor, dict[str, Any]] = {}
         for group in optimizer.param_groups:
@@ -150,7 +154,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 if piece.info.param in existing:
                     resharded[piece.tensor] = slice_state(existing[piece.info.param], piece)
             self._stateful.update(id(info) for info in infos if existing.get(info.param))
-            group["params"] = [piece.tensor for piece in pieces]
+            group["params"] = self._runs.add_group(pieces)
+        self._probe_host_kernels()
         # torch's own bookkeeping (hook tables, step profiling), then share the user's groups and state.
         super().__init__([{"params": []}], optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -198,6 +203,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """This rank's pieces of every parameter the optimizer updates."""
         return tuple(self._pieces)
 
+    def piece_state(self, piece: Piece) -> dict[str, Any]:
+        """The optimizer state of one of this rank's pieces (views of what the optimizer keeps for
+        the run it belongs to; empty when it has none yet)."""
+        return self._runs.piece_state(piece)
+
     @property
     def group_infos(self) -> tuple[tuple[TensorInfo, ...], ...]:
         """Per param group, its original parameters in order (PyTorch-format ids count these)."""
@@ -242,8 +252,10 @@ class ChunkOptimizer(torch.optim.Optimizer):
         except ValueError:
             self._optim.param_groups.pop()
             raise
+        self._optim.param_groups[-1]["params"] = self._runs.add_group(pieces)
         self._group_infos.append(infos)
         self._pieces.extend(pieces)
+        self._probe_host_kernels()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (buffers, shards and the record of which parameters had one)."""
@@ -274,23 +286,25 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 for chunk in self._runtime.manager.chunks
                 if chunk.trainable and chunk.grad_state is GradState.REDUCED
             }
+            has_grad: dict[int, bool] = {}
             for piece in self._pieces:
-                if piece.chunk.chunk_id in reduced:
-                    shard, flags = reduced[piece.chunk.chunk_id]
-                    if flags[piece.info.index]:
-                        piece.tensor.grad = shard[piece.shard_slice]
+                entry = reduced.get(piece.chunk.chunk_id)
+                has_grad[id(piece.tensor)] = entry is not None and entry[1][piece.info.index]
+            self._runs.split_by_gradient(has_grad)
             # Which parameters get state is agreed (a gradient on any rank), so every rank
             # accounts the same chunks.
             for chunk_id, (_, flags) in reduced.items():
                 tensors = self._runtime.manager.chunk(chunk_id).tensors
                 self._stateful.update(id(info) for info in tensors if flags[info.index])
             self._runtime.manager.prepare_master_writes()
+            stepped = [run for run in self._runs.runs() if has_grad[id(run.pieces[0].tensor)]]
             try:
-                with self._guard.inside():
-                    self._optim.step()
+                for run in stepped:
+                    run.tensor.grad = reduced[run.chunk.chunk_id][0][run.start : run.stop]
+                self._step_runs(stepped)
             finally:
-                for piece in self._pieces:
-                    piece.tensor.grad = None
+                for run in stepped:
+                    run.tensor.grad = None
             self._account_state()
             self._runtime.check_budget(f"{type(self._optim).__name__}.step creating its state")
             stats.optimizer_steps += 1
@@ -331,9 +345,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
         hyperparameters and the loss scaler's state, replacing what was there. Goes through the
         optimizer's own ``load_state_dict``, which puts each value on the device and dtype its class
         expects. The caller has validated everything (``chunkmem.checkpoint.optimizer_state``)."""
+        run_states = self._runs.regroup({id(t): s for t, s in states.items()})
         index: dict[int, int] = {}
         groups = []
         for position, group in enumerate(self._optim.param_groups):
+            group["params"] = self._runs.tensors(position)
             ids = []
             for tensor in group["params"]:
                 index[id(tensor)] = len(index)
@@ -342,7 +358,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             groups.append({**{k: v for k, v in settings.items() if k != "params"}, "params": ids})
         with self._guard.inside():
             self._optim.load_state_dict(
-                {"state": {index[id(t)]: dict(s) for t, s in states.items()}, "param_groups": groups}
+                {"state": {index[id(t)]: s for t, s in run_states.items()}, "param_groups": groups}
             )
         # torch's load_state_dict replaces the group list and the state table: share the new ones.
         self.param_groups = self._optim.param_groups
@@ -352,6 +368,44 @@ class ChunkOptimizer(torch.optim.Optimizer):
         if stateful is not None:  # the parameters with state in the full state (the same on every rank)
             self._stateful = {id(info) for info in stateful}
         self._account_state()
+
+    def _probe_host_kernels(self) -> None:
+        """Decide the host kernel of every group with host runs now, not in the first step."""
+        for position, group in enumerate(self._optim.param_groups):
+            if any(run.location is Location.HOST for run in self._runs.groups[position]):
+                self._kernels.fuse(group)
+
+    def _step_runs(self, runs: Sequence[Run]) -> None:
+        """Run the user's optimizer over ``runs`` (their gradients set): the runs whose master is
+        on the device in one call, those on the host in another, each param group holding only
+        its runs of that call. A group whose kernel the user left to PyTorch steps its host runs
+        with the fastest CPU kernel (``HostKernels``); a single host tensor in a call would turn
+        PyTorch's default for the device runs into its per-tensor loop, hence the two calls."""
+        groups = self._optim.param_groups
+        kept = [(group["params"], group.get("fused")) for group in groups]
+        try:
+            for location in (Location.DEVICE, Location.HOST):
+                subsets: list[list[torch.Tensor]] = [[] for _ in groups]
+                for run in runs:
+                    if run.location is location:
+                        subsets[run.group].append(run.tensor)
+                # With nothing to step the optimizer is still called once, as plain PyTorch's
+                # would be (LR schedulers and step hooks see the call).
+                if not any(subsets) and (runs or location is Location.HOST):
+                    continue
+                for group, subset, (_, fused) in zip(groups, subsets, kept, strict=True):
+                    group["params"] = subset
+                    if "fused" in group:
+                        group["fused"] = fused
+                    if location is Location.HOST and subset and self._kernels.fuse(group):
+                        group["fused"] = True
+                with self._guard.inside():
+                    self._optim.step()
+        finally:
+            for position, (group, (_, fused)) in enumerate(zip(groups, kept, strict=True)):
+                group["params"] = self._runs.tensors(position)
+                if "fused" in group:
+                    group["fused"] = fused
 
     # --- beyond torch.optim.Optimizer -------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -437,11 +491,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):
                 location = chunk.store.master_location
                 reserved[location] += self._state_size.reserved(chunk.shard_numel, len(chunk.tensors))
-        actual: Counter[Location] = Counter()
-        for piece in self._pieces:
-            for value in self._optim.state.get(piece.tensor, {}).values():
-                if isinstance(value, torch.Tensor):
-                    actual[piece.chunk.store.master_location] += value.nbytes
+        actual = self._runs.state_bytes()
         for location in Location:
             if actual[location] > reserved[location]:
                 raise NotSupportedError(

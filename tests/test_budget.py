@@ -32,7 +32,7 @@ def test_static_fp32_accounting_matches_analytic_counts() -> None:
     """World size 1, fp32, nothing offloaded: each chunk holds its fp32 master and gradient shard
     (capacity x 4 bytes each) on the device, and after the first step AdamW's state is accounted as
     reserved for every element of each shard (exp_avg and exp_avg_sq: 8 bytes, padding included, so
-    that every rank accounts the same) plus a 4-byte step counter per parameter."""
+    that every rank accounts the same) plus a 4-byte step counter per parameter (an upper bound)."""
     model = gpt2()
     numels = _param_numels(model)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=CHUNK)
@@ -44,7 +44,11 @@ def test_static_fp32_accounting_matches_analytic_counts() -> None:
     train_chunked(chunked, optimizer, booster, batches(2))
     assert ledger.bytes(Location.DEVICE, MemoryKind.OPTIM_STATE) == 8 * capacity + 4 * len(numels)
     actual = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
-    assert actual == 8 * sum(numels) + 4 * len(numels) <= 8 * capacity + 4 * len(numels)
+    # AdamW steps runs of adjacent parameters as one tensor each: two fp32 moments per element and
+    # one step counter per run, fewer than the one per parameter that is reserved.
+    runs = sum(len(group["params"]) for group in optimizer.param_groups)
+    assert runs < len(numels)
+    assert actual == 8 * sum(numels) + 4 * runs <= 8 * capacity + 4 * len(numels)
     # fp32 at world size 1: the master is the gathered chunk and gradients accumulate in the shard.
     assert ledger.bytes(Location.DEVICE, MemoryKind.GATHERED) == 0
     assert ledger.bytes(Location.DEVICE, MemoryKind.GRAD_BUFFER) == 0

@@ -63,11 +63,10 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     runtime = optimizer.runtime
     runtime.agree_entry("gathering an optimizer state")
     comm = runtime.manager.comm
-    state_of = optimizer.state
     elementwise: dict[int, dict[str, str]] = {}
     scalars: dict[_Where, dict[str, Any]] = {}
     for piece in optimizer.pieces:
-        state = state_of.get(piece.tensor)
+        state = optimizer.piece_state(piece)
         if not state:
             continue
         entry = scalars.setdefault(_where(piece.info), {})
@@ -95,7 +94,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
         for key, dtype_name in sorted(merged_keys.get(chunk.chunk_id, {}).items()):
             shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype_name))
             for piece in pieces_of.get(chunk.chunk_id, []):
-                value = state_of.get(piece.tensor, {}).get(key)
+                value = optimizer.piece_state(piece).get(key)
                 if value is not None:
                     shard[piece.shard_slice] = value.detach().to("cpu")
             full = gather_full(runtime, chunk, shard, destination, f"gathering optimizer state '{key}'")

@@ -53,7 +53,7 @@ def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, SaveEntry]:
     parameters whose first element it holds, and, on rank 0, the param groups and loss scale."""
     entries: dict[str, SaveEntry] = {}
     for piece in optimizer.pieces:
-        for key, value in (optimizer.state.get(piece.tensor) or {}).items():
+        for key, value in optimizer.piece_state(piece).items():
             name = f"state.{piece.info.name}.{key}"
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape:
                 entries[name] = FlatRange(value.detach().contiguous(), tuple(piece.info.shape), piece.param_slice.start)

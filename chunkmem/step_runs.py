@@ -1,0 +1,258 @@
+"""``StepRuns``: the flat tensors the user's optimizer steps.
+
+This rank holds, of each parameter, a piece: a slice of its chunk's fp32 master shard. Pieces of
+one param group that sit next to each other in one shard form a **run**, a single view of the
+master shard, and the optimizer steps runs, not pieces: one tensor per run instead of one per
+parameter, which is what makes a fused kernel (or any kernel) run at memory speed rather than at
+Python speed on models with many small parameters. For an elementwise optimizer, stepping a run is
+exactly stepping each of its pieces (the update of an element depends only on that element's own
+history and on per-parameter scalars such as Adam's step count).
+
+So a run only holds pieces that share every non-elementwise state value. PyTorch skips a parameter
+without a gradient (its step count stays behind), so a step on which some of a run's pieces have a
+gradient and others have none splits the run for good; a loaded state whose pieces differ in such
+values is cut into runs along the differences. The optimizer's state is kept per run (the inner
+optimizer looks it up by the tensors it steps); a piece's state is a view of its run's
+(:meth:`StepRuns.piece_state`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .accounting import Location
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+    from .optim import Piece
+
+__all__ = ["Run", "StepRuns"]
+
+
+@dataclass(eq=False)
+class Run:
+    """Consecutive pieces of one chunk shard in one param group, stepped as one tensor."""
+
+    group: int
+    pieces: tuple[Piece, ...]
+    tensor: torch.Tensor
+    """The view of the master shard the optimizer steps (``master[start:stop]``)."""
+    start: int
+    """First element in this rank's shard."""
+
+    @property
+    def chunk(self) -> Chunk:
+        return self.pieces[0].chunk
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.tensor.numel()
+
+    @property
+    def location(self) -> Location:
+        return self.chunk.store.master_location
+
+    def describe(self) -> str:
+        names = [p.info.name for p in self.pieces]
+        shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
+        return f"run of chunk {self.chunk.chunk_id} [{self.start}, {self.stop}) in param group {self.group}: {shown}"
+
+
+def _elementwise(value: Any, run: Run) -> bool:
+    """State shaped like the run's tensor (the rest, such as a step count, is per parameter)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == run.tensor.shape
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal per-parameter state values (tensors by dtype, device and value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    return bool(a == b)
+
+
+def _consecutive(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
+    """Pieces of one group cut where the chunk changes or the shard has a gap between them (a
+    trainable parameter of no param group sits there)."""
+    ordered = sorted(pieces, key=lambda p: (p.chunk.chunk_id, p.shard_slice.start))
+    current: list[Piece] = []
+    for piece in ordered:
+        if current and (
+            piece.chunk is not current[-1].chunk or piece.shard_slice.start != current[-1].shard_slice.stop
+        ):
+            yield current
+            current = []
+        current.append(piece)
+    if current:
+        yield current
+
+
+class StepRuns:
+    """The runs of every param group, and the optimizer state kept per run; see the module
+    docstring. ``table`` returns the inner optimizer's state table, keyed by the tensors it steps
+    (a function: the optimizer's ``load_state_dict`` replaces the table)."""
+
+    def __init__(self, table: Callable[[], MutableMapping[torch.Tensor, Any]]) -> None:
+        self._table = table
+        self._groups: list[list[Run]] = []
+        self._run_of: dict[int, Run] = {}  # id(piece.tensor) -> its run
+
+    # --- building ---------------------------------------------------------------------------
+    def add_group(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+        """Runs for a new param group (its pieces have no state yet); returns their tensors."""
+        group = len(self._groups)
+        runs = [self._make(group, part) for part in _consecutive(pieces)]
+        self._groups.append(runs)
+        return [run.tensor for run in runs]
+
+    def _make(self, group: int, pieces: Sequence[Piece]) -> Run:
+        start, stop = pieces[0].shard_slice.start, pieces[-1].shard_slice.stop
+        run = Run(group, tuple(pieces), pieces[0].chunk.store.master[start:stop], start)
+        for piece in pieces:
+            self._run_of[id(piece.tensor)] = run
+        return run
+
+    # --- reading ----------------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple[tuple[Run, ...], ...]:
+        return tuple(tuple(runs) for runs in self._groups)
+
+    def runs(self) -> Iterator[Run]:
+        for runs in self._groups:
+            yield from runs
+
+    def tensors(self, group: int) -> list[torch.Tensor]:
+        """What param group ``group`` holds for the optimizer: its runs' tensors."""
+        return [run.tensor for run in self._groups[group]]
+
+    def run_of(self, piece: Piece) -> Run:
+        return self._run_of[id(piece.tensor)]
+
+    def piece_state(self, piece: Piece) -> dict[str, Any]:
+        """The optimizer state of one piece: views of its run's elementwise state, and the run's
+        other values (shared by all its pieces). Empty when the piece has no state yet."""
+        run = self.run_of(piece)
+        state = self._table().get(run.tensor)
+        if not state:
+            return {}
+        begin = piece.shard_slice.start - run.start
+        end = piece.shard_slice.stop - run.start
+        return {key: value[begin:end] if _elementwise(value, run) else value for key, value in state.items()}
+
+    def state_bytes(self) -> dict[Location, int]:
+        """Bytes of optimizer state tensors per location of the runs' masters."""
+        out = dict.fromkeys(Location, 0)
+        for run in self.runs():
+            for value in (self._table().get(run.tensor) or {}).values():
+                if isinstance(value, torch.Tensor):
+                    out[run.location] += value.nbytes
+        return out
+
+    # --- changing ---------------------------------------------------------------------------
+    def split_by_gradient(self, has_grad: Mapping[int, bool]) -> None:
+        """Before a step: cut each run whose pieces do not all have a gradient (``has_grad`` by
+        ``id(piece.tensor)``) where that changes, so that every run is stepped whole or not at
+        all, as PyTorch steps each parameter that has a gradient."""
+        for group, runs in enumerate(self._groups):
+            out: list[Run] = []
+            for run in runs:
+                flags = [has_grad[id(p.tensor)] for p in run.pieces]
+                if all(flags) or not any(flags):
+                    out.append(run)
+                    continue
+                parts: list[list[Piece]] = []
+                for piece, flag in zip(run.pieces, flags, strict=True):
+                    if parts and flag == has_grad[id(parts[-1][-1].tensor)]:
+                        parts[-1].append(piece)
+                    else:
+                        parts.append([piece])
+                out.extend(self._split(group, run, parts))
+            self._groups[group] = out
+
+    def _split(self, group: int, run: Run, parts: Sequence[Sequence[Piece]]) -> list[Run]:
+        """Cut ``run`` into runs of ``parts``, each with its share of the state: views of the
+        elementwise state, copies of the rest (they may part from now on)."""
+        state = self._table().pop(run.tensor, None)
+        runs = [self._make(group, part) for part in parts]
+        if state:
+            for new in runs:
+                begin, end = new.start - run.start, new.stop - run.start
+                self._table()[new.tensor] = {
+                    key: value[begin:end] if _elementwise(value, run) else copy.deepcopy(value)
+                    for key, value in state.items()
+                }
+        return runs
+
+    def regroup(self, states: Mapping[int, Mapping[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
+        """Runs for a state being loaded (``states`` by ``id(piece.tensor)``, each piece's own, on
+        the CPU or anywhere): the pieces of each group cut where their per-parameter values differ
+        or where one has state and the next has none. Returns each run's state (elementwise state
+        concatenated over its pieces) for the caller to install through the optimizer's own
+        ``load_state_dict``; the runs replace the old ones, whose state is forgotten."""
+        loaded: dict[torch.Tensor, dict[str, Any]] = {}
+        for group, runs in enumerate(self._groups):
+            out: list[Run] = []
+            for part in _consecutive([p for run in runs for p in run.pieces]):
+                for pieces in self._alike(part, states):
+                    run = self._make(group, pieces)
+                    out.append(run)
+                    state = _concatenated(run, [states.get(id(p.tensor)) or {} for p in pieces])
+                    if state:
+                        loaded[run.tensor] = state
+            self._groups[group] = out
+        self._table().clear()
+        return loaded
+
+    @staticmethod
+    def _alike(pieces: Sequence[Piece], states: Mapping[int, Mapping[str, Any]]) -> Iterator[list[Piece]]:
+        current: list[Piece] = []
+        for piece in pieces:
+            if current and not _compatible(states.get(id(current[0].tensor)), states.get(id(piece.tensor)), piece):
+                yield current
+                current = []
+            current.append(piece)
+        if current:
+            yield current
+
+
+def _piece_elementwise(value: Any, piece: Piece) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.part.numel
+
+
+def _compatible(first: Mapping[str, Any] | None, other: Mapping[str, Any] | None, piece: Piece) -> bool:
+    """Whether ``piece`` with state ``other`` may join a run whose first piece has ``first``."""
+    first, other = first or {}, other or {}
+    if set(first) != set(other):
+        return False
+    for key, value in other.items():
+        mine = first[key]
+        if _piece_elementwise(value, piece):
+            if not isinstance(mine, torch.Tensor) or mine.dim() != 1 or mine.dtype != value.dtype:
+                return False
+        elif not _same(mine, value):
+            return False
+    return True
+
+
+def _concatenated(run: Run, states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    parts = list(states)
+    if not parts or not parts[0]:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in parts[0].items():
+        if _piece_elementwise(value, run.pieces[0]):
+            out[key] = torch.cat([state[key].reshape(-1) for state in parts])
+        else:
+            out[key] = value
+    return out
