@@ -100,6 +100,7 @@ class ChunkGrads:
         self._store: ShardStore | None = None
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
+        self._sent = False  # the reduced slot is already on its way to the gradient shard
         self._has_grad: list[bool] = []
         self._filled: list[bool] = []  # per parameter: its slice of the buffer holds data
 
@@ -122,6 +123,10 @@ class ChunkGrads:
     def _require_trainable(self, verb: str) -> None:
         if not self._layout.trainable:
             raise RuntimeError(f"{self._owner()}: cannot {verb}; its parameters do not require grad")
+
+    @property
+    def _what(self) -> str:
+        return f"gradient reduction of chunk {self._layout.chunk_id}"
 
     @property
     def buffer_is_shard(self) -> bool:
@@ -193,13 +198,28 @@ class ChunkGrads:
             if not filled:
                 buffer[info.offset : info.offset + info.numel].zero_()
         buffer[self._layout.used :].zero_()
+        accumulate = self._machine.state is GradState.REDUCED_ACCUMULATING
+        what = self._what
         if not self.buffer_is_shard and self._comm.world_size > 1:
             begin, end = self._layout.shard_range
-            self._work = self._comm.reduce_scatter_sum(
-                buffer[begin:end], buffer, async_op=True, what=f"gradient reduction of chunk {self._layout.chunk_id}"
-            )
+            self._work = self._comm.reduce_scatter_sum(buffer[begin:end], buffer, async_op=True, what=what)
             self._stats.reduce_scatter_bytes += self._layout.grad_bytes
         self._machine.move("reduce gradients")
+        if not self.buffer_is_shard and self._shard.receives_asynchronously:
+            # To a host master on CUDA the slot leaves now, on the copy stream once the reduction
+            # is done, while the backward goes on; finishing the reduction then only frees it.
+            self._send(accumulate, what)
+
+    def _send(self, accumulate: bool, what: str) -> None:
+        """This rank's averaged slot into the gradient shard, after the reduction in flight."""
+        buffer = self._buffer
+        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        begin, end = self._layout.shard_range
+        work, self._work = self._work, None
+        after = None if work is None else lambda: self._comm.wait(work, what)
+        divide_by = self._comm.world_size if self._comm.world_size > 1 else None
+        self._shard.receive_grad(buffer[begin:end], accumulate, after, divide_by)
+        self._sent = True
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, move this rank's averaged slot into the gradient shard (added to
@@ -208,14 +228,9 @@ class ChunkGrads:
         buffer = self._buffer
         assert buffer is not None, f"{self._owner()}: reducing without a buffer"
         if not self.buffer_is_shard:
-            if self._work is not None:
-                self._comm.wait(self._work, f"gradient reduction of chunk {self._layout.chunk_id}")
-                self._work = None
-            begin, end = self._layout.shard_range
-            reduced = buffer[begin:end]
-            if self._comm.world_size > 1:
-                reduced.div_(self._comm.world_size)
-            self._shard.receive_grad(reduced, accumulate=self._machine.state is not GradState.REDUCING)
+            if not self._sent:
+                self._send(self._machine.state is not GradState.REDUCING, self._what)
+            self._sent = False
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._stats.grad_reductions += 1

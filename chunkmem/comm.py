@@ -103,6 +103,7 @@ class Communicator:
         self._rank = dist.get_rank(group) if initialized else 0
         self._world_size = dist.get_world_size(group) if initialized else 1
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter: Callable[..., Any] = (
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -218,6 +219,12 @@ class Communicator:
         self._side_stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._side_stream):
             yield
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream device-to-host copies run on, apart from compute and gathers (``None`` on
+        the CPU)."""
+        return self._copy_stream
 
     def record_side_event(self) -> torch.cuda.Event | None:
         """An event after the work queued on the side stream (``None`` on the CPU)."""

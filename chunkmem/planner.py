@@ -64,6 +64,7 @@ class PlanningCommunicator(Communicator):
         self._rank = 0
         self._world_size = world_size
         self._side_stream = None
+        self._copy_stream = None
         self._checks = None
         self._divergence = None
         self._poll_waits = False

@@ -18,6 +18,7 @@ copies still reading it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -134,6 +135,7 @@ class ShardStore:
         self._grad: torch.Tensor | None = None
         if trainable:
             ledger.alloc(master, MemoryKind.GRAD_SHARD, self._master_bytes)
+        self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
         if master is Location.HOST and self._needs_host_cast:
@@ -207,11 +209,13 @@ class ShardStore:
     # --- verbs ------------------------------------------------------------------------------
     @property
     def grad(self) -> torch.Tensor:
-        """The fp32 gradient shard, where the master lives (see ``allocate_grad``)."""
+        """The fp32 gradient shard, where the master lives (see ``allocate_grad``), with every copy
+        into it landed."""
         if not self._trainable:
             raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
         if self._grad is None:
             raise RuntimeError(f"{self._label}: its gradient shard is not allocated; reduce gradients into it first")
+        self._settle_grad()
         return self._grad
 
     @property
@@ -230,6 +234,7 @@ class ShardStore:
     def free_grad(self) -> None:
         """Drop the gradient shard (its values no longer count); nothing to do when absent."""
         if self._grad is not None:
+            self._settle_grad()  # copies into it land before the buffer is reused
             self._grad = None
             self._grad_buffers.give_back(self._master_location)
 
@@ -249,6 +254,7 @@ class ShardStore:
             self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._master_bytes)
             self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._master_bytes)
         if self._grad is not None:
+            self._settle_grad()
             old_grad = self._grad
             self._grad = self._grad_buffers.take(target)
             self._before_write(self._grad)
@@ -288,23 +294,54 @@ class ShardStore:
         if self._master_location is Location.HOST:
             self._transfers.before_host_write(self._master)
 
-    def receive_grad(self, reduced: torch.Tensor, accumulate: bool) -> None:
+    @property
+    def receives_asynchronously(self) -> bool:
+        """Whether reduced gradients cross to the host asynchronously (a host master on CUDA): they
+        are then sent as soon as the reduction is queued, not when it is waited for."""
+        return self._master_location is Location.HOST and self._transfers.asynchronous
+
+    def receive_grad(
+        self,
+        reduced: torch.Tensor,
+        accumulate: bool,
+        after: Callable[[], None] | None = None,
+        divide_by: int | None = None,
+    ) -> None:
         """Put this rank's reduced gradient slot (on the device) into the gradient shard: a fresh
-        shard, or added to what an earlier reduction left there (accumulation)."""
+        shard, or added to what an earlier reduction left there (accumulation). ``after`` waits
+        for a collective still reducing the slot and ``divide_by`` averages it first; to a host
+        master both happen on the copy stream and the copy returns at once (``grad`` waits)."""
         to_host = self._master_location is Location.HOST
+        if not to_host:
+            if after is not None:
+                after()
+            if divide_by is not None:
+                reduced.div_(divide_by)
+            if accumulate:
+                self.grad.add_(reduced)
+            else:
+                self.allocate_grad().copy_(reduced)
+            return
         if not accumulate:
             target = self.allocate_grad()
             self._before_write(target)
-            if to_host:
-                self._transfers.copy(target, reduced, Direction.TO_HOST)
-            else:
-                target.copy_(reduced)
+            self._transfers.copy(target, reduced, Direction.TO_HOST, after, divide_by)
             return
-        if to_host:
-            staged = torch.empty(reduced.shape, dtype=reduced.dtype, device=self._host_device)
-            self._transfers.copy(staged, reduced, Direction.TO_HOST)
-            reduced = staged
-        self.grad.add_(reduced)
+        # Into a staging buffer, added to the shard when it is next read: adding now would make
+        # the CPU wait for the copy.
+        staged = self._transfers.staging(reduced.numel(), reduced.dtype, self._host_device)
+        self._transfers.copy(staged, reduced, Direction.TO_HOST, after, divide_by)
+        self._pending_adds.append(staged)
+
+    def _settle_grad(self) -> None:
+        """Wait for copies into the gradient shard, then add the staged ones to it."""
+        assert self._grad is not None, f"{self._label}: settling a gradient shard that is not allocated"
+        self._transfers.before_host_read(self._grad)
+        while self._pending_adds:
+            staged = self._pending_adds.pop(0)
+            self._transfers.before_host_read(staged)
+            self._grad.add_(staged)
+            self._transfers.give_back(staged)
 
     def _before_write(self, buffer: torch.Tensor) -> None:
         if buffer.device.type != self._device.type:  # a host buffer on a CUDA machine

@@ -29,6 +29,9 @@ class Stats:
     between ranks and runs."""
     d2h_seconds: float = 0.0
     """Seconds the device-to-host copies took (as ``h2d_seconds``)."""
+    pageable_copies: int = 0
+    """Host-device copies on CUDA whose host buffer was not pinned, so the CPU waited for them (0
+    under offload; always 0 on the CPU, where nothing is pinned)."""
     allgather_bytes: int = 0
     """Bytes of gathered chunk buffers produced by all-gathers (compute dtype; 0 at world size 1)."""
     reduce_scatter_bytes: int = 0

@@ -1,19 +1,33 @@
 """``HostTransfers``: every copy between host memory and the compute device, counted and timed, and
-the guard that keeps a pinned host buffer from being rewritten while a copy still reads it.
+the guards that keep a pinned host buffer from being read or rewritten while a copy still uses it.
 
-On CUDA a copy from pinned host memory is asynchronous (``non_blocking``): the CPU goes on while
-the DMA engine reads the buffer. Before the CPU writes into that buffer again (the optimizer
-stepping a host master, a fresh compute-dtype cast of it) it must wait for that copy, or the device
-would receive a mix of old and new values. Each copy from a pinned buffer records an event; a write
-waits for it. Bytes and seconds go to ``Stats`` (seconds from CUDA events, read once they have
-completed, so timing never blocks the stream; on the CPU from the wall clock), so achieved
-host-device bandwidth can be read against the pinned copy speed.
+On CUDA a copy between the device and pinned host memory is asynchronous (``non_blocking``): the
+CPU goes on while the DMA engine moves the bytes, so it never waits for the device to reach the
+copy. Two directions, two rules:
+
+* **Host to device** (a gather reading a host shard, a refresh): queued on the current stream
+  (the side stream for a prefetch); the copy reads the pinned buffer later, so before the CPU
+  writes that buffer again (an optimizer step on the host master, a fresh cast) it waits for the
+  copy (``before_host_write``).
+* **Device to host** (a reduced gradient going to the host optimizer): queued on the dedicated
+  **copy stream**, after the work queued so far on the current stream and after a collective
+  still producing the source (``after``), so it overlaps the compute that follows. The device
+  source is recorded on the copy stream, so the allocator does not reuse its memory before the copy
+  has read it. The CPU waits only when it reads the target (``before_host_read``).
+
+A host buffer that is not pinned makes a copy synchronous (the CPU waits for the device to reach
+it): ``Stats.pageable_copies`` counts those on CUDA. Pinned staging buffers for copies that need a
+temporary host buffer are allocated once per size and reused (``staging``); pinning is slow, so
+nothing is pinned in the hot path after the first step. Bytes and seconds go to ``Stats`` (seconds
+from CUDA events, read once they have completed, so timing never blocks a stream; on the CPU from
+the wall clock), so achieved host-device bandwidth can be read against the pinned copy speed.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,45 +41,116 @@ class Direction(enum.Enum):
     TO_HOST = "d2h"
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 class HostTransfers:
     """Copies between host and device for one model; see the module docstring."""
 
-    def __init__(self, stats: Stats, device: torch.device) -> None:
+    def __init__(self, stats: Stats, device: torch.device, copy_stream: torch.cuda.Stream | None = None) -> None:
         self._stats = stats
         self._cuda = device.type == "cuda"
+        if self._cuda and copy_stream is None:
+            copy_stream = torch.cuda.Stream(device)
+        self._copy_stream = copy_stream
         self._readers: dict[int, torch.cuda.Event] = {}  # pinned host storage -> event after its last read
+        self._writers: dict[int, torch.cuda.Event] = {}  # pinned host storage -> event after a copy into it
         self._timings: list[tuple[Direction, torch.cuda.Event, torch.cuda.Event]] = []
+        self._staging: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
-    def copy(self, target: torch.Tensor, source: torch.Tensor, direction: Direction) -> None:
-        """``target.copy_(source)``, asynchronous from pinned memory on CUDA; counted and timed."""
-        nbytes = source.numel() * source.element_size()
+    @property
+    def asynchronous(self) -> bool:
+        """Whether copies from and into pinned host memory return before the bytes have moved."""
+        return self._cuda
+
+    def _count(self, nbytes: int, direction: Direction) -> None:
         if direction is Direction.TO_DEVICE:
             self._stats.h2d_bytes += nbytes
         else:
             self._stats.d2h_bytes += nbytes
+
+    def copy(
+        self,
+        target: torch.Tensor,
+        source: torch.Tensor,
+        direction: Direction,
+        after: Callable[[], None] | None = None,
+        divide_by: int | None = None,
+    ) -> None:
+        """``target.copy_(source)``, asynchronous between the device and pinned memory on CUDA;
+        counted and timed. Device to host: ``after`` (a wait for a collective producing ``source``)
+        and ``source.div_(divide_by)`` run first, on the copy stream (elsewhere, on the caller's)."""
+        nbytes = source.numel() * source.element_size()
+        self._count(nbytes, direction)
         if not self._cuda:
+            if after is not None:
+                after()
+            if divide_by is not None:
+                source.div_(divide_by)
             start = time.perf_counter()
             target.copy_(source)
             self._add_seconds(direction, time.perf_counter() - start)
             return
+        host = source if direction is Direction.TO_DEVICE else target
+        pinned = host.device.type == "cpu" and host.is_pinned()
+        if not pinned:
+            self._stats.pageable_copies += 1
+        if direction is Direction.TO_DEVICE:
+            done = self._timed(direction, lambda: target.copy_(source, non_blocking=pinned))
+            if pinned:
+                self._readers[_storage(source)] = done
+            return
+        stream = self._copy_stream
+        assert stream is not None, "a CUDA copy stream exists"
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            if after is not None:
+                after()
+            if divide_by is not None:
+                source.div_(divide_by)
+            source.record_stream(stream)
+            done = self._timed(direction, lambda: target.copy_(source, non_blocking=pinned))
+        if pinned:
+            self._writers[_storage(target)] = done
+
+    def _timed(self, direction: Direction, run: Callable[[], object]) -> torch.cuda.Event:
+        """Run a copy between two events on the current stream; returns the one after it."""
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        pinned = source.device.type == "cpu" and source.is_pinned()
-        target.copy_(source, non_blocking=pinned)
+        run()
         end.record()
-        if pinned:
-            self._readers[source.untyped_storage().data_ptr()] = end
         self._timings.append((direction, begin, end))
         if len(self._timings) > 256:
             self.settle()
+        return end
+
+    def before_host_read(self, host: torch.Tensor) -> None:
+        """The CPU is about to read ``host``: wait for a copy still writing it."""
+        if self._writers:
+            event = self._writers.pop(_storage(host), None)
+            if event is not None:
+                event.synchronize()
 
     def before_host_write(self, host: torch.Tensor) -> None:
-        """The CPU is about to write ``host``: wait for copies still reading it."""
-        if not self._readers:
-            return
-        event = self._readers.pop(host.untyped_storage().data_ptr(), None)
-        if event is not None:
-            event.synchronize()
+        """The CPU is about to write ``host``: wait for copies still reading or writing it."""
+        if self._readers:
+            event = self._readers.pop(_storage(host), None)
+            if event is not None:
+                event.synchronize()
+        self.before_host_read(host)
+
+    def staging(self, numel: int, dtype: torch.dtype, host: torch.device) -> torch.Tensor:
+        """A buffer on ``host`` for a temporary copy (pinned on CUDA), reused once ``give_back``
+        returns it; the pool keeps what it pinned."""
+        free = self._staging.setdefault((numel, dtype, host), [])
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=host, pin_memory=self._cuda)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """A staging buffer is free again (the caller has read it: ``before_host_read``)."""
+        self._staging.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
     def settle(self) -> None:
         """Add the seconds of completed CUDA copies to the statistics."""

@@ -60,3 +60,46 @@ def test_a_pinned_buffer_is_not_rewritten_while_a_copy_reads_it() -> None:
     assert bool((device == 1.0).all()), "the device received values written after the copy was queued"
     transfers.settle()
     assert stats.h2d_bytes == host.numel() * 4 and stats.h2d_seconds > 0
+
+
+def test_no_copy_is_pageable_on_the_cpu_where_nothing_is_pinned() -> None:
+    assert _stats(OFFLOAD).pageable_copies == 0
+
+
+@pytest.mark.cuda
+def test_a_gradient_copy_waits_for_the_compute_before_it_and_its_source_is_not_reused_early() -> None:
+    """Device to host runs on the copy stream: it must see what the compute stream wrote before
+    it was queued, and the allocator must not hand its source to later compute before it has read
+    it; the CPU waits only when it reads the target."""
+    stats = Stats()
+    transfers = HostTransfers(stats, torch.device("cuda"))
+    n = 16 * 2**20
+    source = torch.full((n,), 1.0, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the compute stream is busy: the copy stream must wait for it
+    source.fill_(2.0)
+    host = torch.empty(n, pin_memory=True)
+    transfers.copy(host, source, Direction.TO_HOST, divide_by=2)
+    del source
+    later = torch.full((n,), 3.0, device="cuda")  # may take the source's memory only after the copy
+    transfers.before_host_read(host)
+    assert bool((host == 1.0).all()), "the copy read values from before the compute or after the reuse"
+    assert bool((later == 3.0).all())
+    assert stats.pageable_copies == 0 and stats.d2h_bytes == n * 4
+
+
+@pytest.mark.cuda
+def test_offloaded_training_copies_only_pinned_memory_and_matches_no_prefetch_bit_for_bit() -> None:
+    def run(prefetch: int) -> tuple[Stats, dict[str, torch.Tensor]]:
+        placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, max_prefetch=prefetch)
+        model = gpt2()
+        chunked, optimizer, booster = boost(
+            model, adamw_two_groups, precision="bf16", chunk_size=6_000, placement=placement
+        )
+        train_chunked(chunked, optimizer, booster, batches(4))
+        return chunked.stats(), chunked.state_dict()
+
+    stats, state = run(3)
+    assert stats.pageable_copies == 0 and stats.d2h_bytes > 0 and stats.h2d_bytes > 0
+    _, reference = run(0)
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
