@@ -38,6 +38,7 @@ from .plugin import ChunkPlugin
 from .runtime import ChunkRuntime
 from .search import ChunkSizeSearch, search_chunk_size
 from .stats import Stats
+from .step_config import StepAfterBackward, StepDuringBackward
 from .tensor_state import TensorInfo, TensorState
 
 __all__ = [
@@ -73,7 +74,9 @@ __all__ = [
     "ShardedGradientError",
     "StateDictMismatchError",
     "Stats",
+    "StepAfterBackward",
     "StepCounters",
+    "StepDuringBackward",
     "TensorInfo",
     "TensorState",
     "TraceDivergenceError",

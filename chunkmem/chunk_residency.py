@@ -193,8 +193,7 @@ class ChunkResidency:
     def refresh(self) -> None:
         """Re-gather in place after the master changed (a chunk kept gathered across a step)."""
         self._machine.require("refresh")
-        self._fill(self._full, async_op=False)
-        self._point_params_at(self._full)
+        self._fill(self._full, async_op=False)  # the parameters are views of it already
 
     def release(self) -> None:
         """Drop the full buffer; keep only the local shard."""

@@ -11,7 +11,7 @@ backward. Where the buffers' memory comes from is the plan executor's business.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +34,11 @@ class GradientRouter:
         self._sync = True
         self._accepting: dict[int, None] = {}  # chunks whose buffer receives gradients
         self._reducing: dict[int, None] = {}  # chunks whose reduction is in flight, in start order
+        self._on_start: Callable[[Chunk], None] | None = None
+
+    def on_start(self, listener: Callable[[Chunk], None] | None) -> None:
+        """Call ``listener`` with each chunk whose reduction has just started."""
+        self._on_start = listener
 
     # --- state ----------------------------------------------------------------------------------
     @property
@@ -90,6 +95,8 @@ class GradientRouter:
         chunk.start_reduce()
         del self._accepting[chunk.chunk_id]
         self._reducing[chunk.chunk_id] = None
+        if self._on_start is not None:
+            self._on_start(chunk)
 
     def finish(self, chunk: Chunk) -> None:
         """Wait for ``chunk``'s reduction and free its buffer."""

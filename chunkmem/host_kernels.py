@@ -12,12 +12,11 @@ CPU kernel for the group's settings (probed once on a tiny tensor). An explicit 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from .optim_probe import hyperparameters
 
 __all__ = ["HostKernels"]
 
@@ -27,6 +26,7 @@ class HostKernels:
 
     def __init__(self, cls: type[torch.optim.Optimizer]) -> None:
         self._cls = cls
+        self._accepted = frozenset(inspect.signature(cls.__init__).parameters)
         self._probed: dict[str, bool] = {}
 
     def fuse(self, group: Mapping[str, Any]) -> bool:
@@ -35,7 +35,7 @@ class HostKernels:
             return False
         if group.get("differentiable"):
             return False
-        settings = hyperparameters(self._cls, group)
+        settings = {k: v for k, v in group.items() if k != "params" and k in self._accepted}
         key = repr(sorted((k, v) for k, v in settings.items() if k not in ("lr", "fused", "foreach")))
         known = self._probed.get(key)
         if known is None:

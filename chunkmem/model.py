@@ -220,7 +220,7 @@ class ChunkedModel(torch.nn.Module):
     def _gather_params(self, destination: Destination, what: str) -> dict[int, torch.Tensor]:
         """Each parameter's full fp32 values on the CPU, keyed by ``id(param)``, on the ranks
         ``destination`` names (empty elsewhere); one chunk at a time. A collective."""
-        self._runtime.agree_entry(what)
+        self._runtime.enter_state_access(what)
         self._runtime.finish_backward()
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
@@ -310,6 +310,7 @@ class ChunkedModel(torch.nn.Module):
 
     def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
         """Write a validated state into this rank's master shards and the buffers."""
+        self._runtime.cancel_early_steps()
         manager = self._runtime.manager
         manager.prepare_master_writes()
         with torch.no_grad():

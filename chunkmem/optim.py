@@ -17,6 +17,8 @@ its parameters are now the pieces.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,12 +32,14 @@ from .accounting import Location, MemoryKind
 from .chunk import Chunk, GradState
 from .chunk_layout import ShardPiece
 from .comm import Communicator
+from .early_steps import EarlySteps, group_settings, same_settings
 from .errors import NotSupportedError, UnscaledBackwardError
 from .grad_markers import clear_markers
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
 from .runtime import ChunkRuntime
+from .step_config import StepAfterBackward, StepDuringBackward
 from .step_runs import Run, StepRuns
 from .tensor_state import TensorInfo
 
@@ -124,6 +128,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         runtime: ChunkRuntime,
         scaler: DynamicLossScaler | None,
         state_size: StateSize | None = None,
+        host_step: StepAfterBackward | StepDuringBackward | None = None,
     ) -> None:
         if isinstance(optimizer, ChunkOptimizer):
             raise ValueError("this optimizer is already boosted")
@@ -136,6 +141,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._scaled_backward = False
         self._unscaled_backward = False
         self._accounted: Counter[Location] = Counter()
+        self._accounted_for: tuple[int, int, int] | None = None  # what _account_state measured last
         self._state_size = state_size if state_size is not None else optimizer_state_size(optimizer)
         self._stateful: set[int] = set()  # ids of the TensorInfos whose optimizer state exists (on some rank)
         self._pieces: list[Piece] = []
@@ -143,6 +149,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._group_infos: list[tuple[TensorInfo, ...]] = []
         self._guard = _OriginalGuard(optimizer)
         self._runs = StepRuns(lambda: self._optim.state)
+        self._early: EarlySteps | None = None
         self._kernels = HostKernels(type(optimizer))
         existing = dict(optimizer.state)
         resharded: dict[torch.Tensor, dict[str, Any]] = {}
@@ -163,6 +170,18 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._built = True
         if resharded:  # the user loaded a state before boosting
             self.load_local_state(resharded)
+        if isinstance(host_step, StepDuringBackward):
+            self._early = EarlySteps(
+                int(host_step.backup_budget),
+                self._runs,
+                lambda: self._optim.state,
+                lambda: self._optim.param_groups,
+                self._step_runs,
+                lambda: None if self._scaler is None else 1.0 / self._scaler.scale,
+                lambda: runtime.in_backward,
+                runtime.stats_counters,
+            )
+            runtime.listen_for_final_gradients(self)
         self._grad_hooks = []
         if scaler is not None:
             self._grad_hooks = [
@@ -239,6 +258,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         if not self._built:  # torch's constructor, registering the placeholder group
             super().add_param_group(param_group)
             return
+        self.cancel_early_steps()
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         infos, pieces = self._cut(params)
@@ -278,9 +298,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._prepare_grads()
         stats = self._runtime.stats_counters
         if self._found_inf:
+            self.cancel_early_steps()
             stats.skipped_steps += 1
             log.info("chunkmem: inf/nan gradients at loss scale %s; step skipped", self.loss_scale)
         else:
+            done = self._keep_early_steps()
             reduced = {
                 chunk.chunk_id: (chunk.grad_shard, chunk.params_with_grad)
                 for chunk in self._runtime.manager.chunks
@@ -297,7 +319,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 tensors = self._runtime.manager.chunk(chunk_id).tensors
                 self._stateful.update(id(info) for info in tensors if flags[info.index])
             self._runtime.manager.prepare_master_writes()
-            stepped = [run for run in self._runs.runs() if has_grad[id(run.pieces[0].tensor)]]
+            stepped = [
+                run
+                for run in self._runs.runs()
+                if has_grad[id(run.pieces[0].tensor)] and run.chunk.chunk_id not in done
+            ]
             try:
                 for run in stepped:
                     run.tensor.grad = reduced[run.chunk.chunk_id][0][run.start : run.stop]
@@ -345,6 +371,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         hyperparameters and the loss scaler's state, replacing what was there. Goes through the
         optimizer's own ``load_state_dict``, which puts each value on the device and dtype its class
         expects. The caller has validated everything (``chunkmem.checkpoint.optimizer_state``)."""
+        self.cancel_early_steps()
         run_states = self._runs.regroup({id(t): s for t, s in states.items()})
         index: dict[int, int] = {}
         groups = []
@@ -399,8 +426,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
                         group["fused"] = fused
                     if location is Location.HOST and subset and self._kernels.fuse(group):
                         group["fused"] = True
+                begin = time.perf_counter()
                 with self._guard.inside():
                     self._optim.step()
+                if location is Location.HOST and threading.current_thread() is threading.main_thread():
+                    self._runtime.stats_counters.host_step_seconds += time.perf_counter() - begin
         finally:
             for position, (group, (_, fused)) in enumerate(zip(groups, kept, strict=True)):
                 group["params"] = self._runs.tensors(position)
@@ -438,6 +468,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             norm = total[0] ** (1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
+            self.cancel_early_steps()  # they stepped on the gradients before clipping
             for g in shards:
                 g.mul_(coef)
         return norm.to(torch.float32)
@@ -469,6 +500,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 "gradients). Call optimizer.zero_grad() to drop the gradients computed so far."
             )
         self._runtime.prepare_step()
+        if self._early is not None and self._early.pending:
+            self._early.settle()  # the worker reads gradient shards that are unscaled below
         if self._scaler is None or self._unscaled:
             return
         inv = 1.0 / self._scaler.scale
@@ -481,11 +514,46 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._found_inf = bool(flag[0] > 0)
         self._unscaled = True
 
+    # --- early host steps (chunkmem.early_steps) ----------------------------------------------
+    def gradient_final(self, chunk: Chunk) -> None:
+        """The runtime: ``chunk``'s gradient of the iteration is final and on its way to the host."""
+        if self._early is not None:
+            self._early.submit(chunk)
+
+    def cancel_early_steps(self) -> None:
+        """Put back the early steps still pending (see ``EarlySteps.undo``)."""
+        if self._early is not None and self._early.pending:
+            self._early.undo()
+
+    def _keep_early_steps(self) -> frozenset[int]:
+        """At the step: keep the early steps when they are the ones this step takes (the same
+        hyperparameters, the same parameters with gradients as agreed over ranks), else put them
+        back. Returns the chunks they stepped."""
+        early = self._early
+        if early is None or not early.pending:
+            return frozenset()
+        early.settle()
+        now = group_settings(self._optim.param_groups)
+        chunks = self._runtime.manager.chunks
+        same = all(same_settings(settings, now) for settings in early.records_settings()) and all(
+            early.flags(chunk.chunk_id) in (None, chunk.params_with_grad) for chunk in chunks if chunk.trainable
+        )
+        if same:
+            return early.commit()
+        early.undo()
+        return frozenset()
+
     def _account_state(self) -> None:
         """Account optimizer state as the placement reserved it: for each chunk one of whose
         parameters has state (on some rank), ``StateSize.reserved`` - an upper bound over ranks,
         so every rank's ledger, and every placement decision made from it, is the same without a
-        collective. This rank's actual state must fit in it (the optimizer was probed for that)."""
+        collective. This rank's actual state must fit in it (the optimizer was probed for that).
+        Elementwise state keeps its size, so both are measured again only when state appeared."""
+        table = self._optim.state
+        key = (len(self._stateful), len(table), id(table))
+        if key == self._accounted_for:
+            return
+        self._accounted_for = key
         reserved: Counter[Location] = Counter()
         for chunk in self._runtime.manager.chunks:
             if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):

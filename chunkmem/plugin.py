@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import TypeAdapter
 
 import placement as placement_pkg
 from placement import (
@@ -38,6 +39,7 @@ from .runtime import ChunkRuntime
 from .search import default_search_range, search_chunk_size
 from .shard import MASTER_DTYPE
 from .stats import Stats
+from .step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 
 __all__ = ["ChunkPlugin", "Precision"]
 
@@ -72,6 +74,20 @@ def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -
     device = process_group.device if isinstance(process_group, Communicator) else None
     on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
     return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "fp32"
+
+
+_HOST_STEP: TypeAdapter[StepAfterBackward | StepDuringBackward] = TypeAdapter(HostStepConfig)
+
+
+def _host_step_config(value: StepAfterBackward | StepDuringBackward | Mapping[str, Any]) -> HostStepConfig:
+    if isinstance(value, StepAfterBackward | StepDuringBackward):
+        return value
+    if isinstance(value, Mapping):
+        return _HOST_STEP.validate_python(dict(value))
+    raise TypeError(
+        f"host_step must be a StepDuringBackward, a StepAfterBackward or a mapping with 'when' set to "
+        f"'during_backward' or 'after_backward', got {type(value).__name__}"
+    )
 
 
 def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> LossScaleConfig:
@@ -121,6 +137,12 @@ class ChunkPlugin:
         check_plans: agree a fingerprint of every placement plan across ranks before carrying it
             out, and raise on the first difference (a debugging and testing aid: one small
             collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
+        host_step: when the optimizer step of chunks whose master is on the host runs: a
+            ``StepDuringBackward`` (each chunk's step starts on a worker thread as soon as its
+            gradient is final, exact by restore points; the default on CUDA) or a
+            ``StepAfterBackward`` (in ``optimizer.step()``; the default on a CPU, where nothing
+            can overlap), or a mapping with ``when`` set to ``during_backward`` or
+            ``after_backward`` (validated into one).
         gradient_accumulation: plan for ``booster.no_sync``: micro-batches accumulate full
             gradient buffers for every chunk until the synchronised backward, so the placement
             leaves room for all of them at once (the auto policy moves optimizer sides to the host
@@ -137,6 +159,7 @@ class ChunkPlugin:
         loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         check_plans: bool | None = None,
         gradient_accumulation: bool = False,
+        host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
     ) -> None:
         if precision is None:
             precision = _default_precision(process_group)
@@ -161,6 +184,7 @@ class ChunkPlugin:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
         self.gradient_accumulation = gradient_accumulation
+        self.host_step = None if host_step is None else _host_step_config(host_step)
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
@@ -242,7 +266,8 @@ class ChunkPlugin:
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, layout, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
-        wrapped_optim = ChunkOptimizer(optimizer, runtime, scaler, state) if optimizer is not None else None
+        host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
+        wrapped_optim = ChunkOptimizer(optimizer, runtime, scaler, state, host_step) if optimizer is not None else None
         return ChunkedModel(model, runtime, dtype, buffer_dtypes), wrapped_optim
 
     @staticmethod

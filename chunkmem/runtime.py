@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from hooks import ParamOpHook, bind, to_hooked, unhooked
 from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
 from placement.policy import format_bytes
 
+from .accounting import Location
+from .chunk import Chunk
 from .errors import BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from .executor import PlanExecutor
 from .grad_router import GradientRouter
@@ -40,9 +42,21 @@ from .memory import NonModelSampler
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 
-__all__ = ["ChunkRuntime"]
+__all__ = ["ChunkRuntime", "EarlyStepListener"]
 
 log = logging.getLogger("chunkmem")
+
+
+class EarlyStepListener(Protocol):
+    """What the runtime tells the optimizer about early host steps (``chunkmem.early_steps``)."""
+
+    def gradient_final(self, chunk: Chunk) -> None:
+        """``chunk``'s gradient of this iteration is final and on its way to the host."""
+        ...
+
+    def cancel_early_steps(self) -> None:
+        """Put back any early step: something else is about to see masters or state."""
+        ...
 
 
 class ChunkRuntime(ParamOpHook):
@@ -76,12 +90,54 @@ class ChunkRuntime(ParamOpHook):
         )
         if self._resident:
             self._executor.gather_served()
+        self._early: EarlyStepListener | None = None
+        self._stepped_last = False  # the last training iteration ended in an optimizer step
         params = [info.param for info in manager.infos]
         to_hooked(params)
         bind(params, self)
         self._grad_hooks = [
             info.param.register_post_accumulate_grad_hook(self._on_grad) for info in manager.infos if info.trainable
         ]
+
+    # --- early host steps -------------------------------------------------------------------
+    def listen_for_final_gradients(self, listener: EarlyStepListener) -> None:
+        """Tell ``listener`` of each chunk with a host master whose gradient of the iteration is
+        final and on its way to the host, when the iteration is expected to end in an optimizer
+        step (see ``chunkmem.early_steps``); and before anything reads or writes masters and
+        optimizer state other than that step."""
+        self._early = listener
+        self._grads.on_start(self._reduction_started)
+
+    def _reduction_started(self, chunk: Chunk) -> None:
+        """A chunk's reduction is queued. Its gradient is final for the iteration when the
+        iteration follows the recorded trace and no op after this one uses the chunk, in an
+        iteration like the last one, which ended in a step."""
+        listener = self._early
+        trace = self._tracker.trace
+        if (
+            listener is None
+            or trace is None
+            or not self._stepped_last
+            or self._tracker.mode is not Mode.BACKWARD
+            or chunk.store.master_location is not Location.HOST
+            or trace.next_use(chunk.chunk_id, self._tracker.position) is not None
+        ):
+            return
+        if not chunk.store.receives_asynchronously:
+            self._grads.finish(chunk)  # the worker reads the shard: it must be there
+        listener.gradient_final(chunk)
+
+    def cancel_early_steps(self) -> None:
+        """Something other than the optimizer step is about to read or change masters, optimizer
+        state or gradients (a forward, zero_grad, a load, a state dict): put early steps back."""
+        if self._early is not None:
+            self._early.cancel_early_steps()
+
+    def enter_state_access(self, what: str) -> None:
+        """Before reading masters or optimizer state (state dicts, checkpoints, plain copies): the
+        ranks agree (``agree_entry``) and early steps are put back."""
+        self.agree_entry(what)
+        self.cancel_early_steps()
 
     # --- public state -----------------------------------------------------------------------
     @property
@@ -96,6 +152,11 @@ class ChunkRuntime(ParamOpHook):
     def trace(self) -> ComputeTrace | None:
         """The most recently frozen training trace."""
         return self._tracker.last_training_trace
+
+    @property
+    def in_backward(self) -> bool:
+        """A backward is running (ops or gradients of it have been seen and it has not finished)."""
+        return self._tracker.mode is Mode.BACKWARD
 
     @property
     def tracker(self) -> IterationTracker:
@@ -150,6 +211,7 @@ class ChunkRuntime(ParamOpHook):
 
     def begin_forward(self) -> None:
         """Called by the model wrapper when its forward starts."""
+        self.cancel_early_steps()
         grad_enabled = torch.is_grad_enabled()
         if self._checks is not None:
             detail = "grad enabled" if grad_enabled else "grad disabled"
@@ -221,9 +283,11 @@ class ChunkRuntime(ParamOpHook):
     def zero_grad(self) -> None:
         """Drop gradients. After a backward without an optimizer step this also ends the
         iteration (a zero_grad between a forward and its backward does not)."""
+        self.cancel_early_steps()
         self._grads.zero()
         if self._tracker.mode is Mode.IDLE:
-            self._end_training_iteration()
+            if self._end_training_iteration():
+                self._stepped_last = False
             self.reset_states()
 
     def after_step(self) -> None:
@@ -231,7 +295,7 @@ class ChunkRuntime(ParamOpHook):
         refreshed, others released."""
         self.finish_backward()
         self._executor.wait_all()
-        self._end_training_iteration()
+        self._stepped_last = self._end_training_iteration() or self._stepped_last
         for chunk in self._manager.chunks:
             chunk.store.mark_updated()
             if chunk.state is not chunk.state.RELEASED:
@@ -246,7 +310,9 @@ class ChunkRuntime(ParamOpHook):
         for chunk in self._manager.chunks:
             chunk.reset_states()
 
-    def _end_training_iteration(self) -> None:
+    def _end_training_iteration(self) -> bool:
+        """Close the training iteration, if one runs; returns whether one did."""
+        training = self._tracker.training
         frozen = self._tracker.end_training_iteration()
         if frozen is not None:
             self._stats.trace_recordings += 1
@@ -258,6 +324,7 @@ class ChunkRuntime(ParamOpHook):
                 profile = torch.tensor(samples, dtype=torch.int64, device=self._comm.tensor_device)
                 self._comm.all_reduce(profile, dist.ReduceOp.MAX)
                 self._policy.observe_profile(trace, profile.tolist())
+        return training
 
     def _agree_across_ranks(self) -> None:
         """One small all-reduce: every rank's op-sequence digest (max of d and of -d tell whether
@@ -286,6 +353,7 @@ class ChunkRuntime(ParamOpHook):
             start += n
 
     def _report(self, divergence: Divergence) -> None:
+        self.cancel_early_steps()  # they trusted the trace this iteration has left
         self._stats.divergences += 1
         self._comm.note_divergence(divergence.describe())
         if self._checks is not None:
@@ -352,6 +420,8 @@ class ChunkRuntime(ParamOpHook):
         infos = [self._manager.info(p) for p in params]
         chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
         recompute = phase is Phase.FORWARD and _in_backward()
+        if self._tracker.kind is None:
+            self.cancel_early_steps()
         if self._checks is not None and self._tracker.kind is None:
             # Outside any forward of the boosted model (a submodule called directly): nothing
             # else tells the ranks that they do the same, so every such op is agreed.

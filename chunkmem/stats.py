@@ -60,12 +60,26 @@ class Stats:
     """Compute traces frozen (the first, and one per re-recording after a divergence)."""
     divergences: int = 0
     """Iterations that departed from the recorded trace."""
+    host_step_seconds: float = 0.0
+    """Seconds the optimizer spent stepping runs whose master is on the host (wall clock, early
+    steps included: the host part of a step, without transfers)."""
+    early_steps: int = 0
+    """Chunks whose host step ran during the backward (``StepDuringBackward``), kept or undone."""
+    early_steps_in_backward: int = 0
+    """Of those, the ones that started while the backward was still running."""
+    early_steps_undone: int = 0
+    """Early steps put back because the loop did something before ``optimizer.step()`` that would
+    have changed them (clipping that applied, fp16 inf/nan, another forward, zero_grad, ...)."""
+    early_steps_declined: int = 0
+    """Chunks that could have stepped early but whose restore point did not fit ``backup_budget``."""
     optimizer_steps: int = 0
     skipped_steps: int = 0
     """Optimizer steps skipped for inf/nan gradients (fp16 loss scaling)."""
 
-    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds"})
-    """The fields that are timings; every other field is an exact count, the same on every rank."""
+    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds", "host_step_seconds"})
+    """The fields that are timings; every other field is an exact count, the same on every rank,
+    but ``prefetch_waits`` and ``early_steps_in_backward`` (whether a gather or an early step was
+    still running when looked at)."""
 
     def snapshot(self) -> Stats:
         """A copy that later counting does not change."""

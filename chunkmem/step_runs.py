@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .chunk import Chunk
     from .optim import Piece
 
-__all__ = ["Run", "StepRuns"]
+__all__ = ["Run", "StepRuns", "same_value"]
 
 
 @dataclass(eq=False)
@@ -44,6 +44,8 @@ class Run:
     """The view of the master shard the optimizer steps (``master[start:stop]``)."""
     start: int
     """First element in this rank's shard."""
+    location: Location
+    """Where the master lives (it does not move once an optimizer holds views of it)."""
 
     @property
     def chunk(self) -> Chunk:
@@ -52,10 +54,6 @@ class Run:
     @property
     def stop(self) -> int:
         return self.start + self.tensor.numel()
-
-    @property
-    def location(self) -> Location:
-        return self.chunk.store.master_location
 
     def describe(self) -> str:
         names = [p.info.name for p in self.pieces]
@@ -68,7 +66,7 @@ def _elementwise(value: Any, run: Run) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == run.tensor.shape
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Equal per-parameter state values (tensors by dtype, device and value)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
@@ -118,7 +116,8 @@ class StepRuns:
 
     def _make(self, group: int, pieces: Sequence[Piece]) -> Run:
         start, stop = pieces[0].shard_slice.start, pieces[-1].shard_slice.stop
-        run = Run(group, tuple(pieces), pieces[0].chunk.store.master[start:stop], start)
+        store = pieces[0].chunk.store
+        run = Run(group, tuple(pieces), store.master[start:stop], start, store.master_location)
         for piece in pieces:
             self._run_of[id(piece.tensor)] = run
         return run
@@ -160,13 +159,17 @@ class StepRuns:
         return out
 
     # --- changing ---------------------------------------------------------------------------
-    def split_by_gradient(self, has_grad: Mapping[int, bool]) -> None:
+    def split_by_gradient(self, has_grad: Mapping[int, bool], only: Chunk | None = None) -> None:
         """Before a step: cut each run whose pieces do not all have a gradient (``has_grad`` by
         ``id(piece.tensor)``) where that changes, so that every run is stepped whole or not at
-        all, as PyTorch steps each parameter that has a gradient."""
+        all, as PyTorch steps each parameter that has a gradient. ``only``: the runs of one chunk
+        (``has_grad`` need only cover its pieces)."""
         for group, runs in enumerate(self._groups):
             out: list[Run] = []
             for run in runs:
+                if only is not None and run.chunk is not only:
+                    out.append(run)
+                    continue
                 flags = [has_grad[id(p.tensor)] for p in run.pieces]
                 if all(flags) or not any(flags):
                     out.append(run)
@@ -240,7 +243,7 @@ def _compatible(first: Mapping[str, Any] | None, other: Mapping[str, Any] | None
         if _piece_elementwise(value, piece):
             if not isinstance(mine, torch.Tensor) or mine.dim() != 1 or mine.dtype != value.dtype:
                 return False
-        elif not _same(mine, value):
+        elif not same_value(mine, value):
             return False
     return True
 

@@ -99,7 +99,7 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     target = Path(path)
     if shard:
         what = "saving a sharded model checkpoint"
-        runtime.agree_entry(what)
+        runtime.enter_state_access(what)
         runtime.finish_backward()
         request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
         save_directory(comm, target, request, lambda: model_entries(model))
@@ -159,7 +159,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     comm = runtime.manager.comm
     target = Path(path)
     if shard:
-        runtime.agree_entry("saving a sharded optimizer checkpoint")
+        runtime.enter_state_access("saving a sharded optimizer checkpoint")
         request = SaveRequest(
             "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
         )

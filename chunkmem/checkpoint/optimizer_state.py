@@ -61,7 +61,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     """The full PyTorch-format state on the ranks ``destination`` names (``{}`` elsewhere), on the
     CPU. A collective: every rank calls it."""
     runtime = optimizer.runtime
-    runtime.agree_entry("gathering an optimizer state")
+    runtime.enter_state_access("gathering an optimizer state")
     comm = runtime.manager.comm
     elementwise: dict[int, dict[str, str]] = {}
     scalars: dict[_Where, dict[str, Any]] = {}

@@ -181,6 +181,7 @@ def install_model(model: ChunkedModel, staged: StagedShardedModel) -> Any:
     chunks) the way ``ChunkedModel.load_state_dict`` does."""
     from ..model import StagedModelLoad
 
+    model.runtime.cancel_early_steps()
     model.runtime.manager.prepare_master_writes()
     with torch.no_grad():
         for chunk, piece, values in staged.pieces:

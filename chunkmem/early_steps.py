@@ -1,0 +1,261 @@
+"""``EarlySteps``: host optimizer steps run during the backward, kept or undone exactly.
+
+With ``StepDuringBackward`` the runtime hands over each chunk whose master is on the host as soon
+as its last gradient of the iteration is reduced and on its way to the host (``submit``). A worker
+thread then waits for the gradient to land, copies the chunk's master and optimizer state aside
+(the restore point), and steps the chunk's runs with the user's optimizer, while the device goes
+on with the backward.
+
+Whether that step is the one ``optimizer.step()`` would have taken is only known there: the loop
+may instead clip the gradients, find fp16 inf/nan, change a hyperparameter, run another forward or
+backward, call ``zero_grad``, load or save. So the early steps stay pending until
+``optimizer.step()`` keeps them (``commit``), or anything that would see or change what they
+computed puts the restore points back first (``undo``), after which the step runs as if nothing
+had happened early. Keeping a step costs nothing; the restore point costs a copy of the master and
+states, bounded by ``backup_budget``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .stats import Stats
+from .step_runs import Run, StepRuns, same_value
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+
+__all__ = ["EarlySteps", "group_settings", "same_settings"]
+
+
+def group_settings(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each param group's settings (everything but its parameters), copied."""
+    return [
+        {key: (value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)) for key, value in g.items()}
+        for g in ({k: v for k, v in group.items() if k != "params"} for group in groups)
+    ]
+
+
+def same_settings(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True)
+    )
+
+
+@dataclass
+class _Saved:
+    """One run's restore point: its master values and its state (``None``: it had none)."""
+
+    run: Run
+    master: torch.Tensor
+    state: dict[str, Any] | None
+
+
+@dataclass
+class _Record:
+    """A chunk stepped early in this iteration."""
+
+    chunk: Chunk
+    flags: tuple[bool, ...]
+    """Which of its parameters had a gradient (the runs were stepped accordingly)."""
+    nbytes: int
+    settings: list[dict[str, Any]] = field(default_factory=list)
+    """The hyperparameters the step used."""
+    saved: list[_Saved] = field(default_factory=list)
+    started_in_backward: bool = False
+
+
+class EarlySteps:
+    """See the module docstring. ``step`` runs the user's optimizer over runs whose gradients are
+    set; ``unscale`` gives the fp16 loss scale's inverse (``None`` without loss scaling);
+    ``in_backward`` says whether the backward is still running (for ``Stats``)."""
+
+    def __init__(
+        self,
+        budget: int,
+        runs: StepRuns,
+        table: Callable[[], MutableMapping[torch.Tensor, Any]],
+        groups: Callable[[], Sequence[dict[str, Any]]],
+        step: Callable[[Sequence[Run]], None],
+        unscale: Callable[[], float | None],
+        in_backward: Callable[[], bool],
+        stats: Stats,
+    ) -> None:
+        self._budget = budget
+        self._runs = runs
+        self._table = table
+        self._groups = groups
+        self._step = step
+        self._unscale = unscale
+        self._in_backward = in_backward
+        self._stats = stats
+        self._worker: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+        self._records: dict[int, _Record] = {}
+        self._held = 0
+        self._spare: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Early steps were taken (or queued) that neither ``commit`` nor ``undo`` has settled."""
+        return bool(self._records)
+
+    def flags(self, chunk_id: int) -> tuple[bool, ...] | None:
+        """The gradient flags an early step of ``chunk_id`` used (``None``: it had none)."""
+        record = self._records.get(chunk_id)
+        return None if record is None else record.flags
+
+    def records_settings(self) -> list[list[dict[str, Any]]]:
+        """The hyperparameters each early step used (after ``settle``)."""
+        return [record.settings for record in self._records.values()]
+
+    # --- the worker ---------------------------------------------------------------------------
+    def submit(self, chunk: Chunk) -> bool:
+        """Step ``chunk`` early (its gradient final and on its way to the host). Returns whether it
+        was taken: not when its restore point would overflow the budget."""
+        if chunk.chunk_id in self._records:
+            return False
+        nbytes = self._restore_bytes(chunk)
+        if self._held + nbytes > self._budget:
+            self._stats.early_steps_declined += 1
+            return False
+        self._held += nbytes
+        record = _Record(chunk, chunk.params_with_grad, nbytes)
+        self._records[chunk.chunk_id] = record
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-step")
+        self._futures.append(self._worker.submit(self._run, record))
+        return True
+
+    def _restore_bytes(self, chunk: Chunk) -> int:
+        """An upper bound of what ``chunk``'s restore point holds: its master shard and, per state
+        tensor a run keeps now (or the state a first step creates, measured like the master)."""
+        master = chunk.shard_numel * chunk.store.master.element_size()
+        states = 0
+        for run in self._runs.runs():
+            if run.chunk is chunk:
+                state = self._table().get(run.tensor) or {}
+                states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+        return master + max(states, 2 * master)
+
+    def _run(self, record: _Record) -> None:
+        """On the worker: wait for the gradient, save the restore point, step."""
+        begin = time.perf_counter()
+        record.started_in_backward = self._in_backward()
+        chunk = record.chunk
+        shard = chunk.grad_shard  # waits for the copy that brings it to the host
+        pieces = {
+            id(p.tensor): record.flags[p.info.index]
+            for run in self._runs.runs()
+            if run.chunk is chunk
+            for p in run.pieces
+        }
+        self._runs.split_by_gradient(pieces, only=chunk)
+        runs = [run for run in self._runs.runs() if run.chunk is chunk and record.flags[run.pieces[0].info.index]]
+        record.saved = [self._save(run) for run in runs]
+        inverse = self._unscale()
+        grads = shard if inverse is None else self._scratch(shard).copy_(shard).mul_(inverse)
+        record.settings = group_settings(self._groups())
+        try:
+            for run in runs:
+                run.tensor.grad = grads[run.start : run.stop]
+            self._step(runs)
+        finally:
+            for run in runs:
+                run.tensor.grad = None
+            if inverse is not None:
+                self._give_back(grads)
+        self._stats.early_steps += 1
+        self._stats.early_steps_in_backward += int(record.started_in_backward)
+        self._stats.host_step_seconds += time.perf_counter() - begin
+
+    def _save(self, run: Run) -> _Saved:
+        state = self._table().get(run.tensor)
+        saved_state = None
+        if state:
+            saved_state = {
+                key: self._take_copy(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                for key, value in state.items()
+            }
+        return _Saved(run, self._take_copy(run.tensor), saved_state)
+
+    def _take_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        spare = self._spare.get((tensor.numel(), tensor.dtype, tensor.device))
+        out = spare.pop() if spare else torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        return out.copy_(tensor.reshape(-1)).view(tensor.shape)
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        spare = self._spare.get((like.numel(), like.dtype, like.device))
+        return spare.pop() if spare else torch.empty_like(like)
+
+    def _give_back(self, tensor: torch.Tensor) -> None:
+        self._spare.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor.reshape(-1))
+
+    # --- settling -----------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for every early step queued; a failure in one is raised here."""
+        futures, self._futures = self._futures, []
+        errors = [f.exception() for f in futures]
+        failure = next((e for e in errors if e is not None), None)
+        if failure is not None:
+            self.undo()
+            raise failure
+
+    def commit(self) -> frozenset[int]:
+        """Keep every early step: returns the chunks they stepped (``optimizer.step()`` leaves
+        them out)."""
+        self.settle()
+        done = frozenset(self._records)
+        for record in self._records.values():
+            self._release(record)
+        self._records.clear()
+        return done
+
+    def undo(self) -> None:
+        """Put every restore point back: masters and optimizer states as before the early steps."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.exception()  # wait; a failed step restores what it had saved too
+        table = self._table()
+        for record in self._records.values():
+            for saved in record.saved:
+                saved.run.tensor.copy_(saved.master)
+                if saved.state is None:
+                    table.pop(saved.run.tensor, None)
+                    continue
+                current = table.get(saved.run.tensor)
+                if current is None:
+                    current = table[saved.run.tensor] = {}
+                for key in [k for k in current if k not in saved.state]:
+                    del current[key]
+                for key, value in saved.state.items():
+                    if isinstance(value, torch.Tensor) and isinstance(current.get(key), torch.Tensor):
+                        current[key].copy_(value)
+                    elif isinstance(value, torch.Tensor):
+                        current[key] = value.clone()
+                    else:
+                        current[key] = copy.deepcopy(value)
+            self._stats.early_steps_undone += 1
+            self._release(record)
+        self._records.clear()
+
+    def _release(self, record: _Record) -> None:
+        for saved in record.saved:
+            self._give_back(saved.master)
+            for value in (saved.state or {}).values():
+                if isinstance(value, torch.Tensor):
+                    self._give_back(value)
+        record.saved = []
+        self._held -= record.nbytes
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
