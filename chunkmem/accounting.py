@@ -18,6 +18,8 @@ class Location(enum.Enum):
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
+    """Files under ``ChunkPlugin(disk_dir=...)``: optimizer sides between steps (the disk tier)."""
 
 
 class MemoryKind(enum.Enum):
@@ -37,24 +39,26 @@ class MemoryKind(enum.Enum):
     """Optimizer states of the master shards."""
     TRANSIENT = "transient"
     """Temporary buffers of a collective outside training (state dicts, checkpoints)."""
+    STAGING = "staging"
+    """Host buffers a chunk's optimizer side from disk is stepped in."""
 
 
 class MemoryLedger:
-    """Bytes of chunk memory allocated per location and kind, with the device peak."""
+    """Bytes of chunk memory allocated per location and kind, with the peak of each location."""
 
     def __init__(self) -> None:
         self._bytes: Counter[tuple[Location, MemoryKind]] = Counter()
         self._totals: Counter[Location] = Counter()
-        self._peak_device = 0
+        self._peaks: Counter[Location] = Counter()
 
     def alloc(self, location: Location, kind: MemoryKind, nbytes: int) -> None:
-        """Record an allocation (updates the device peak)."""
+        """Record an allocation (updates the peak)."""
         if nbytes < 0:
             raise ValueError(f"MemoryLedger.alloc: negative byte count {nbytes} for {kind.value} on {location.value}")
         self._bytes[location, kind] += nbytes
         self._totals[location] += nbytes
-        if location is Location.DEVICE and self._totals[location] > self._peak_device:
-            self._peak_device = self._totals[location]
+        if self._totals[location] > self._peaks[location]:
+            self._peaks[location] = self._totals[location]
 
     def free(self, location: Location, kind: MemoryKind, nbytes: int) -> None:
         """Record a free; freeing more than was allocated is a bug and raises."""
@@ -81,9 +85,18 @@ class MemoryLedger:
         return self._totals[Location.HOST]
 
     @property
+    def disk_bytes(self) -> int:
+        return self._totals[Location.DISK]
+
+    @property
     def peak_device_bytes(self) -> int:
-        return self._peak_device
+        return self._peaks[Location.DEVICE]
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self._peaks[Location.HOST]
 
     def reset_peak(self) -> None:
-        """Start measuring the device peak again from what is allocated now."""
-        self._peak_device = self._totals[Location.DEVICE]
+        """Start measuring the peaks again from what is allocated now."""
+        for location in Location:
+            self._peaks[location] = self._totals[location]

@@ -16,6 +16,8 @@ checks its precondition and names the chunk, the rank and the state when it is v
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .accounting import Location, MemoryLedger
@@ -28,6 +30,9 @@ from .shard import ShardStore
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 from .transfers import HostTransfers
+
+if TYPE_CHECKING:
+    from .disk import SidesFile
 
 __all__ = ["Chunk", "ChunkState", "GradState"]
 
@@ -142,7 +147,9 @@ class Chunk:
         self._residency.require("append", f"parameter '{info.name}'")
         self.layout.append(info, self._where())
 
-    def close(self, master: Location, shard: Location, values: ParamValues | None = None) -> None:
+    def close(
+        self, master: Location, shard: Location, values: ParamValues | None = None, disk: SidesFile | None = None
+    ) -> None:
         """Copy this rank's slice of every parameter into a master shard placed at ``master`` and
         point the parameters at placeholders: their original storage can be freed. The slices are
         read from ``values`` (default: the parameters' own data, on any device), one parameter at
@@ -160,6 +167,7 @@ class Chunk:
             shard,
             self.trainable,
             host_device=self._comm.host_device,
+            disk=disk,
         )
         master_tensor = store.master
         master_tensor.zero_()
@@ -169,6 +177,8 @@ class Chunk:
                 if piece is not None:
                     master_tensor[piece.shard].copy_(source.read(info, piece))
         store.mark_updated()
+        if disk is not None:
+            store.spill_master()
         self._store = store
         self._grads.close(store)
         self._residency.close(store)

@@ -157,7 +157,7 @@ class EarlySteps:
             if run.chunk is chunk
             for p in run.pieces
         }
-        self._runs.split_by_gradient(pieces, only=chunk)
+        self._runs.split_by_gradient(pieces, only=lambda other: other is chunk)
         runs = [run for run in self._runs.runs() if run.chunk is chunk and record.flags[run.pieces[0].info.index]]
         record.saved = [self._save(run) for run in runs]
         inverse = self._unscale()

@@ -16,6 +16,8 @@ __all__ = [
     "CheckpointWriteError",
     "ChunkmemError",
     "CollectiveMismatchError",
+    "DiskTierError",
+    "HostBudgetTooSmallError",
     "IllegalTransition",
     "MaterializeError",
     "NotSupportedError",
@@ -38,6 +40,20 @@ class BudgetTooSmallError(ChunkmemError, placement.BudgetTooSmallError):
     @classmethod
     def from_placement(cls, error: placement.BudgetTooSmallError) -> BudgetTooSmallError:
         return cls(str(error), error.budget, error.minimum)
+
+
+class HostBudgetTooSmallError(ChunkmemError, placement.HostBudgetTooSmallError):
+    """The host budget cannot hold what the placement keeps in host memory (raised when boosting;
+    ``budget`` and ``minimum`` in bytes). Also a ``placement.HostBudgetTooSmallError``."""
+
+    @classmethod
+    def from_placement(cls, error: placement.HostBudgetTooSmallError) -> HostBudgetTooSmallError:
+        return cls(str(error), error.budget, error.minimum)
+
+
+class DiskTierError(ChunkmemError, OSError):
+    """The disk tier cannot be used or failed: its directory is missing, not writable or too small
+    (when boosting), or a read or write of its files failed (every rank raises it)."""
 
 
 class BudgetExceededError(ChunkmemError, RuntimeError):

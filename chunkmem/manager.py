@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from .search import group_key
 from .stats import Stats
 from .tensor_state import TensorInfo
 from .transfers import HostTransfers
+
+if TYPE_CHECKING:
+    from .disk import SidesFile
 
 __all__ = ["ChunkManager"]
 
@@ -157,12 +161,17 @@ class ChunkManager:
             raise UnmanageableParameter(f"{where} has layout {param.layout}; only dense parameters can be managed")
 
     # --- building the shards ----------------------------------------------------------------
-    def close_all(self, placement: Callable[[Chunk], tuple[Location, Location]]) -> None:
+    def close_all(
+        self,
+        placement: Callable[[Chunk], tuple[Location, Location]],
+        disk: Callable[[Chunk], SidesFile | None] | None = None,
+    ) -> None:
         """Shard every chunk, one at a time (a model larger than the device still wraps), with its
-        master and parameter shard where ``placement`` says, its values read from ``values``."""
+        master and parameter shard where ``placement`` says, its master on the disk file ``disk``
+        gives (if any), its values read from ``values``."""
         for chunk in self._chunks:
             master, shard = placement(chunk)
-            chunk.close(master, shard, self._values)
+            chunk.close(master, shard, self._values, disk(chunk) if disk is not None else None)
         self._values.release()
 
     # --- verbs the runtime uses -------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class ChunkedModel(torch.nn.Module):
         self._buffer_dtypes = dict(buffer_dtypes)
         self._markers = GradientMarkers((info.name, info.param) for info in runtime.manager.infos)
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
+        # When the module goes (with this wrapper, which holds it), the runtime lets go of its
+        # parameters: the hook table holds the runtime for each of them, so nothing else would.
+        weakref.finalize(module, runtime.detach)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -225,11 +229,12 @@ class ChunkedModel(torch.nn.Module):
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
         for chunk in runtime.manager.chunks:
-            full = gather_full(runtime, chunk, chunk.store.master, destination, what)
-            if full is None:
-                continue
-            for info in chunk.tensors:
-                values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
+            with chunk.store.resident_master() as master:  # one at a time when masters are on disk
+                full = gather_full(runtime, chunk, master, destination, what)
+                if full is None:
+                    continue
+                for info in chunk.tensors:  # copies: ``full`` may be the master itself
+                    values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
         return values
 
     def full_state_dict(self, destination: Destination = Destination.EVERY_RANK) -> dict[str, torch.Tensor]:
@@ -314,11 +319,16 @@ class ChunkedModel(torch.nn.Module):
         manager = self._runtime.manager
         manager.prepare_master_writes()
         with torch.no_grad():
+            by_chunk: dict[int, list[tuple[TensorInfo, torch.Tensor]]] = {}
             for info, value in staged.params:
-                chunk = manager.chunk(info.chunk_id)
-                piece = chunk.piece(info)
-                if piece is not None:
-                    chunk.store.master[piece.shard].copy_(value.reshape(-1)[piece.param])
+                by_chunk.setdefault(info.chunk_id, []).append((info, value))
+            for chunk_id, params in by_chunk.items():
+                chunk = manager.chunk(chunk_id)
+                with chunk.store.resident_master(write_back=True) as master:
+                    for info, value in params:
+                        piece = chunk.piece(info)
+                        if piece is not None:
+                            master[piece.shard].copy_(value.reshape(-1)[piece.param])
             for target, value in staged.buffers:
                 target.copy_(value)
         # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.

@@ -29,11 +29,14 @@ import torch
 import torch.distributed as dist
 
 from .accounting import Location, MemoryKind
+from .checkpoint.agreement import agree
 from .chunk import Chunk, GradState
 from .chunk_layout import ShardPiece
 from .comm import Communicator
+from .disk import SidesFile
+from .disk_sides import DiskSides
 from .early_steps import EarlySteps, group_settings, same_settings
-from .errors import NotSupportedError, UnscaledBackwardError
+from .errors import DiskTierError, NotSupportedError, UnscaledBackwardError
 from .grad_markers import clear_markers
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
@@ -129,6 +132,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         scaler: DynamicLossScaler | None,
         state_size: StateSize | None = None,
         host_step: StepAfterBackward | StepDuringBackward | None = None,
+        disk: tuple[SidesFile, Sequence[Chunk]] | None = None,
     ) -> None:
         if isinstance(optimizer, ChunkOptimizer):
             raise ValueError("this optimizer is already boosted")
@@ -162,6 +166,17 @@ class ChunkOptimizer(torch.optim.Optimizer):
                     resharded[piece.tensor] = slice_state(existing[piece.info.param], piece)
             self._stateful.update(id(info) for info in infos if existing.get(info.param))
             group["params"] = self._runs.add_group(pieces)
+        self._disk: DiskSides | None = None
+        if disk is not None:
+            file, chunks = disk
+            self._disk = DiskSides(
+                file,
+                chunks,
+                lambda chunk: self._state_size.reserved(chunk.shard_numel, len(chunk.tensors)),
+                self._runs,
+                lambda: self._optim.state,
+                runtime.manager.ledger,
+            )
         self._probe_host_kernels()
         # torch's own bookkeeping (hook tables, step profiling), then share the user's groups and state.
         super().__init__([{"params": []}], optimizer.defaults)
@@ -209,7 +224,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             chunk = manager.chunk(info.chunk_id)
             part = chunk.piece(info)
             if part is not None:
-                pieces.append(Piece(chunk.store.master[part.shard], chunk, info, part))
+                pieces.append(Piece(chunk.store.master_slice(part.shard.start, part.shard.stop), chunk, info, part))
         return tuple(infos), pieces
 
     # --- what checkpoints read --------------------------------------------------------------
@@ -312,7 +327,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
             for piece in self._pieces:
                 entry = reduced.get(piece.chunk.chunk_id)
                 has_grad[id(piece.tensor)] = entry is not None and entry[1][piece.info.index]
-            self._runs.split_by_gradient(has_grad)
+            # Chunks on disk are cut when they are in memory, in the disk pipeline.
+            self._runs.split_by_gradient(has_grad, only=lambda chunk: not self._on_disk(chunk))
             # Which parameters get state is agreed (a gradient on any rank), so every rank
             # accounts the same chunks.
             for chunk_id, (_, flags) in reduced.items():
@@ -322,15 +338,13 @@ class ChunkOptimizer(torch.optim.Optimizer):
             stepped = [
                 run
                 for run in self._runs.runs()
-                if has_grad[id(run.pieces[0].tensor)] and run.chunk.chunk_id not in done
+                if has_grad[id(run.pieces[0].tensor)]
+                and run.chunk.chunk_id not in done
+                and not self._on_disk(run.chunk)
             ]
-            try:
-                for run in stepped:
-                    run.tensor.grad = reduced[run.chunk.chunk_id][0][run.start : run.stop]
-                self._step_runs(stepped)
-            finally:
-                for run in stepped:
-                    run.tensor.grad = None
+            self._step_with_grads(stepped, reduced)
+            if self._disk is not None:
+                self._step_from_disk(has_grad, reduced)
             self._account_state()
             self._runtime.check_budget(f"{type(self._optim).__name__}.step creating its state")
             stats.optimizer_steps += 1
@@ -394,6 +408,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
             self._scaler.load_state_dict(dict(scaler_state))
         if stateful is not None:  # the parameters with state in the full state (the same on every rank)
             self._stateful = {id(info) for info in stateful}
+        if self._disk is not None:
+            self._disk.adopt_loaded()
         self._account_state()
 
     def _probe_host_kernels(self) -> None:
@@ -514,10 +530,61 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._found_inf = bool(flag[0] > 0)
         self._unscaled = True
 
+    def _step_with_grads(self, runs: Sequence[Run], reduced: Mapping[int, tuple[torch.Tensor, Any]]) -> None:
+        """Step ``runs`` on their slices of the reduced gradient shards."""
+        try:
+            for run in runs:
+                run.tensor.grad = reduced[run.chunk.chunk_id][0][run.start : run.stop]
+            self._step_runs(runs)
+        finally:
+            for run in runs:
+                run.tensor.grad = None
+
+    def _step_from_disk(self, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[torch.Tensor, Any]]) -> None:
+        """The chunks on disk, through the disk pipeline. A read or write that fails on one rank
+        raises on every rank (the ranks agree after it; one small exchange a step)."""
+        disk = self._disk
+        assert disk is not None, "only with chunks on disk"
+        chunks = {run.chunk.chunk_id: run.chunk for run in self._runs.runs() if disk.holds(run.chunk)}
+        ordered = [chunk for chunk_id, chunk in sorted(chunks.items()) if chunk_id in reduced]
+
+        def run() -> None:
+            disk.step(ordered, lambda chunk: self._step_chunk_from_disk(chunk, has_grad, reduced))
+
+        agree(self.communicator, "stepping optimizer states on disk", run, DiskTierError)
+
+    def _step_chunk_from_disk(
+        self, chunk: Chunk, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[torch.Tensor, Any]]
+    ) -> None:
+        """One chunk of the disk pipeline, its master and state in memory now."""
+        self._runs.split_by_gradient(has_grad, only=lambda other: other is chunk)
+        runs = [run for run in self._runs.runs() if run.chunk is chunk and has_grad[id(run.pieces[0].tensor)]]
+        self._step_with_grads(runs, reduced)
+
+    def _on_disk(self, chunk: Chunk) -> bool:
+        return self._disk is not None and self._disk.holds(chunk)
+
+    def _state_location(self, chunk: Chunk) -> Location:
+        """Where ``chunk``'s optimizer state lives between steps."""
+        if self._on_disk(chunk):
+            return Location.DISK
+        return chunk.store.master_location
+
+    @contextmanager
+    def resident_state(self, chunk: Chunk, write_back: bool = False) -> Iterator[None]:
+        """``chunk``'s master and optimizer state in memory for the block, when they live on disk
+        (checkpoints read and write them chunk by chunk); written back after it with
+        ``write_back``. Elsewhere they are always in memory."""
+        if self._disk is None or not self._disk.holds(chunk):
+            yield
+            return
+        with self._disk.resident(chunk, write_back):
+            yield
+
     # --- early host steps (chunkmem.early_steps) ----------------------------------------------
     def gradient_final(self, chunk: Chunk) -> None:
         """The runtime: ``chunk``'s gradient of the iteration is final and on its way to the host."""
-        if self._early is not None:
+        if self._early is not None and not self._on_disk(chunk):
             self._early.submit(chunk)
 
     def cancel_early_steps(self) -> None:
@@ -557,9 +624,10 @@ class ChunkOptimizer(torch.optim.Optimizer):
         reserved: Counter[Location] = Counter()
         for chunk in self._runtime.manager.chunks:
             if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):
-                location = chunk.store.master_location
-                reserved[location] += self._state_size.reserved(chunk.shard_numel, len(chunk.tensors))
-        actual = self._runs.state_bytes()
+                reserved[self._state_location(chunk)] += self._state_size.reserved(
+                    chunk.shard_numel, len(chunk.tensors)
+                )
+        actual = self._runs.state_bytes(self._state_location)
         for location in Location:
             if actual[location] > reserved[location]:
                 raise NotSupportedError(

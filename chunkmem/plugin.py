@@ -24,11 +24,14 @@ from placement import (
     load_placement_config,
     make_policy,
 )
+from placement.policy import format_bytes
 
 from .accounting import Location
+from .checkpoint.agreement import agree
 from .chunk import Chunk
 from .comm import Communicator
-from .errors import BudgetTooSmallError, MaterializeError
+from .disk import DISK_BLOCK, DiskFile, PlannedDiskFile, ScratchDir, SidesFile
+from .errors import BudgetTooSmallError, DiskTierError, HostBudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .materialize import model_values
@@ -143,6 +146,11 @@ class ChunkPlugin:
             ``StepAfterBackward`` (in ``optimizer.step()``; the default on a CPU, where nothing
             can overlap), or a mapping with ``when`` set to ``during_backward`` or
             ``after_backward`` (validated into one).
+        disk_dir: a directory (a fast local disk) for the disk tier: optimizer sides the
+            placement puts on disk (``offload_disk_frac``, or the auto policy under a
+            ``host_budget``) live in files chunkmem creates there when boosting and removes when
+            the run ends. ``None`` (default): nothing is written to disk, and a placement that
+            needs the disk is refused.
         gradient_accumulation: plan for ``booster.no_sync``: micro-batches accumulate full
             gradient buffers for every chunk until the synchronised backward, so the placement
             leaves room for all of them at once (the auto policy moves optimizer sides to the host
@@ -160,6 +168,7 @@ class ChunkPlugin:
         check_plans: bool | None = None,
         gradient_accumulation: bool = False,
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if precision is None:
             precision = _default_precision(process_group)
@@ -185,6 +194,7 @@ class ChunkPlugin:
         self.check_plans = check_plans
         self.gradient_accumulation = gradient_accumulation
         self.host_step = None if host_step is None else _host_step_config(host_step)
+        self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
@@ -253,22 +263,64 @@ class ChunkPlugin:
             layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
+        except placement_pkg.HostBudgetTooSmallError as error:
+            raise HostBudgetTooSmallError.from_placement(error) from None
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
+        disk = self._open_disk(layout, specs, comm, stats)
+        masters_on_disk = dtype != MASTER_DTYPE
 
         def placement(chunk: Chunk) -> tuple[Location, Location]:
             place = layout[chunk.chunk_id]
             master = Location.DEVICE if place.optim_on_device else Location.HOST
             return master, Location.DEVICE if place.shard_on_device else Location.HOST
 
+        def disk_of(chunk: Chunk) -> SidesFile | None:
+            return disk if masters_on_disk and layout[chunk.chunk_id].optim_on_disk else None
+
         values.prepare_buffers(model)
-        manager.close_all(placement)
+        manager.close_all(placement, disk_of)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, layout, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
-        wrapped_optim = ChunkOptimizer(optimizer, runtime, scaler, state, host_step) if optimizer is not None else None
+        on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]
+        wrapped_optim = (
+            ChunkOptimizer(optimizer, runtime, scaler, state, host_step, (disk, on_disk) if disk else None)
+            if optimizer is not None
+            else None
+        )
         return ChunkedModel(model, runtime, dtype, buffer_dtypes), wrapped_optim
+
+    def _open_disk(self, layout: Layout, specs: list[ChunkSpec], comm: Communicator, stats: Stats) -> SidesFile | None:
+        """The disk tier's file for this rank, when the layout puts optimizer sides on disk:
+        refused, on every rank, without a ``disk_dir``, or when it is missing, not writable, or has
+        too little free space for the layout."""
+        nbytes = layout.disk_bytes(tuple(specs))
+        if nbytes == 0:
+            return None
+        # Each chunk's master and states get a region of their own, each rounded up to a block.
+        nbytes += 2 * DISK_BLOCK * sum(1 for p in layout.placements if p.optim_on_disk)
+        if comm.plans_only:  # a plan counts what the disk would move
+            return PlannedDiskFile(nbytes, stats)
+        if self.disk_dir is None:
+            chunks = [s.chunk_id for p, s in zip(layout.placements, specs, strict=True) if p.optim_on_disk]
+            raise DiskTierError(
+                f"the placement puts the optimizer sides of {len(chunks)} chunks ({format_bytes(nbytes)}) on disk, but "
+                "ChunkPlugin has no disk_dir: pass ChunkPlugin(disk_dir=...) (a fast local disk), or raise "
+                "host_budget / lower offload_disk_frac so that everything stays in memory"
+            )
+        disk_dir = self.disk_dir
+
+        def open_file() -> DiskFile:
+            scratch = ScratchDir(disk_dir, comm.rank)
+            try:
+                return DiskFile(scratch, "sides.bin", nbytes, stats)
+            except BaseException:
+                scratch.close()
+                raise
+
+        return agree(comm, "opening the disk tier", open_file, DiskTierError, f"in {disk_dir}")
 
     @staticmethod
     def _fit_to_device(layout: Layout, specs: list[ChunkSpec], comm: Communicator) -> Layout:
@@ -325,8 +377,11 @@ class ChunkPlugin:
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel
         fp32 = MASTER_DTYPE.itemsize
+        states = state.reserved(shard, len(chunk.tensors)) if chunk.trainable else 0
         optimizer = shard * fp32 + state.reserved(shard, len(chunk.tensors))
         optim_side = shard * fp32 + (optimizer if chunk.trainable else 0)
+        # What leaves host memory for disk: the states, and a master gathers do not read.
+        disk_side = states + (0 if self.compute_dtype == MASTER_DTYPE else shard * fp32)
         return ChunkSpec(
             chunk_id=chunk.chunk_id,
             label=chunk.tensors[0].name,
@@ -337,6 +392,7 @@ class ChunkPlugin:
             shard_copy_bytes=shard * self.compute_dtype.itemsize,
             gathered_is_shard=world_size == 1,
             master_is_compute=self.compute_dtype == MASTER_DTYPE,
+            disk_side_bytes=disk_side,
         )
 
     @staticmethod

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from hooks import ParamOpHook, bind, to_hooked, unhooked
+from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
 from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
 from placement.policy import format_bytes
 
@@ -98,6 +98,15 @@ class ChunkRuntime(ParamOpHook):
         self._grad_hooks = [
             info.param.register_post_accumulate_grad_hook(self._on_grad) for info in manager.infos if info.trainable
         ]
+
+    def detach(self) -> None:
+        """Unbind from the parameters (when the boosted model is collected): the hook table holds
+        the runtime for every parameter bound to it, and the runtime holds the parameters, so
+        nothing would ever free them otherwise."""
+        unbind([info.param for info in self._manager.infos], self)
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
 
     # --- early host steps -------------------------------------------------------------------
     def listen_for_final_gradients(self, listener: EarlyStepListener) -> None:
@@ -200,6 +209,8 @@ class ChunkRuntime(ParamOpHook):
         self._stats.device_bytes = self._ledger.device_bytes
         self._stats.host_bytes = self._ledger.host_bytes
         self._stats.peak_device_bytes = self._ledger.peak_device_bytes
+        self._stats.peak_host_bytes = self._ledger.peak_host_bytes
+        self._stats.disk_bytes = self._ledger.disk_bytes
         return self._stats.snapshot()
 
     # --- iterations -------------------------------------------------------------------------

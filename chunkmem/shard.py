@@ -18,12 +18,18 @@ copies still reading it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
 from .transfers import Direction, HostTransfers
+
+if TYPE_CHECKING:
+    from .disk import SidesFile
 
 __all__ = ["ShardStore", "SourceKind"]
 
@@ -104,6 +110,7 @@ class ShardStore:
         shard: Location,
         trainable: bool,
         host_device: torch.device = _CPU,
+        disk: SidesFile | None = None,
     ) -> None:
         if master is Location.DEVICE and shard is Location.HOST:
             raise ValueError(
@@ -120,8 +127,16 @@ class ShardStore:
         self._version = 0
         self._master_location = master
         self._host_device = host_device
+        if disk is not None and (master is not Location.HOST or compute_dtype == MASTER_DTYPE):
+            raise ValueError(
+                f"{label}: only a host master of a 16-bit model goes to disk (an fp32 master is what gathers read)"
+            )
+        self._disk = disk
+        self._disk_offset = -1
+        self._master_resident = True
+        # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
         self._master_buffers = _MasterSideBuffer(
-            MemoryKind.MASTER, numel, device, ledger, self._pin, host_device=host_device
+            MemoryKind.MASTER, numel, device, ledger, self._pin and disk is None, host_device=host_device
         )
         self._master = self._master_buffers.take(master)
         self._grad_buffers = _MasterSideBuffer(
@@ -348,8 +363,11 @@ class ShardStore:
             self._transfers.before_host_write(buffer)
 
     def mark_updated(self) -> None:
-        """The master changed (optimizer step, checkpoint load): derived copies are stale."""
-        self._version += 1
+        """The master changed (optimizer step, checkpoint load): derived copies are stale. A master
+        on disk changes only while in memory and its copies are made when it leaves
+        (``evict_master``), so they are current whenever it is out of memory."""
+        if self._master_resident:
+            self._version += 1
 
     # --- reading for a gather ---------------------------------------------------------------
     def copy_into(self, slot: torch.Tensor) -> None:
@@ -370,10 +388,104 @@ class ShardStore:
         if self._host_cast is None:
             return self._master
         if self._host_cast_version != self._version:
+            if not self._master_resident:
+                raise RuntimeError(
+                    f"{self._label}: its master is on disk and its 16-bit copy is stale; the copy is made when the "
+                    "master changes, while it is in memory (recast)"
+                )
             self._transfers.before_host_write(self._host_cast)
             self._host_cast.copy_(self._master)
             self._host_cast_version = self._version
         return self._host_cast
+
+    # --- the master on disk ---------------------------------------------------------------------
+    @property
+    def master_on_disk(self) -> bool:
+        """The master lives on disk between optimizer steps (see ``fetch_master``)."""
+        return self._disk is not None
+
+    @property
+    def master_resident(self) -> bool:
+        """The master's values are in memory (always, unless it lives on disk)."""
+        return self._master_resident
+
+    def master_slice(self, start: int, stop: int) -> torch.Tensor:
+        """A view of ``master[start:stop]``, made even while the master is on disk (its storage
+        then grows for the moment the view is made, with no values; the view reads the values
+        once the master is in memory again)."""
+        if self._master_resident:
+            return self._master[start:stop]
+        storage = self._master.untyped_storage()
+        storage.resize_(self._master_bytes)  # address space only: nothing is written
+        try:
+            return self._master[start:stop]
+        finally:
+            storage.resize_(0)
+
+    def spill_master(self) -> None:
+        """Move the master to its disk region, once, after it got its values (boost): its 16-bit
+        copy is made first (gathers read that) and its memory is freed."""
+        file = self._disk
+        if file is None or self._disk_offset >= 0:
+            raise RuntimeError(f"{self._label}: spill_master is for a master bound for disk, once")
+        self._host_compute()
+        self._disk_offset = file.region(self._master_bytes)
+        file.write(self._master, self._disk_offset).result()
+        self._master.untyped_storage().resize_(0)
+        self._master_resident = False
+        self._ledger.free(Location.HOST, MemoryKind.MASTER, self._master_bytes)
+        self._ledger.alloc(Location.DISK, MemoryKind.MASTER, self._master_bytes)
+
+    def fetch_master(self) -> Future[None] | None:
+        """Start reading the master from disk into memory (``None``: it is in memory)."""
+        if self._master_resident:
+            return None
+        file = self._disk
+        assert file is not None, f"{self._label}: a master off memory lives on disk"
+        self._master.untyped_storage().resize_(self._master_bytes)
+        self._master_resident = True
+        self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        return file.read(self._master, self._disk_offset)
+
+    def evict_master(self, changed: bool) -> Future[None] | None:
+        """Free the master's memory, writing it back first when ``changed`` (its 16-bit copy is
+        made from it before). Returns the write to wait for (``None``: none); if it fails, call
+        ``master_write_failed``: the values are still in memory."""
+        file = self._disk
+        if file is None or not self._master_resident:
+            return None
+        if changed:
+            self._version += 1  # what mark_updated does: the copies are stale
+            self._host_compute()
+        self._master_resident = False
+        self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        storage = self._master.untyped_storage()
+        if not changed:
+            storage.resize_(0)
+            return None
+        return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0))
+
+    def master_write_failed(self) -> None:
+        """The write ``evict_master`` started failed: the master kept its memory and values."""
+        self._master_resident = True
+        self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+
+    @contextmanager
+    def resident_master(self, write_back: bool = False) -> Iterator[torch.Tensor]:
+        """The master in memory for the block (a checkpoint reading or loading it); written back
+        after it with ``write_back``."""
+        fetched = self.fetch_master()
+        if fetched is None:
+            yield self._master
+            return
+        fetched.result()
+        try:
+            yield self._master
+        finally:
+            written = self.evict_master(changed=write_back)
+            if written is not None and written.exception() is not None:
+                self.master_write_failed()
+                raise written.exception()  # type: ignore[misc]
 
     def _alloc_device_copy(self) -> torch.Tensor:
         self._ledger.alloc(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

@@ -19,6 +19,19 @@ class Stats:
     """Accounted chunk bytes on the compute device now."""
     host_bytes: int = 0
     """Accounted chunk bytes in host memory now."""
+    peak_host_bytes: int = 0
+    """Highest accounted chunk bytes in host memory (never above ``host_budget``)."""
+    disk_bytes: int = 0
+    """Chunk bytes kept on disk (the disk tier's files)."""
+    disk_read_bytes: int = 0
+    """Bytes read from the disk tier's files."""
+    disk_write_bytes: int = 0
+    """Bytes written to the disk tier's files."""
+    disk_read_seconds: float = 0.0
+    """Seconds the reads took (summed over the I/O threads: ``disk_read_bytes / disk_read_seconds``
+    is the achieved bandwidth of one thread)."""
+    disk_write_seconds: float = 0.0
+    """Seconds the writes took (as ``disk_read_seconds``)."""
     h2d_bytes: int = 0
     """Bytes copied from host memory to the compute device."""
     d2h_bytes: int = 0
@@ -76,7 +89,7 @@ class Stats:
     skipped_steps: int = 0
     """Optimizer steps skipped for inf/nan gradients (fp16 loss scaling)."""
 
-    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds", "host_step_seconds"})
+    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds", "host_step_seconds", "disk_read_seconds", "disk_write_seconds"})
     """The fields that are timings; every other field is an exact count, the same on every rank,
     but ``prefetch_waits`` and ``early_steps_in_backward`` (whether a gather or an early step was
     still running when looked at)."""

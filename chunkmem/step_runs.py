@@ -117,7 +117,7 @@ class StepRuns:
     def _make(self, group: int, pieces: Sequence[Piece]) -> Run:
         start, stop = pieces[0].shard_slice.start, pieces[-1].shard_slice.stop
         store = pieces[0].chunk.store
-        run = Run(group, tuple(pieces), store.master[start:stop], start, store.master_location)
+        run = Run(group, tuple(pieces), store.master_slice(start, stop), start, store.master_location)
         for piece in pieces:
             self._run_of[id(piece.tensor)] = run
         return run
@@ -140,34 +140,44 @@ class StepRuns:
 
     def piece_state(self, piece: Piece) -> dict[str, Any]:
         """The optimizer state of one piece: views of its run's elementwise state, and the run's
-        other values (shared by all its pieces). Empty when the piece has no state yet."""
+        other values (shared by all its pieces). Empty when the piece has no state yet. An
+        elementwise state that is on disk now (``DiskSides``) shows as a meta tensor of its shape
+        and dtype."""
         run = self.run_of(piece)
         state = self._table().get(run.tensor)
         if not state:
             return {}
         begin = piece.shard_slice.start - run.start
         end = piece.shard_slice.stop - run.start
-        return {key: value[begin:end] if _elementwise(value, run) else value for key, value in state.items()}
+        out = {}
+        for key, value in state.items():
+            if not _elementwise(value, run):
+                out[key] = value
+            elif value.untyped_storage().nbytes() < value.nbytes:
+                out[key] = torch.empty(end - begin, dtype=value.dtype, device="meta")
+            else:
+                out[key] = value[begin:end]
+        return out
 
-    def state_bytes(self) -> dict[Location, int]:
-        """Bytes of optimizer state tensors per location of the runs' masters."""
+    def state_bytes(self, location: Callable[[Chunk], Location]) -> dict[Location, int]:
+        """Bytes of optimizer state tensors per location (``location`` of each run's chunk)."""
         out = dict.fromkeys(Location, 0)
         for run in self.runs():
             for value in (self._table().get(run.tensor) or {}).values():
                 if isinstance(value, torch.Tensor):
-                    out[run.location] += value.nbytes
+                    out[location(run.chunk)] += value.nbytes
         return out
 
     # --- changing ---------------------------------------------------------------------------
-    def split_by_gradient(self, has_grad: Mapping[int, bool], only: Chunk | None = None) -> None:
+    def split_by_gradient(self, has_grad: Mapping[int, bool], only: Callable[[Chunk], bool] | None = None) -> None:
         """Before a step: cut each run whose pieces do not all have a gradient (``has_grad`` by
         ``id(piece.tensor)``) where that changes, so that every run is stepped whole or not at
-        all, as PyTorch steps each parameter that has a gradient. ``only``: the runs of one chunk
-        (``has_grad`` need only cover its pieces)."""
+        all, as PyTorch steps each parameter that has a gradient. ``only``: the runs of the chunks
+        it accepts (``has_grad`` need only cover their pieces); their state must be in memory."""
         for group, runs in enumerate(self._groups):
             out: list[Run] = []
             for run in runs:
-                if only is not None and run.chunk is not only:
+                if only is not None and not only(run.chunk):
                     out.append(run)
                     continue
                 flags = [has_grad[id(p.tensor)] for p in run.pieces]
@@ -184,15 +194,16 @@ class StepRuns:
             self._groups[group] = out
 
     def _split(self, group: int, run: Run, parts: Sequence[Sequence[Piece]]) -> list[Run]:
-        """Cut ``run`` into runs of ``parts``, each with its share of the state: views of the
-        elementwise state, copies of the rest (they may part from now on)."""
+        """Cut ``run`` into runs of ``parts``, each with its share of the state, copied (each run
+        owns its state: the disk tier moves whole state tensors; the parts may differ from now
+        on). The state must be in memory."""
         state = self._table().pop(run.tensor, None)
         runs = [self._make(group, part) for part in parts]
         if state:
             for new in runs:
                 begin, end = new.start - run.start, new.stop - run.start
                 self._table()[new.tensor] = {
-                    key: value[begin:end] if _elementwise(value, run) else copy.deepcopy(value)
+                    key: value[begin:end].clone() if _elementwise(value, run) else copy.deepcopy(value)
                     for key, value in state.items()
                 }
         return runs

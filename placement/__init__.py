@@ -5,7 +5,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
-from .policy import BudgetNeed, BudgetTooSmallError, PlacementPolicy, make_policy
+from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy, make_policy
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,
@@ -24,6 +24,7 @@ from .static import StaticPolicy
 from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, TraceStep, step_digest
 
 __all__ = [
+    "DISK_WINDOW",
     "AutoPlacementConfig",
     "AutoPolicy",
     "BudgetNeed",
@@ -35,6 +36,7 @@ __all__ = [
     "CursorMode",
     "Divergence",
     "FetchPlan",
+    "HostBudgetTooSmallError",
     "Layout",
     "OpSnapshot",
     "Phase",

@@ -29,7 +29,11 @@ class AutoPolicy(PlacementPolicy):
                 f"AutoPolicy: device_capacity must be a positive byte count, got {device_capacity}; "
                 "pass what the process may use of the compute device (chunkmem.memory.process_capacity())"
             )
-        super().__init__(config.max_prefetch, None if config.device_budget is None else int(config.device_budget))
+        super().__init__(
+            config.max_prefetch,
+            None if config.device_budget is None else int(config.device_budget),
+            None if config.host_budget is None else int(config.host_budget),
+        )
         self._config = config
         limit = config.total_limit
         self._capacity = device_capacity if limit is None else min(device_capacity, int(limit))
@@ -100,6 +104,32 @@ class AutoPolicy(PlacementPolicy):
         return cap if self._budget is None else min(cap, self._budget)
 
     def _decide_layout(self, working_sets: Sequence[WorkingSet]) -> Layout:
+        """The device layout (``_device_layout``), then, under a host budget, optimizer sides left
+        on the host go to disk while the host holds too much: frozen chunks first (the optimizer
+        never reads them), then trainable ones from the last (every trainable chunk is read once a
+        step). Everything on disk that still does not fit is refused with the minimum."""
+        layout = self._device_layout(working_sets)
+        if self._host_budget is None or self.host_need(layout) <= self._host_budget:
+            return layout
+        placements = list(layout.placements)
+        order = [s for s in self._specs if not s.trainable] + [s for s in reversed(self._specs) if s.trainable]
+        for spec in order:
+            place = placements[spec.chunk_id]
+            if place.optim_on_device or place.optim_on_disk or spec.disk_side_bytes == 0:
+                continue
+            placements[spec.chunk_id] = ChunkPlacement(
+                keep_gathered=place.keep_gathered,
+                optim_on_device=False,
+                shard_on_device=place.shard_on_device,
+                optim_on_disk=True,
+            )
+            if self.host_need(Layout(tuple(placements))) <= self._host_budget:
+                break
+        layout = Layout(tuple(placements))
+        self._check_host_budget(layout, "or give the device more of the model (device_budget)")
+        return layout
+
+    def _device_layout(self, working_sets: Sequence[WorkingSet]) -> Layout:
         """Everything on the device when it fits. Otherwise greedy, in chunk order: a chunk's
         optimizer side goes to the device when the whole layout still fits the warmup cap with room
         for ``max_prefetch`` of the largest chunks.

@@ -82,6 +82,12 @@ class StaticPlacementConfig(_Config):
     """Fraction of chunk memory whose fp32 master shard, gradient shard and optimizer states live
     in host memory (the optimizer step for those chunks runs on the host). Chunks kept gathered are
     never offloaded."""
+    offload_disk_frac: Fraction = 0.0
+    """Fraction of chunk memory whose optimizer side leaves host memory for disk (files under
+    ``ChunkPlugin(disk_dir=...)``): the optimizer states and, with 16-bit compute, the fp32 master
+    (read before the chunk's host step, written back after it; gradient shards and 16-bit copies
+    stay in host memory). Only chunks whose optimizer side is offloaded can go to disk, the first of
+    them in chunk order, so it requires ``offload_disk_frac <= offload_optim_frac``."""
     max_prefetch: Count = 2
     """How many chunks, next in the recorded compute trace, may be fetched ahead of use. 0 fetches
     only on demand. Prefetch only uses budget that is free; it never breaks ``device_budget``. The
@@ -91,6 +97,21 @@ class StaticPlacementConfig(_Config):
     device_budget: Budget | None = None
     """Cap on chunk memory (parameters, gradients and optimizer states held in chunks) on the compute
     device, in bytes or a string such as ``"3GiB"``. ``None`` means no cap beyond the device."""
+    host_budget: Budget | None = None
+    """Cap on chunk memory in host memory (16-bit copies, fp32 masters, gradient shards and
+    optimizer states kept there, and the buffers chunks on disk are stepped in), in bytes or a
+    string such as ``"16GiB"``. ``None`` means no cap. A placement that does not fit is refused when
+    boosting, with the minimum; raise ``offload_disk_frac`` to fit a smaller one."""
+
+    @model_validator(mode="after")
+    def _disk_needs_offload(self) -> StaticPlacementConfig:
+        if self.offload_disk_frac > self.offload_optim_frac:
+            raise ValueError(
+                f"offload_disk_frac={self.offload_disk_frac} is above offload_optim_frac={self.offload_optim_frac}: "
+                "only chunks whose optimizer side is offloaded to the host can go on to disk; raise "
+                "offload_optim_frac or lower offload_disk_frac"
+            )
+        return self
 
     @model_validator(mode="after")
     def _param_offload_needs_optim_offload(self) -> StaticPlacementConfig:
@@ -125,6 +146,11 @@ class AutoPlacementConfig(_Config):
     and other non-model data), in bytes or a string such as ``"20GiB"``; the capacity the ratios
     above apply to is the smaller of it and what the process may use (free device memory at boost
     plus what it holds, within its per-process memory fraction)."""
+    host_budget: Budget | None = None
+    """Cap on chunk memory in host memory, in bytes or a string such as ``"16GiB"``: optimizer sides
+    that do not stay on the device stay in host memory while they fit under it, and the rest go to
+    disk (``ChunkPlugin(disk_dir=...)``), the chunks the optimizer reads least first: frozen chunks
+    (never stepped), then trainable ones from the last. ``None`` means no cap and no disk."""
 
 
 PlacementConfig = Annotated[StaticPlacementConfig | AutoPlacementConfig, Field(discriminator="policy")]

@@ -21,7 +21,15 @@ from .snapshot import (
 )
 from .trace import ComputeTrace, Phase
 
-__all__ = ["BudgetNeed", "BudgetTooSmallError", "PlacementPolicy", "format_bytes", "make_policy"]
+__all__ = [
+    "DISK_WINDOW",
+    "BudgetNeed",
+    "BudgetTooSmallError",
+    "HostBudgetTooSmallError",
+    "PlacementPolicy",
+    "format_bytes",
+    "make_policy",
+]
 
 
 class BudgetTooSmallError(ValueError):
@@ -32,6 +40,21 @@ class BudgetTooSmallError(ValueError):
         super().__init__(message)
         self.budget = budget
         self.minimum = minimum
+
+
+class HostBudgetTooSmallError(ValueError):
+    """The host budget cannot hold what the placement keeps in host memory. ``budget`` and
+    ``minimum`` are in bytes (``minimum`` is what this placement needs there)."""
+
+    def __init__(self, message: str, budget: int, minimum: int) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.minimum = minimum
+
+
+DISK_WINDOW = 2
+"""Chunks whose optimizer side is on disk are stepped in host memory this many at a time (one
+stepped while the next is read)."""
 
 
 def format_bytes(n: int) -> str:
@@ -48,9 +71,10 @@ class PlacementPolicy(ABC):
     """Decides, never acts. ``layout`` is called once with the chunk catalog; ``before_op`` and
     ``after_op`` around every hooked op."""
 
-    def __init__(self, max_prefetch: int, budget: int | None) -> None:
+    def __init__(self, max_prefetch: int, budget: int | None, host_budget: int | None = None) -> None:
         self._max_prefetch = max_prefetch
         self._budget = budget
+        self._host_budget = host_budget
         self._specs: tuple[ChunkSpec, ...] = ()
         self._layout: Layout | None = None
         self._fetches_cost = False
@@ -65,6 +89,35 @@ class PlacementPolicy(ABC):
     def budget(self) -> int | None:
         """The hard cap on accounted chunk bytes on the device (``None``: no hard cap)."""
         return self._budget
+
+    @property
+    def host_budget(self) -> int | None:
+        """The cap on chunk bytes in host memory (``None``: no cap)."""
+        return self._host_budget
+
+    def host_need(self, layout: Layout | None = None) -> int:
+        """Host bytes ``layout`` (default: the decided one) needs: what stays there between uses,
+        and the buffers chunks on disk are stepped in."""
+        layout = layout if layout is not None else self.layout_decided
+        return layout.host_bytes(self._specs) + layout.disk_window_bytes(self._specs, DISK_WINDOW)
+
+    def _check_host_budget(self, layout: Layout, fix: str) -> None:
+        budget = self._host_budget
+        if budget is None:
+            return
+        need = self.host_need(layout)
+        if need > budget:
+            at_rest = layout.host_bytes(self._specs)
+            window = need - at_rest
+            raise HostBudgetTooSmallError(
+                f"host_budget={budget} ({format_bytes(budget)}) is below the {need} ({format_bytes(need)}) this "
+                f"placement keeps in host memory: {format_bytes(at_rest)} of 16-bit copies, fp32 masters, gradient "
+                f"shards and optimizer states stay there between steps"
+                + (f", and {format_bytes(window)} hold the chunks stepped from disk" if window else "")
+                + f". Raise host_budget, {fix}.",
+                budget,
+                need,
+            )
 
     @property
     def layout_decided(self) -> Layout:

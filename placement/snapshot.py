@@ -54,6 +54,9 @@ class ChunkSpec:
     serves as the gathered buffer and gathering allocates nothing."""
     master_is_compute: bool
     """The master dtype is the compute dtype (fp32 training): a device master is compute data."""
+    disk_side_bytes: int = 0
+    """Bytes of the optimizer side that leave host memory when it goes to disk: the optimizer
+    states and, when the master is not the compute data (16-bit compute), the fp32 master."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +70,14 @@ class ChunkPlacement:
     shard_on_device: bool
     """The compute-dtype parameter shard lives on the device (a copy when the master is on the
     host; the master itself, cast on the fly when gathered, when the master is on the device)."""
+    optim_on_disk: bool = False
+    """The optimizer side is on the host, and its ``disk_side_bytes`` live on disk between steps."""
 
     def __post_init__(self) -> None:
+        if self.optim_on_disk and self.optim_on_device:
+            raise ValueError(
+                "ChunkPlacement: an optimizer side on disk is stepped on the host; set optim_on_device=False"
+            )
         if self.optim_on_device and not self.shard_on_device:
             raise ValueError(
                 "ChunkPlacement: a master shard on the device serves as the parameter shard, so "
@@ -94,6 +103,18 @@ class ChunkPlacement:
         if self.keep_gathered:
             total += self.fetch_bytes(spec, ignore_keep=True)
         return total
+
+    def host_bytes(self, spec: ChunkSpec) -> int:
+        """Host bytes this chunk holds between uses: its optimizer side (less what is on disk)
+        and, with 16-bit compute, the pinned 16-bit copy gathers read."""
+        if self.optim_on_device:
+            return 0
+        total = spec.optim_side_bytes - (spec.disk_side_bytes if self.optim_on_disk else 0)
+        return total + (0 if spec.master_is_compute else spec.shard_copy_bytes)
+
+    def disk_bytes(self, spec: ChunkSpec) -> int:
+        """Bytes this chunk keeps on disk."""
+        return spec.disk_side_bytes if self.optim_on_disk else 0
 
     def grad_buffer_bytes(self, spec: ChunkSpec) -> int:
         """Device bytes of the gradient buffer during backward (0 at world size 1 with the
@@ -124,6 +145,19 @@ class Layout:
     def at_rest_bytes(self, specs: tuple[ChunkSpec, ...]) -> int:
         """Device bytes all chunks hold between uses under this layout."""
         return sum(p.at_rest_bytes(s) for p, s in zip(self.placements, specs, strict=True))
+
+    def host_bytes(self, specs: tuple[ChunkSpec, ...]) -> int:
+        """Host bytes all chunks hold between uses under this layout."""
+        return sum(p.host_bytes(s) for p, s in zip(self.placements, specs, strict=True))
+
+    def disk_bytes(self, specs: tuple[ChunkSpec, ...]) -> int:
+        """Bytes all chunks keep on disk under this layout."""
+        return sum(p.disk_bytes(s) for p, s in zip(self.placements, specs, strict=True))
+
+    def disk_window_bytes(self, specs: tuple[ChunkSpec, ...], window: int) -> int:
+        """Host bytes the disk tier steps in: ``window`` of the largest chunks on disk at once."""
+        sizes = sorted((p.disk_bytes(s) for p, s in zip(self.placements, specs, strict=True)), reverse=True)
+        return sum(sizes[:window])
 
 
 @dataclass(frozen=True, slots=True)

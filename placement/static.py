@@ -35,7 +35,11 @@ class StaticPolicy(PlacementPolicy):
     ``max_prefetch`` chunks ahead."""
 
     def __init__(self, config: StaticPlacementConfig) -> None:
-        super().__init__(config.max_prefetch, None if config.device_budget is None else int(config.device_budget))
+        super().__init__(
+            config.max_prefetch,
+            None if config.device_budget is None else int(config.device_budget),
+            None if config.host_budget is None else int(config.host_budget),
+        )
         self._config = config
 
     @property
@@ -51,6 +55,9 @@ class StaticPolicy(PlacementPolicy):
         optim_frac = min(1.0, self._config.offload_optim_frac * total / max(1, sum(s.gathered_bytes for s in sharded)))
         offload_optim = _first_fraction(sharded, optim_frac)
         offload_param = _first_fraction(specs, self._config.offload_param_frac) & offload_optim
+        offloaded = [s for s in sharded if s.chunk_id in offload_optim]
+        disk_frac = min(1.0, self._config.offload_disk_frac * total / max(1, sum(s.gathered_bytes for s in offloaded)))
+        on_disk = _first_fraction(offloaded, disk_frac) if self._config.offload_disk_frac > 0 else set()
         placements = []
         for spec in specs:
             optim_on_device = spec.chunk_id not in offload_optim
@@ -59,9 +66,12 @@ class StaticPolicy(PlacementPolicy):
                     keep_gathered=spec.chunk_id in keep,
                     optim_on_device=optim_on_device,
                     shard_on_device=optim_on_device or spec.chunk_id not in offload_param,
+                    optim_on_disk=spec.chunk_id in on_disk,
                 )
             )
-        return Layout(tuple(placements))
+        layout = Layout(tuple(placements))
+        self._check_host_budget(layout, "offload more to disk (offload_disk_frac) or to the device")
+        return layout
 
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
         """Release a chunk once no op of the current pass uses it again (so it is gathered once

@@ -93,10 +93,11 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     for chunk in runtime.manager.chunks:
         for key, dtype_name in sorted(merged_keys.get(chunk.chunk_id, {}).items()):
             shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype_name))
-            for piece in pieces_of.get(chunk.chunk_id, []):
-                value = optimizer.piece_state(piece).get(key)
-                if value is not None:
-                    shard[piece.shard_slice] = value.detach().to("cpu")
+            with optimizer.resident_state(chunk):  # one chunk in memory at a time when on disk
+                for piece in pieces_of.get(chunk.chunk_id, []):
+                    value = optimizer.piece_state(piece).get(key)
+                    if value is not None:
+                        shard[piece.shard_slice] = value.detach().to("cpu")
             full = gather_full(runtime, chunk, shard, destination, f"gathering optimizer state '{key}'")
             if full is None:
                 continue

@@ -1,0 +1,259 @@
+"""The disk tier's files: scratch space chunkmem owns, preallocated at boost, read and written by a
+pool of I/O threads.
+
+Each rank keeps the optimizer sides it puts on disk in one file, ``<disk_dir>/.chunkmem-scratch-
+<token>/rank<r>.bin``, preallocated to the size the placement needs (so a disk that fills up later
+cannot take those blocks). The directory carries a marker file that says chunkmem made it and a lock
+file this process holds (``flock``) for as long as it runs. It is removed when the process exits or
+the model is collected; one left by a killed run is removed by the next boost into the same
+``disk_dir``, which removes only directories carrying the marker whose lock nobody holds, never
+anything else. The files are scratch, not checkpoints: they mean nothing after the run.
+
+Reads and writes copy between a tensor's own memory and its region of the file (``os.preadv`` /
+``os.pwritev`` into the tensor's bytes, no intermediate buffer); they run on I/O threads and return
+futures, counted and timed in ``Stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .errors import DiskTierError
+from .stats import Stats
+
+__all__ = ["DISK_BLOCK", "DiskFile", "PlannedDiskFile", "ScratchDir", "SidesFile", "remove_stale_scratch"]
+
+_PREFIX = ".chunkmem-scratch-"
+_MARKER = "chunkmem-scratch.json"
+_LOCK = "lock"
+DISK_BLOCK = 4096
+"""Regions of the disk tier's files start on a multiple of this."""
+_ALIGN = DISK_BLOCK
+
+
+def _locked_by_someone(lock: Path) -> bool:
+    """Whether a process holds ``lock`` (an advisory ``flock``)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove_stale_scratch(disk_dir: Path) -> list[Path]:
+    """Remove scratch directories a killed run left in ``disk_dir``: those carrying chunkmem's
+    marker whose lock no process holds. Returns what was removed."""
+    removed = []
+    for candidate in sorted(disk_dir.glob(f"{_PREFIX}*")):
+        if not candidate.is_dir() or candidate.is_symlink() or not (candidate / _MARKER).is_file():
+            continue
+        if _locked_by_someone(candidate / _LOCK):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
+
+
+def _remove(path: Path, lock_fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class ScratchDir:
+    """This process's scratch directory under ``disk_dir``; see the module docstring."""
+
+    def __init__(self, disk_dir: str | os.PathLike[str], rank: int) -> None:
+        parent = Path(disk_dir)
+        if not parent.is_dir():
+            raise DiskTierError(
+                f"rank {rank}: disk_dir {parent} does not exist or is not a directory; create it (a fast local disk) "
+                "or pass another disk_dir"
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise DiskTierError(
+                f"rank {rank}: disk_dir {parent} is not writable by this process; pass another disk_dir"
+            )
+        remove_stale_scratch(parent)
+        self._path = parent / f"{_PREFIX}{secrets.token_hex(8)}-rank{rank}"
+        try:
+            self._path.mkdir()
+            marker = {"made_by": "chunkmem", "host": socket.gethostname(), "pid": os.getpid(), "rank": rank}
+            (self._path / _MARKER).write_text(json.dumps(marker))
+            self._lock = os.open(self._path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            shutil.rmtree(self._path, ignore_errors=True)
+            raise DiskTierError(f"rank {rank}: cannot create scratch space in disk_dir {parent}: {error}") from error
+        self._finalizer = weakref.finalize(self, _remove, self._path, self._lock)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def close(self) -> None:
+        """Remove the directory and everything in it."""
+        self._finalizer()
+
+
+class _Regions:
+    """A file's ``size`` bytes, cut into aligned regions one after the other."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self._name = name
+        self._size = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
+        self._next = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def region(self, nbytes: int) -> int:
+        """A new region of ``nbytes`` (aligned): its offset in the file."""
+        offset = self._next
+        end = offset + -(-nbytes // _ALIGN) * _ALIGN
+        if end > self._size:
+            raise DiskTierError(
+                f"the disk tier's file {self._name} has {self._size - offset} bytes left, not the {nbytes} asked for: "
+                "the placement reserved less than the optimizer keeps (an optimizer whose state grows?)"
+            )
+        self._next = end
+        return offset
+
+
+class DiskFile(_Regions):
+    """One preallocated file of ``size`` bytes in a scratch directory, cut into regions, read and
+    written by ``threads`` I/O threads."""
+
+    def __init__(self, scratch: ScratchDir, name: str, size: int, stats: Stats, threads: int = 2) -> None:
+        super().__init__(str(scratch.path / name), size)
+        self._scratch = scratch
+        self._path = scratch.path / name
+        self._stats = stats
+        self._counting = threading.Lock()
+        try:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            raise DiskTierError(f"cannot create the disk tier's file {self._path}: {error}") from error
+        try:
+            os.posix_fallocate(self._fd, 0, self._size)
+        except OSError as error:
+            os.close(self._fd)
+            free = shutil.disk_usage(scratch.path).free
+            reason = "the disk is full" if error.errno == errno.ENOSPC else str(error)
+            raise DiskTierError(
+                f"cannot reserve {self._size} bytes for the disk tier in {scratch.path} ({reason}; {free} bytes "
+                "free): free space there, pass another disk_dir, or keep more in host memory (host_budget)"
+            ) from error
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunkmem-disk")
+        self._closer = weakref.finalize(self, _close_file, self._fd, self._pool)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
+        """Fill ``tensor`` (contiguous, on the CPU) from the file at ``offset``, on an I/O thread."""
+        return self._pool.submit(self._transfer, tensor, offset, False)
+
+    def write(self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None) -> Future[None]:
+        """Write ``tensor`` to the file at ``offset``, on an I/O thread; ``then`` runs after it
+        (there, once the bytes are out of ``tensor``)."""
+        return self._pool.submit(self._transfer, tensor, offset, True, then)
+
+    def _transfer(self, tensor: torch.Tensor, offset: int, write: bool, then: Callable[[], None] | None = None) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError("the disk tier reads and writes contiguous CPU tensors")
+        view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+        begin = time.perf_counter()
+        done = 0
+        try:
+            while done < nbytes:
+                chunk = view[done:]
+                moved = (
+                    os.pwritev(self._fd, [chunk], offset + done)
+                    if write
+                    else os.preadv(self._fd, [chunk], offset + done)
+                )
+                if moved <= 0:
+                    raise OSError(errno.EIO, f"{'write' if write else 'read'} of {nbytes} bytes stopped at {done}")
+                done += moved
+        except OSError as error:
+            what = "write to" if write else "read from"
+            raise DiskTierError(
+                f"could not {what} the disk tier's file {self._path} ({error.strerror or error}, {nbytes} bytes at "
+                f"offset {offset})"
+            ) from error
+        seconds = time.perf_counter() - begin
+        with self._counting:  # several I/O threads add to the same counters
+            if write:
+                self._stats.disk_write_bytes += nbytes
+                self._stats.disk_write_seconds += seconds
+            else:
+                self._stats.disk_read_bytes += nbytes
+                self._stats.disk_read_seconds += seconds
+        if then is not None:
+            then()
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _close_file(fd: int, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class PlannedDiskFile(_Regions):
+    """A disk file for a plan (``chunkmem.plan``): regions and traffic counted as a run would
+    count them, nothing read or written (the tensors are on the meta device)."""
+
+    def __init__(self, size: int, stats: Stats) -> None:
+        super().__init__("(planned)", size)
+        self._stats = stats
+
+    def _done(self, tensor: torch.Tensor, write: bool, then: Callable[[], None] | None) -> Future[None]:
+        nbytes = tensor.numel() * tensor.element_size()
+        if write:
+            self._stats.disk_write_bytes += nbytes
+        else:
+            self._stats.disk_read_bytes += nbytes
+        if then is not None:
+            then()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
+        return self._done(tensor, False, None)
+
+    def write(self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None) -> Future[None]:
+        return self._done(tensor, True, then)
+
+
+SidesFile = DiskFile | PlannedDiskFile
+"""Where optimizer sides on disk are read from and written to."""

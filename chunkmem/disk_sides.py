@@ -1,0 +1,244 @@
+"""``DiskSides``: the optimizer sides that live on disk between steps, and the step pipeline that
+streams them through host memory.
+
+A chunk on disk keeps there its optimizer states (elementwise ones: Adam's moments; scalars such as
+the step count stay in memory) and, with 16-bit compute, its fp32 master (``ShardStore`` moves that
+one); its gradient shard and the 16-bit copy gathers read stay in host memory. Each chunk has a slot
+of the disk file as large as the state the placement reserved for it.
+
+``step`` runs the host step of such chunks in chunk order, ``DISK_WINDOW`` of them in memory at a
+time: while one is stepped, the next is read and the previous written back (the I/O threads do the
+reads and writes; a chunk's memory is freed once its write is done). A chunk's states are created
+by its first step, in memory, and written out after it. A read or write that fails raises
+``DiskTierError`` on every rank (the ranks agree after each such step); a chunk whose write failed
+stays in memory with its current values, so nothing is lost, and is written again after its next
+step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from placement import DISK_WINDOW
+
+from .accounting import Location, MemoryKind, MemoryLedger
+from .disk import SidesFile
+from .errors import DiskTierError
+from .step_runs import StepRuns
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+
+__all__ = ["DiskSides"]
+
+_Pending = list[tuple[Future[None], Callable[[], None] | None]]
+"""Reads or writes in flight, each with what to do on this thread if it fails."""
+
+
+@dataclass
+class _Slot:
+    """One chunk's states on disk: its slot of the file, and where each state tensor sits in it."""
+
+    offset: int
+    size: int
+    placed: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """The elementwise state tensors written at the last eviction, with their offsets."""
+    resident: bool = True
+    """The state tensors hold their values in memory (always before the chunk's first step)."""
+    nbytes: int = 0
+    """Bytes of them accounted in host memory now."""
+
+
+class DiskSides:
+    """See the module docstring. ``reserved(chunk)`` is the state bytes the placement reserved."""
+
+    def __init__(
+        self,
+        file: SidesFile,
+        chunks: Sequence[Chunk],
+        reserved: Callable[[Chunk], int],
+        runs: StepRuns,
+        table: Callable[[], MutableMapping[torch.Tensor, Any]],
+        ledger: MemoryLedger,
+    ) -> None:
+        self._file = file
+        self._runs = runs
+        self._table = table
+        self._ledger = ledger
+        self._slots: dict[int, _Slot] = {}
+        self._chunks = list(chunks)
+        for chunk in chunks:
+            size = reserved(chunk)
+            self._slots[chunk.chunk_id] = _Slot(file.region(size), size)
+
+    def holds(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s optimizer states live on disk."""
+        return chunk.chunk_id in self._slots
+
+    # --- one chunk in and out -------------------------------------------------------------------
+    def _elementwise(self, chunk: Chunk) -> list[torch.Tensor]:
+        out = []
+        for run in self._runs.runs():
+            if run.chunk is chunk:
+                for value in (self._table().get(run.tensor) or {}).values():
+                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == run.tensor.shape:
+                        out.append(value)
+        return out
+
+    def fetch(self, chunk: Chunk) -> _Pending:
+        """Start reading ``chunk``'s master (if on disk) and states into memory."""
+        pending: _Pending = []
+        master = chunk.store.fetch_master()
+        if master is not None:
+            pending.append((master, None))
+        slot = self._slots[chunk.chunk_id]
+        if not slot.resident:
+            for tensor, offset in slot.placed:
+                tensor.untyped_storage().resize_(tensor.nbytes)
+                pending.append((self._file.read(tensor, offset), None))
+            slot.resident = True
+            slot.nbytes = sum(t.nbytes for t, _ in slot.placed)
+            self._ledger.alloc(Location.HOST, MemoryKind.STAGING, slot.nbytes)
+        return pending
+
+    def evict(self, chunk: Chunk, changed: bool) -> _Pending:
+        """Write ``chunk``'s master and states back when ``changed``, their memory freed once
+        written; a write that fails leaves them in memory, as they are (see ``_settle``)."""
+        pending: _Pending = []
+        master = chunk.store.evict_master(changed)
+        if master is not None:
+            pending.append((master, chunk.store.master_write_failed))
+        slot = self._slots[chunk.chunk_id]
+        if not slot.resident:
+            return pending
+        tensors = self._elementwise(chunk)
+        if slot.nbytes == 0:  # states created by this step, in memory now
+            slot.nbytes = sum(t.nbytes for t in tensors)
+            self._ledger.alloc(Location.HOST, MemoryKind.STAGING, slot.nbytes)
+        if not changed and [t for t, _ in slot.placed] == tensors:
+            for tensor in tensors:
+                tensor.untyped_storage().resize_(0)
+            self._gone(slot)
+            return pending
+        slot.placed = self._place(chunk, slot, tensors)
+        if not slot.placed:
+            self._gone(slot)
+            return pending
+        remaining = [len(slot.placed)]
+        lock = threading.Lock()
+
+        def written() -> None:  # on an I/O thread after each write; the last one frees them all
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                for tensor in tensors:
+                    tensor.untyped_storage().resize_(0)
+
+        nbytes = slot.nbytes
+
+        def failed() -> None:
+            if not slot.resident:
+                slot.resident, slot.nbytes = True, nbytes
+                self._ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
+
+        pending += [(self._file.write(tensor, offset, then=written), failed) for tensor, offset in slot.placed]
+        self._gone(slot)
+        return pending
+
+    def _place(self, chunk: Chunk, slot: _Slot, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+        placed, at = [], slot.offset
+        for tensor in tensors:
+            if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+                raise DiskTierError(
+                    f"chunk {chunk.chunk_id}: an optimizer state tensor shares memory with others; the disk tier "
+                    "moves whole state tensors"
+                )
+            if at + tensor.nbytes > slot.offset + slot.size:
+                raise DiskTierError(
+                    f"chunk {chunk.chunk_id}: the optimizer keeps more state than the {slot.size} bytes reserved for "
+                    "it on disk (an optimizer whose state is not elementwise?)"
+                )
+            placed.append((tensor, at))
+            at += tensor.nbytes
+        return placed
+
+    def _gone(self, slot: _Slot) -> None:
+        slot.resident = False
+        self._ledger.free(Location.HOST, MemoryKind.STAGING, slot.nbytes)
+        slot.nbytes = 0
+
+    @staticmethod
+    def _settle(pending: _Pending, failures: list[BaseException]) -> None:
+        """Wait for reads and writes; a failed write's compensation runs here, on this thread."""
+        for future, on_failure in pending:
+            error = future.exception()
+            if error is not None:
+                failures.append(error)
+                if on_failure is not None:
+                    on_failure()
+
+    # --- the pipeline -------------------------------------------------------------------------
+    def step(self, chunks: Sequence[Chunk], step: Callable[[Chunk], None]) -> None:
+        """Step each chunk (``step``, its master and state in memory), read ahead and written behind,
+        ``DISK_WINDOW`` chunks in memory at a time (one read, one stepped, one written). Raises the
+        first read or write that failed, after every chunk was stepped or left as it was and every
+        write finished or failed."""
+        reads: dict[int, _Pending] = {}
+        writes: list[_Pending] = []
+        failures: list[BaseException] = []
+        for index, chunk in enumerate(chunks):
+            for ahead in range(index, min(len(chunks), index + DISK_WINDOW - 1)):
+                if chunks[ahead].chunk_id not in reads:
+                    while len(writes) > max(0, DISK_WINDOW - 2):  # the oldest write leaves memory first
+                        self._settle(writes.pop(0), failures)
+                    reads[chunks[ahead].chunk_id] = self.fetch(chunks[ahead])
+            before = len(failures)
+            self._settle(reads.pop(chunk.chunk_id), failures)
+            if len(failures) > before:  # its values are not all in memory: leave it as it was
+                writes.append(self.evict(chunk, changed=False))
+                continue
+            step(chunk)
+            writes.append(self.evict(chunk, changed=True))
+        for pending in writes:
+            self._settle(pending, failures)
+        if failures:
+            raise failures[0]
+
+    def adopt_loaded(self) -> None:
+        """A loaded optimizer state replaced every state tensor, in memory: write those of the
+        chunks on disk out and free them, chunk by chunk."""
+        failures: list[BaseException] = []
+        for slot in self._slots.values():
+            slot.placed, slot.resident, slot.nbytes = [], True, 0
+        for chunk in self._chunks:
+            self._settle(self.evict(chunk, changed=True), failures)
+        if failures:
+            raise failures[0]
+
+    @contextmanager
+    def resident(self, chunk: Chunk, write_back: bool = False) -> Iterator[None]:
+        """``chunk``'s master and states in memory for the block (a checkpoint saving or loading
+        them); written back after it with ``write_back``."""
+        failures: list[BaseException] = []
+        self._settle(self.fetch(chunk), failures)
+        if failures:
+            self._settle(self.evict(chunk, changed=False), [])
+            raise failures[0]
+        try:
+            yield
+        finally:
+            self._settle(self.evict(chunk, changed=write_back), failures)
+            if failures:
+                raise failures[0]
+
+    def location_of(self, chunk: Chunk) -> Location:
+        """Where ``chunk``'s optimizer state is accounted."""
+        return Location.DISK if chunk.chunk_id in self._slots else chunk.store.master_location

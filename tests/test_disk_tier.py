@@ -1,0 +1,308 @@
+"""The disk tier: optimizer sides (states, and with 16-bit compute the fp32 master) on disk between
+steps, under a host budget. Results equal the all-in-RAM run bit for bit; disk traffic per step is
+what the optimizer step reads and writes, nothing more; the files are scratch chunkmem owns."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location
+from chunkmem.disk import DiskFile
+from placement import AutoPlacementConfig, StaticPlacementConfig
+
+WIDTH, LAYERS, CHUNK = 64, 6, 4_200  # one layer a chunk
+ON_DISK = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=0)
+IN_RAM = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def _boost(placement: Any, precision: str, disk_dir: Path | None, seed: int = 0) -> Any:
+    model = _mlp(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plugin = ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK, disk_dir=disk_dir)
+    booster = Booster(plugin=plugin)
+    chunked, boosted, *_ = booster.boost(model, optimizer)
+    return chunked, boosted, booster
+
+
+def _train(chunked: Any, optimizer: Any, booster: Any, steps: int, seed: int = 1) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    stats = [chunked.stats()]
+    for _ in range(steps):
+        x = torch.randn(8, WIDTH, generator=g)
+        booster.backward(chunked(x).float().square().mean(), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        stats.append(chunked.stats())
+    return stats
+
+
+def _assert_equal_states(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_equal_states(a[key], b[key])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_equal_states(x, y)
+    else:
+        assert a == b
+
+
+def _scratch(disk_dir: Path) -> list[Path]:
+    return sorted(disk_dir.glob(".chunkmem-scratch-*"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_path: Path, precision: str) -> None:
+    chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
+    ram, ram_optimizer, ram_booster = _boost(IN_RAM, precision, None)
+    stats = _train(chunked, optimizer, booster, 4)
+    _train(ram, ram_optimizer, ram_booster, 4)
+    _assert_equal_states(chunked.state_dict(), ram.state_dict())
+    _assert_equal_states(optimizer.state_dict(), ram_optimizer.state_dict())
+    # What stays in host memory: the gradient shards, and with 16-bit compute the 16-bit copies;
+    # the states (and the masters) are on disk, in this process's scratch directory.
+    chunks = chunked.runtime.manager.chunks
+    shard = sum(c.shard_numel for c in chunks)
+    assert stats[-1].disk_bytes > 0 and len(_scratch(tmp_path)) == 1
+    assert stats[-1].peak_host_bytes < ram.stats().peak_host_bytes
+    master = 4 * shard if precision == "bf16" else 0
+    assert chunked.runtime.manager.ledger.bytes(Location.DISK) >= 8 * shard + master
+    del chunked, optimizer, booster, chunks
+    gc.collect()
+    assert _scratch(tmp_path) == [], "the scratch directory outlived the model"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_disk_traffic_per_step_is_twice_what_the_step_reads_and_nothing_more(tmp_path: Path, precision: str) -> None:
+    chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
+    stats = _train(chunked, optimizer, booster, 4)
+    chunks = chunked.runtime.manager.chunks
+    used = sum(c.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
+    masters = sum(4 * c.shard_numel for c in chunks) if precision == "bf16" else 0
+    first = stats[1].disk_write_bytes - stats[0].disk_write_bytes
+    assert stats[1].disk_read_bytes - stats[0].disk_read_bytes == masters  # no state before the first step
+    assert first == 8 * used + masters
+    for before, after in itertools.pairwise(stats[1:]):
+        assert after.disk_read_bytes - before.disk_read_bytes == 8 * used + masters
+        assert after.disk_write_bytes - before.disk_write_bytes == 8 * used + masters
+
+
+def test_the_auto_policy_spills_to_disk_what_the_host_budget_cannot_hold(tmp_path: Path) -> None:
+    def make(host_budget: int | None, disk_dir: Path | None) -> Any:
+        placement = AutoPlacementConfig(device_budget=200_000, host_budget=host_budget)
+        return _boost(placement, "bf16", disk_dir)
+
+    ram, ram_optimizer, ram_booster = make(None, None)
+    _train(ram, ram_optimizer, ram_booster, 3)
+    needed = ram.stats().peak_host_bytes
+    with pytest.raises(HostBudgetTooSmallError, match="host_budget") as refused:
+        make(1, tmp_path)
+    minimum = refused.value.minimum  # everything on disk
+    assert 1 < minimum < needed
+    for budget in (minimum, (minimum + needed) // 2):
+        chunked, optimizer, booster = make(budget, tmp_path)
+        stats = _train(chunked, optimizer, booster, 3)
+        assert stats[-1].disk_bytes > 0
+        assert stats[-1].peak_host_bytes <= budget
+        _assert_equal_states(chunked.state_dict(), ram.state_dict())
+        on_disk = chunked.runtime.manager.ledger.bytes(Location.DISK)
+        if budget == minimum:
+            all_on_disk = on_disk
+        else:
+            assert 0 < on_disk < all_on_disk  # only what the budget cannot hold goes
+
+
+def test_the_static_policy_refuses_a_host_budget_its_fractions_do_not_fit() -> None:
+    with pytest.raises(HostBudgetTooSmallError, match="offload_disk_frac"):
+        _boost(StaticPlacementConfig(offload_optim_frac=1.0, host_budget=10_000), "bf16", None)
+
+
+def test_a_placement_on_disk_needs_a_disk_dir_that_exists_and_is_writable(tmp_path: Path) -> None:
+    with pytest.raises(DiskTierError, match="disk_dir"):
+        _boost(ON_DISK, "fp32", None)
+    with pytest.raises(DiskTierError, match="does not exist"):
+        _boost(ON_DISK, "fp32", tmp_path / "missing")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(DiskTierError, match="not a directory"):
+        _boost(ON_DISK, "fp32", a_file)
+    with pytest.raises(DiskTierError, match=r"scratch space|not writable"):
+        _boost(ON_DISK, "fp32", Path("/proc/self"))  # read-only even for root
+
+
+def test_a_disk_without_room_for_the_placement_is_refused_at_boost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(DiskTierError, match="disk is full") as refused:
+        _boost(ON_DISK, "fp32", tmp_path)
+    assert "bytes free" in str(refused.value)
+    assert _scratch(tmp_path) == [], "a refused boost left its scratch directory"
+
+
+def test_only_scratch_directories_of_dead_runs_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / ".chunkmem-scratch-0123456789abcdef-rank0"
+    stale.mkdir()
+    (stale / "chunkmem-scratch.json").write_text("{}")
+    (stale / "lock").write_text("")
+    (stale / "sides.bin").write_bytes(b"x" * 100)
+    look_alike = tmp_path / ".chunkmem-scratch-mine"  # no marker: not chunkmem's
+    look_alike.mkdir()
+    (look_alike / "notes.txt").write_text("keep me")
+    alive = tmp_path / ".chunkmem-scratch-fedcba9876543210-rank0"
+    alive.mkdir()
+    (alive / "chunkmem-scratch.json").write_text("{}")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(alive / "lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        _alive_run = _boost(ON_DISK, "fp32", tmp_path)
+        assert not stale.exists()
+        assert (look_alike / "notes.txt").read_text() == "keep me"
+        assert alive.exists(), "the scratch directory of a running process was removed"
+        assert len(_scratch(tmp_path)) == 3  # this run's, the look-alike and the live one
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_KILLED = """
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[2])
+from chunkmem import Booster, ChunkPlugin
+from placement import StaticPlacementConfig
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0)
+plugin = ChunkPlugin(placement=placement, precision="fp32", chunk_size=4200, disk_dir=sys.argv[1])
+booster = Booster(plugin=plugin)
+chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+booster.backward(chunked(torch.randn(2, 64)).sum(), optimizer)
+optimizer.step()
+if sys.argv[3] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_scratch_directory_goes_at_exit_and_after_a_kill_with_the_next_boost(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path), str(ROOT), "exit"], check=True, timeout=120)
+    assert _scratch(tmp_path) == []
+    done = subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path), str(ROOT), "kill"], timeout=120)
+    assert done.returncode == -9
+    left = _scratch(tmp_path)
+    assert len(left) == 1 and (left[0] / "sides.bin").stat().st_size > 0
+    _next_run = _boost(ON_DISK, "fp32", tmp_path)
+    assert not left[0].exists() and len(_scratch(tmp_path)) == 1
+
+
+def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_path: Path) -> None:
+    disk_dir = tmp_path / "scratch"
+    disk_dir.mkdir()
+    chunked, optimizer, booster = _boost(ON_DISK, "bf16", disk_dir)
+    _train(chunked, optimizer, booster, 2)
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
+    _train(ram, ram_optimizer, ram_booster, 2)
+    # Into a fresh model on disk, and into one in memory: both continue like the uninterrupted run.
+    resumed, resumed_optimizer, resumed_booster = _boost(ON_DISK, "bf16", disk_dir, seed=5)
+    resumed_booster.load_model(resumed, tmp_path / "model.pt")
+    resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
+    in_ram, in_ram_optimizer, in_ram_booster = _boost(IN_RAM, "bf16", None, seed=5)
+    in_ram_booster.load_model(in_ram, tmp_path / "model.pt")
+    in_ram_booster.load_optimizer(in_ram_optimizer, tmp_path / "optim.pt")
+    for model, opt, boost in (
+        (resumed, resumed_optimizer, resumed_booster),
+        (in_ram, in_ram_optimizer, in_ram_booster),
+    ):
+        _train(model, opt, boost, 2, seed=9)
+    _train(ram, ram_optimizer, ram_booster, 2, seed=9)
+    for model, opt in ((resumed, resumed_optimizer), (in_ram, in_ram_optimizer)):
+        _assert_equal_states(model.state_dict(), ram.state_dict())
+        _assert_equal_states(opt.state_dict(), ram_optimizer.state_dict())
+
+
+def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[Any]:
+    """Trains with sides on disk; with ``fail_at`` >= 0, rank 1's writes fail (disk full) at that
+    step. Returns each step's outcome, and whether the model still equals the in-RAM run."""
+    chunked, optimizer, booster = _boost(ON_DISK, "bf16", Path(disk_dir) / f"r{rank}")
+    ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
+    real_write = DiskFile.write
+    outcomes: list[Any] = []
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(8, WIDTH, generator=g)
+        broken = step == fail_at and rank == 1
+
+        def full(self: DiskFile, tensor: torch.Tensor, offset: int, then: Any = None) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        if broken:
+            DiskFile.write = lambda self, tensor, offset, then=None: self._pool.submit(full, self, tensor, offset)
+        for model, opt, boost in ((chunked, optimizer, booster), (ram, ram_optimizer, ram_booster)):
+            boost.backward(model(x).float().square().mean(), opt)
+        start = time.monotonic()
+        try:
+            optimizer.step()
+            outcomes.append("ok")
+        except DiskTierError as error:
+            outcomes.append((str(error), time.monotonic() - start))
+        finally:
+            DiskFile.write = real_write
+        ram_optimizer.step()
+        for opt in (optimizer, ram_optimizer):
+            opt.zero_grad()
+    state, reference = chunked.state_dict(), ram.state_dict()
+    outcomes.append(all(torch.equal(state[k], reference[k]) for k in reference))
+    return outcomes
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fail_at", [pytest.param(-1, marks=pytest.mark.fast_tier), 2])
+def test_two_ranks_with_sides_on_disk_and_a_disk_that_fills_up(tmp_path: Path, fail_at: int) -> None:
+    for rank in range(2):
+        (tmp_path / f"r{rank}").mkdir()
+    results = run_ranks(_two_ranks, 2, args=(str(tmp_path), fail_at))
+    for rank, outcomes in enumerate(results):
+        assert outcomes[-1] is True, f"rank {rank}: the masters differ from the in-memory run"
+        for step, outcome in enumerate(outcomes[:-1]):
+            if step != fail_at:
+                assert outcome == "ok", (rank, step, outcome)
+            else:
+                message, seconds = outcome
+                assert "rank 1" in message and "No space left" in message, message
+                assert seconds < 20
