@@ -52,9 +52,9 @@ class HostBudgetTooSmallError(ValueError):
         self.minimum = minimum
 
 
-DISK_WINDOW = 2
-"""Chunks whose optimizer side is on disk are stepped in host memory this many at a time (one
-stepped while the next is read)."""
+DISK_WINDOW = 3
+"""Chunks whose optimizer side is on disk are in host memory this many at a time while they are
+stepped: one stepped, the next read ahead, the previous written back."""
 
 
 def format_bytes(n: int) -> str:

@@ -28,13 +28,13 @@ IN_RAM = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _mlp(seed: int = 0) -> torch.nn.Module:
+def _mlp(seed: int = 0, layers: int = LAYERS) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
 
 
-def _boost(placement: Any, precision: str, disk_dir: Path | None, seed: int = 0) -> Any:
-    model = _mlp(seed)
+def _boost(placement: Any, precision: str, disk_dir: Path | None, seed: int = 0, layers: int = LAYERS) -> Any:
+    model = _mlp(seed, layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     plugin = ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK, disk_dir=disk_dir)
     booster = Booster(plugin=plugin)
@@ -112,7 +112,7 @@ def test_disk_traffic_per_step_is_twice_what_the_step_reads_and_nothing_more(tmp
 def test_the_auto_policy_spills_to_disk_what_the_host_budget_cannot_hold(tmp_path: Path) -> None:
     def make(host_budget: int | None, disk_dir: Path | None) -> Any:
         placement = AutoPlacementConfig(device_budget=200_000, host_budget=host_budget)
-        return _boost(placement, "bf16", disk_dir)
+        return _boost(placement, "bf16", disk_dir, layers=16)  # more chunks than the disk window
 
     ram, ram_optimizer, ram_booster = make(None, None)
     _train(ram, ram_optimizer, ram_booster, 3)
