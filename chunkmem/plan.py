@@ -2,6 +2,8 @@
 
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
+    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
+        --disk-bandwidth 3GB/s      # the auto policy spills to disk what 48 GiB of RAM cannot hold
 
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
 ``llama-13b``, ``llama-70b``), or a path to a ``config.json`` / model directory. The model is
@@ -115,18 +117,27 @@ def main(argv: list[str] | None = None) -> Plan:
     parser.add_argument("--max-prefetch", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--bandwidth", type=_bandwidth, default=25e9, help="host-device bytes/s, e.g. 25GB/s")
+    parser.add_argument("--host-budget", type=_bytes, default=None, help="chunk bytes in host memory, e.g. 16GiB")
+    parser.add_argument(
+        "--disk-frac", type=float, default=0.0, help="static/offload: fraction of chunk memory on disk (0-1)"
+    )
+    parser.add_argument("--disk-bandwidth", type=_bandwidth, default=2e9, help="disk bytes/s, e.g. 2GB/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     batch, sequence = args.batch
     if args.policy == "auto":
-        placement: Any = AutoPlacementConfig(device_budget=args.device_budget, max_prefetch=args.max_prefetch)
+        placement: Any = AutoPlacementConfig(
+            device_budget=args.device_budget, max_prefetch=args.max_prefetch, host_budget=args.host_budget
+        )
     else:
         offload = 1.0 if args.policy == "offload" else 0.0
         placement = StaticPlacementConfig(
             device_budget=args.device_budget,
             max_prefetch=args.max_prefetch,
-            offload_optim_frac=offload,
+            offload_optim_frac=max(offload, args.disk_frac),
             offload_param_frac=offload,
+            offload_disk_frac=args.disk_frac,
+            host_budget=args.host_budget,
         )
     model = build_meta_model(args.hf_config, sequence)
     plugin = ChunkPlugin(placement=placement, precision=args.precision, chunk_size=args.chunk_size)
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None) -> Plan:
         world_size=args.world_size,
         device_capacity=args.device_memory,
         bandwidth=args.bandwidth,
+        disk_bandwidth=args.disk_bandwidth,
     )
     if args.json:
         json.dump({**result.as_dict(), "model": args.hf_config, "batch": [batch, sequence]}, sys.stdout, indent=2)

@@ -128,9 +128,13 @@ class StepCounters:
     reduce_scatter_bytes: int
     peak_device_bytes: int
     """Highest accounted device bytes during the step."""
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    peak_host_bytes: int = 0
+    """Highest accounted host bytes during the step."""
 
     @classmethod
-    def between(cls, before: Stats, after: Stats, peak: int) -> StepCounters:
+    def between(cls, before: Stats, after: Stats, peak: int, peak_host: int = 0) -> StepCounters:
         return cls(
             gathers=after.gathers - before.gathers,
             prefetches=after.prefetches - before.prefetches,
@@ -140,6 +144,9 @@ class StepCounters:
             allgather_bytes=after.allgather_bytes - before.allgather_bytes,
             reduce_scatter_bytes=after.reduce_scatter_bytes - before.reduce_scatter_bytes,
             peak_device_bytes=peak,
+            disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
+            disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
+            peak_host_bytes=peak_host,
         )
 
 
@@ -163,7 +170,17 @@ class Plan:
     non_model_bytes: int
     """Peak activations saved for backward, as measured in the first step."""
     host_bytes_per_rank: int
-    """Chunk bytes in host memory on each rank (masters, gradients, optimizer states)."""
+    """Chunk bytes in host memory on each rank between steps (16-bit copies, masters, gradient
+    shards, optimizer states kept there)."""
+    peak_host_bytes: int
+    """Highest accounted chunk bytes in host memory in a step (the host budget's measure)."""
+    min_host_budget: int
+    """The host budget this placement needs (what stays in host memory, and the buffers chunks on
+    disk are stepped in)."""
+    disk_bytes_per_rank: int
+    """Bytes each rank keeps on disk (optimizer sides of the disk tier)."""
+    disk_read_bytes_per_step: int
+    disk_write_bytes_per_step: int
     h2d_bytes_per_step: int
     d2h_bytes_per_step: int
     allgather_bytes_per_step: int
@@ -175,6 +192,8 @@ class Plan:
     parameters: int
     bandwidth: float
     """Host-device bytes per second assumed for ``transfer_seconds_per_step``."""
+    disk_bandwidth: float
+    """Disk bytes per second (reads and writes alike) assumed for ``disk_seconds_per_step``."""
     steps: tuple[StepCounters, ...]
     """Every planned step, the recording one first."""
 
@@ -183,9 +202,15 @@ class Plan:
         """Host-device transfer time per step at ``bandwidth`` (both directions serialised)."""
         return (self.h2d_bytes_per_step + self.d2h_bytes_per_step) / self.bandwidth
 
+    @property
+    def disk_seconds_per_step(self) -> float:
+        """Disk time per step at ``disk_bandwidth`` (reads and writes serialised)."""
+        return (self.disk_read_bytes_per_step + self.disk_write_bytes_per_step) / self.disk_bandwidth
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
+        out["disk_seconds_per_step"] = self.disk_seconds_per_step
         return out
 
     def table(self) -> str:
@@ -200,6 +225,13 @@ class Plan:
             ("peak device bytes (chunks)", format_bytes(self.peak_device_bytes)),
             ("activations (non-model) peak", format_bytes(self.non_model_bytes)),
             ("host bytes per rank", format_bytes(self.host_bytes_per_rank)),
+            ("peak host bytes (chunks)", format_bytes(self.peak_host_bytes)),
+            ("minimum host budget", format_bytes(self.min_host_budget)),
+            ("disk bytes per rank", format_bytes(self.disk_bytes_per_rank)),
+            (
+                "disk read + write per step",
+                f"{format_bytes(self.disk_read_bytes_per_step)} + {format_bytes(self.disk_write_bytes_per_step)}",
+            ),
             ("host-to-device per step", format_bytes(self.h2d_bytes_per_step)),
             ("device-to-host per step", format_bytes(self.d2h_bytes_per_step)),
             ("all-gather per step", format_bytes(self.allgather_bytes_per_step)),
@@ -208,6 +240,10 @@ class Plan:
             (
                 "transfer time per step",
                 f"{self.transfer_seconds_per_step:.3f} s at {self.bandwidth / 1e9:.0f} GB/s host-device",
+            ),
+            (
+                "disk time per step",
+                f"{self.disk_seconds_per_step:.3f} s at {self.disk_bandwidth / 1e9:.1f} GB/s",
             ),
         ]
         width = max(len(k) for k, _ in rows)
@@ -300,7 +336,7 @@ def _run(
         booster.backward(loss, chunk_optimizer)
         chunk_optimizer.step()
         chunk_optimizer.zero_grad()
-        counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes))
+        counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes))
     return chunked, counters
 
 
@@ -342,6 +378,7 @@ def plan(
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     device_capacity: int | None = None,
     bandwidth: float = 25e9,
+    disk_bandwidth: float = 2e9,
     steps: int = 3,
 ) -> Plan:
     """Predict a training run of ``model`` (on the meta device; nothing is allocated) boosted with
@@ -349,7 +386,8 @@ def plan(
     arguments of one rank's micro-batch), backward of ``output.loss`` (or the output summed) and an
     optimizer step (``optimizer(params)``, AdamW by default). ``device_capacity`` is what each
     rank may use of its device (default 80 GiB, an H100's); ``bandwidth`` the
-    host-device copy speed for the modelled transfer time. See the module docstring."""
+    host-device copy speed for the modelled transfer time, ``disk_bandwidth`` the disk's for the
+    disk tier's (the defaults: a PCIe 4 x16 link, an NVMe drive). See the module docstring."""
     if steps < 2:
         raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
     if any(p.device.type != "meta" for p in model.parameters()):
@@ -398,6 +436,11 @@ def plan(
         peak_device_bytes=peak,
         non_model_bytes=non_model,
         host_bytes_per_rank=manager.ledger.host_bytes,
+        peak_host_bytes=max(c.peak_host_bytes for c in counters),
+        min_host_budget=policy.host_need(),
+        disk_bytes_per_rank=manager.ledger.disk_bytes,
+        disk_read_bytes_per_step=last.disk_read_bytes,
+        disk_write_bytes_per_step=last.disk_write_bytes,
         h2d_bytes_per_step=last.h2d_bytes,
         d2h_bytes_per_step=last.d2h_bytes,
         allgather_bytes_per_step=last.allgather_bytes,
@@ -408,5 +451,6 @@ def plan(
         chunk_size=max(c.capacity for c in manager.chunks),
         parameters=sum(info.numel for info in manager.infos),
         bandwidth=bandwidth,
+        disk_bandwidth=disk_bandwidth,
         steps=tuple(counters),
     )

@@ -60,7 +60,8 @@ def _measured(rank: int, world_size: int, placement: Any, precision: str, arch: 
         booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-        steps.append(vars(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes)))
+        counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
+        steps.append(vars(counters))
     return steps
 
 
@@ -165,3 +166,50 @@ def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
     # Gradients are reduce-scattered once per step: the fp32 model's bytes, all chunks padded.
     assert result["reduce_scatter_bytes_per_step"] >= 4 * result["parameters"]
     assert result["fits"] and result["peak_device_bytes"] <= 24 * 2**30
+
+
+DISK_PLACEMENTS: dict[str, Any] = {
+    "static-disk": StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.6, max_prefetch=1),
+    "auto-host-budget": AutoPlacementConfig(device_budget=250_000, host_budget=2_200_000),
+}
+
+
+def _measured_on_disk(rank: int, world_size: int, placement: Any, disk_dir: str) -> list[dict[str, int]]:
+    model = gpt2(n_layer=3)
+    plugin = ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir)
+    booster = Booster(plugin)
+    chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
+    ledger = chunked.runtime.manager.ledger
+    steps = []
+    for ids in batches(3, batch=4):
+        local = ids.chunk(world_size)[rank]
+        before = chunked.stats()
+        ledger.reset_peak()
+        booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
+        steps.append(vars(counters))
+    steps.append({"disk": ledger.disk_bytes, "host": ledger.host_bytes})
+    return steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("placement", list(DISK_PLACEMENTS))
+def test_disk_and_host_figures_equal_a_run_with_the_disk_tier(placement: str, tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = gpt2(n_layer=3)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    plugin = ChunkPlugin(placement=DISK_PLACEMENTS[placement], precision="bf16", chunk_size=CHUNK)
+    predicted = plan(
+        model, plugin, {"input_ids": ids, "labels": ids}, optimizer=adamw_groups, device_capacity=CAPACITY, steps=3
+    )
+    measured = run_ranks(_measured_on_disk, 1, args=(DISK_PLACEMENTS[placement], str(tmp_path)))[0]
+    totals = measured.pop()
+    assert [vars(s) for s in predicted.steps] == measured
+    assert predicted.disk_bytes_per_rank == totals["disk"] > 0
+    assert predicted.host_bytes_per_rank == totals["host"]
+    assert predicted.disk_read_bytes_per_step == predicted.disk_write_bytes_per_step > 0
+    assert predicted.disk_seconds_per_step == pytest.approx(2 * predicted.disk_read_bytes_per_step / 2e9)
+    if DISK_PLACEMENTS[placement].host_budget is not None:
+        assert predicted.peak_host_bytes <= DISK_PLACEMENTS[placement].host_budget
