@@ -177,7 +177,7 @@ class Chunk:
                 if piece is not None:
                     master_tensor[piece.shard].copy_(source.read(info, piece))
         store.mark_updated()
-        if disk is not None:
+        if store.master_on_disk:
             store.spill_master()
         self._store = store
         self._grads.close(store)

@@ -2,8 +2,9 @@
 streams them through host memory.
 
 A chunk on disk keeps there its optimizer states (elementwise ones: Adam's moments; scalars such as
-the step count stay in memory) and, with 16-bit compute, its fp32 master (``ShardStore`` moves that
-one); its gradient shard and the 16-bit copy gathers read stay in host memory. Each chunk has a slot
+the step count stay in memory), its gradient shard (``GradOnDisk``) and, with 16-bit compute, its
+fp32 master (``ShardStore`` moves that one); what gathers read (its 16-bit copy, or the fp32 master
+with fp32 compute) stays in host memory. Each chunk has a slot
 of the disk file as large as the state the placement reserved for it.
 
 ``step`` runs the host step of such chunks in chunk order, ``DISK_WINDOW`` of them in memory at a
@@ -98,6 +99,10 @@ class DiskSides:
         master = chunk.store.fetch_master()
         if master is not None:
             pending.append((master, None))
+        grad = chunk.store.grad_on_disk
+        read = grad.fetch() if grad is not None else None
+        if read is not None:
+            pending.append((read, None))
         slot = self._slots[chunk.chunk_id]
         if not slot.resident:
             for tensor, offset in slot.placed:
@@ -115,6 +120,9 @@ class DiskSides:
         master = chunk.store.evict_master(changed)
         if master is not None:
             pending.append((master, chunk.store.master_write_failed))
+        grad = chunk.store.grad_on_disk
+        if grad is not None:
+            grad.evict()  # only ever read by the step
         slot = self._slots[chunk.chunk_id]
         if not slot.resident:
             return pending
@@ -206,6 +214,10 @@ class DiskSides:
                 writes.append(self.evict(chunk, changed=False))
                 continue
             step(chunk)
+            grad = chunk.store.grad_on_disk
+            failure = grad.take_failure() if grad is not None else None
+            if failure is not None:  # stepped on the gradient kept in memory; say so after the step
+                failures.append(failure)
             writes.append(self.evict(chunk, changed=True))
         for pending in writes:
             self._settle(pending, failures)

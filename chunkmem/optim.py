@@ -38,6 +38,7 @@ from .disk_sides import DiskSides
 from .early_steps import EarlySteps, group_settings, same_settings
 from .errors import DiskTierError, NotSupportedError, UnscaledBackwardError
 from .grad_markers import clear_markers
+from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
@@ -318,8 +319,10 @@ class ChunkOptimizer(torch.optim.Optimizer):
             log.info("chunkmem: inf/nan gradients at loss scale %s; step skipped", self.loss_scale)
         else:
             done = self._keep_early_steps()
+            # Which chunks have gradients and for which parameters; each shard is read when its
+            # runs are stepped (one on disk is only in memory then).
             reduced = {
-                chunk.chunk_id: (chunk.grad_shard, chunk.params_with_grad)
+                chunk.chunk_id: (chunk, chunk.params_with_grad)
                 for chunk in self._runtime.manager.chunks
                 if chunk.trainable and chunk.grad_state is GradState.REDUCED
             }
@@ -469,24 +472,35 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm over all ranks to ``max_norm`` (like
         ``torch.nn.utils.clip_grad_norm_``) and return the norm before clipping."""
         self._prepare_grads()
-        shards = self._grad_shards()
+        grads = self._reduced_grads()  # in chunk order: the sum below adds in the same order anywhere
         norm_type = float(norm_type)
         comm = self._runtime.manager.comm
+
+        def norm_of(grad: torch.Tensor | GradOnDisk) -> float:
+            if isinstance(grad, GradOnDisk):
+                return grad.norm(norm_type)
+            if norm_type == float("inf"):
+                return float(grad.abs().max()) if grad.numel() else 0.0
+            return float(torch.linalg.vector_norm(grad, norm_type))
+
         if norm_type == float("inf"):
-            local = max((float(g.abs().max()) for g in shards if g.numel()), default=0.0)
+            local = max((norm_of(g) for g in grads), default=0.0)
             total = torch.tensor([local], dtype=torch.float64, device=comm.tensor_device)
             comm.all_reduce(total, dist.ReduceOp.MAX)
             norm = total[0]
         else:
-            local = sum(float(torch.linalg.vector_norm(g, norm_type)) ** norm_type for g in shards)
+            local = sum(norm_of(g) ** norm_type for g in grads)
             total = torch.tensor([local], dtype=torch.float64, device=comm.tensor_device)
             comm.all_reduce(total)
             norm = total[0] ** (1.0 / norm_type)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             self.cancel_early_steps()  # they stepped on the gradients before clipping
-            for g in shards:
-                g.mul_(coef)
+            for g in grads:
+                if isinstance(g, GradOnDisk):
+                    g.scale(coef)
+                else:
+                    g.mul_(coef)
         return norm.to(torch.float32)
 
     # --- internals --------------------------------------------------------------------------
@@ -503,8 +517,15 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 "directly) after boosting. Call add_param_group on the optimizer booster.boost returned."
             )
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return [c.grad_shard for c in self._runtime.manager.chunks if c.trainable and c.grad_state is GradState.REDUCED]
+    def _reduced_grads(self) -> list[torch.Tensor | GradOnDisk]:
+        """Each reduced gradient shard, in chunk order: in memory, or the ``GradOnDisk`` of one on
+        disk (which keeps what the checks need of it)."""
+        out: list[torch.Tensor | GradOnDisk] = []
+        for chunk in self._runtime.manager.chunks:
+            if chunk.trainable and chunk.grad_state is GradState.REDUCED:
+                grad = chunk.store.grad_on_disk
+                out.append(grad if grad is not None else chunk.grad_shard)
+        return out
 
     def _prepare_grads(self) -> None:
         """Reduce whatever is pending, then unscale fp16 gradients once and agree on inf/nan."""
@@ -522,25 +543,33 @@ class ChunkOptimizer(torch.optim.Optimizer):
             return
         inv = 1.0 / self._scaler.scale
         found = 0.0
-        for g in self._grad_shards():
-            g.mul_(inv)
-            found = max(found, float(not bool(torch.isfinite(g).all())))
+        for g in self._reduced_grads():
+            if isinstance(g, GradOnDisk):
+                g.scale(inv)
+                found = max(found, float(not g.finite))
+            else:
+                g.mul_(inv)
+                found = max(found, float(not bool(torch.isfinite(g).all())))
         flag = torch.tensor([found], device=self._runtime.manager.comm.tensor_device)
         self._runtime.manager.comm.all_reduce(flag, dist.ReduceOp.MAX)
         self._found_inf = bool(flag[0] > 0)
         self._unscaled = True
 
-    def _step_with_grads(self, runs: Sequence[Run], reduced: Mapping[int, tuple[torch.Tensor, Any]]) -> None:
+    def _step_with_grads(self, runs: Sequence[Run], reduced: Mapping[int, tuple[Chunk, Any]]) -> None:
         """Step ``runs`` on their slices of the reduced gradient shards."""
+        shards: dict[int, torch.Tensor] = {}
         try:
             for run in runs:
-                run.tensor.grad = reduced[run.chunk.chunk_id][0][run.start : run.stop]
+                chunk_id = run.chunk.chunk_id
+                if chunk_id not in shards:
+                    shards[chunk_id] = reduced[chunk_id][0].grad_shard
+                run.tensor.grad = shards[chunk_id][run.start : run.stop]
             self._step_runs(runs)
         finally:
             for run in runs:
                 run.tensor.grad = None
 
-    def _step_from_disk(self, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[torch.Tensor, Any]]) -> None:
+    def _step_from_disk(self, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[Chunk, Any]]) -> None:
         """The chunks on disk, through the disk pipeline. A read or write that fails on one rank
         raises on every rank (the ranks agree after it; one small exchange a step)."""
         disk = self._disk
@@ -554,7 +583,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         agree(self.communicator, "stepping optimizer states on disk", run, DiskTierError)
 
     def _step_chunk_from_disk(
-        self, chunk: Chunk, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[torch.Tensor, Any]]
+        self, chunk: Chunk, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[Chunk, Any]]
     ) -> None:
         """One chunk of the disk pipeline, its master and state in memory now."""
         self._runs.split_by_gradient(has_grad, only=lambda other: other is chunk)

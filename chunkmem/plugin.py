@@ -268,7 +268,6 @@ class ChunkPlugin:
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
         disk = self._open_disk(layout, specs, comm, stats)
-        masters_on_disk = dtype != MASTER_DTYPE
 
         def placement(chunk: Chunk) -> tuple[Location, Location]:
             place = layout[chunk.chunk_id]
@@ -276,7 +275,7 @@ class ChunkPlugin:
             return master, Location.DEVICE if place.shard_on_device else Location.HOST
 
         def disk_of(chunk: Chunk) -> SidesFile | None:
-            return disk if masters_on_disk and layout[chunk.chunk_id].optim_on_disk else None
+            return disk if layout[chunk.chunk_id].optim_on_disk else None
 
         values.prepare_buffers(model)
         manager.close_all(placement, disk_of)
@@ -299,8 +298,9 @@ class ChunkPlugin:
         nbytes = layout.disk_bytes(tuple(specs))
         if nbytes == 0:
             return None
-        # Each chunk's master and states get a region of their own, each rounded up to a block.
-        nbytes += 2 * DISK_BLOCK * sum(1 for p in layout.placements if p.optim_on_disk)
+        # Each chunk's master, gradient and states get a region of their own, each rounded up to a
+        # block.
+        nbytes += 3 * DISK_BLOCK * sum(1 for p in layout.placements if p.optim_on_disk)
         if comm.plans_only:  # a plan counts what the disk would move
             return PlannedDiskFile(nbytes, stats)
         if self.disk_dir is None:
@@ -380,8 +380,10 @@ class ChunkPlugin:
         states = state.reserved(shard, len(chunk.tensors)) if chunk.trainable else 0
         optimizer = shard * fp32 + state.reserved(shard, len(chunk.tensors))
         optim_side = shard * fp32 + (optimizer if chunk.trainable else 0)
-        # What leaves host memory for disk: the states, and a master gathers do not read.
-        disk_side = states + (0 if self.compute_dtype == MASTER_DTYPE else shard * fp32)
+        # What leaves host memory for disk: the states, the gradient shard, and a master gathers do
+        # not read.
+        grad = shard * fp32 if chunk.trainable else 0
+        disk_side = states + grad + (0 if self.compute_dtype == MASTER_DTYPE else shard * fp32)
         return ChunkSpec(
             chunk_id=chunk.chunk_id,
             label=chunk.tensors[0].name,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
+from .grad_on_disk import GradOnDisk
 from .transfers import Direction, HostTransfers
 
 if TYPE_CHECKING:
@@ -127,11 +128,14 @@ class ShardStore:
         self._version = 0
         self._master_location = master
         self._host_device = host_device
-        if disk is not None and (master is not Location.HOST or compute_dtype == MASTER_DTYPE):
-            raise ValueError(
-                f"{label}: only a host master of a 16-bit model goes to disk (an fp32 master is what gathers read)"
-            )
-        self._disk = disk
+        if disk is not None and master is not Location.HOST:
+            raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
+        # The master goes to disk with 16-bit compute (gathers read its 16-bit copy); an fp32
+        # master is what gathers read, so it stays. The gradient shard goes in both cases.
+        self._disk = disk if compute_dtype != MASTER_DTYPE else None
+        self._grad_disk = (
+            GradOnDisk(label, numel, disk, ledger, transfers, host_device) if disk is not None and trainable else None
+        )
         self._disk_offset = -1
         self._master_resident = True
         # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
@@ -149,7 +153,7 @@ class ShardStore:
         # zero_grad(set_to_none=True): after boosting, the process holds one copy of the weights.
         self._grad: torch.Tensor | None = None
         if trainable:
-            ledger.alloc(master, MemoryKind.GRAD_SHARD, self._master_bytes)
+            ledger.alloc(Location.DISK if self._grad_disk else master, MemoryKind.GRAD_SHARD, self._master_bytes)
         self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
@@ -228,6 +232,8 @@ class ShardStore:
         into it landed."""
         if not self._trainable:
             raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        if self._grad_disk is not None:
+            return self._grad_disk.resident()
         if self._grad is None:
             raise RuntimeError(f"{self._label}: its gradient shard is not allocated; reduce gradients into it first")
         self._settle_grad()
@@ -235,7 +241,14 @@ class ShardStore:
 
     @property
     def grad_allocated(self) -> bool:
+        if self._grad_disk is not None:
+            return self._grad_disk.present
         return self._grad is not None
+
+    @property
+    def grad_on_disk(self) -> GradOnDisk | None:
+        """The gradient shard's disk residency, when it lives on disk (else ``None``)."""
+        return self._grad_disk
 
     def allocate_grad(self) -> torch.Tensor:
         """Allocate the (uninitialised) gradient shard where the master lives."""
@@ -248,6 +261,9 @@ class ShardStore:
 
     def free_grad(self) -> None:
         """Drop the gradient shard (its values no longer count); nothing to do when absent."""
+        if self._grad_disk is not None:
+            self._grad_disk.drop()
+            return
         if self._grad is not None:
             self._settle_grad()  # copies into it land before the buffer is reused
             self._grad = None
@@ -313,7 +329,7 @@ class ShardStore:
     def receives_asynchronously(self) -> bool:
         """Whether reduced gradients cross to the host asynchronously (a host master on CUDA): they
         are then sent as soon as the reduction is queued, not when it is waited for."""
-        return self._master_location is Location.HOST and self._transfers.asynchronous
+        return self._master_location is Location.HOST and self._transfers.asynchronous and self._grad_disk is None
 
     def receive_grad(
         self,
@@ -326,6 +342,9 @@ class ShardStore:
         shard, or added to what an earlier reduction left there (accumulation). ``after`` waits
         for a collective still reducing the slot and ``divide_by`` averages it first; to a host
         master both happen on the copy stream and the copy returns at once (``grad`` waits)."""
+        if self._grad_disk is not None:
+            self._grad_disk.receive(reduced, accumulate, after, divide_by)
+            return
         to_host = self._master_location is Location.HOST
         if not to_host:
             if after is not None:

@@ -84,10 +84,12 @@ class StaticPlacementConfig(_Config):
     never offloaded."""
     offload_disk_frac: Fraction = 0.0
     """Fraction of chunk memory whose optimizer side leaves host memory for disk (files under
-    ``ChunkPlugin(disk_dir=...)``): the optimizer states and, with 16-bit compute, the fp32 master
-    (read before the chunk's host step, written back after it; gradient shards and 16-bit copies
-    stay in host memory). Only chunks whose optimizer side is offloaded can go to disk, the first of
-    them in chunk order, so it requires ``offload_disk_frac <= offload_optim_frac``."""
+    ``ChunkPlugin(disk_dir=...)``): the optimizer states, the fp32 gradient shard (written when it is
+    reduced) and, with 16-bit compute, the fp32 master, all read by the chunk's host step, which
+    writes master and states back; what gathers read (the 16-bit copy, or the fp32 master with
+    fp32 compute) stays in host memory. Only chunks whose optimizer side is offloaded can go to
+    disk, the first of them in chunk order, so it requires ``offload_disk_frac <=
+    offload_optim_frac``."""
     max_prefetch: Count = 2
     """How many chunks, next in the recorded compute trace, may be fetched ahead of use. 0 fetches
     only on demand. Prefetch only uses budget that is free; it never breaks ``device_budget``. The

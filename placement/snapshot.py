@@ -56,7 +56,8 @@ class ChunkSpec:
     """The master dtype is the compute dtype (fp32 training): a device master is compute data."""
     disk_side_bytes: int = 0
     """Bytes of the optimizer side that leave host memory when it goes to disk: the optimizer
-    states and, when the master is not the compute data (16-bit compute), the fp32 master."""
+    states, the gradient shard and, when the master is not the compute data (16-bit compute), the
+    fp32 master."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ import torch
 from distributed import run_ranks
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location
-from chunkmem.disk import DiskFile
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
 WIDTH, LAYERS, CHUNK = 64, 6, 4_200  # one layer a chunk
@@ -81,14 +80,16 @@ def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_p
     _train(ram, ram_optimizer, ram_booster, 4)
     _assert_equal_states(chunked.state_dict(), ram.state_dict())
     _assert_equal_states(optimizer.state_dict(), ram_optimizer.state_dict())
-    # What stays in host memory: the gradient shards, and with 16-bit compute the 16-bit copies;
-    # the states (and the masters) are on disk, in this process's scratch directory.
+    # What stays in host memory between steps: what gathers read (the 16-bit copies, or the fp32
+    # masters); states, gradient shards (and 16-bit models' masters) are on disk, in this
+    # process's scratch directory.
     chunks = chunked.runtime.manager.chunks
     shard = sum(c.shard_numel for c in chunks)
-    assert stats[-1].disk_bytes > 0 and len(_scratch(tmp_path)) == 1
+    assert len(_scratch(tmp_path)) == 1
+    assert stats[-1].host_bytes == (2 * shard if precision == "bf16" else 4 * shard)
     assert stats[-1].peak_host_bytes < ram.stats().peak_host_bytes
     master = 4 * shard if precision == "bf16" else 0
-    assert chunked.runtime.manager.ledger.bytes(Location.DISK) >= 8 * shard + master
+    assert stats[-1].disk_bytes >= 8 * shard + 4 * shard + master
     del chunked, optimizer, booster, chunks
     gc.collect()
     assert _scratch(tmp_path) == [], "the scratch directory outlived the model"
@@ -99,14 +100,15 @@ def test_disk_traffic_per_step_is_twice_what_the_step_reads_and_nothing_more(tmp
     chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
     stats = _train(chunked, optimizer, booster, 4)
     chunks = chunked.runtime.manager.chunks
-    used = sum(c.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
-    masters = sum(4 * c.shard_numel for c in chunks) if precision == "bf16" else 0
-    first = stats[1].disk_write_bytes - stats[0].disk_write_bytes
-    assert stats[1].disk_read_bytes - stats[0].disk_read_bytes == masters  # no state before the first step
-    assert first == 8 * used + masters
+    states = 8 * sum(c.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
+    grads = 4 * sum(c.shard_numel for c in chunks)  # written when reduced, read by the step
+    masters = grads if precision == "bf16" else 0  # an fp32 master stays where gathers read it
+    # No state before the first step: it reads gradients and masters, and writes all three.
+    assert stats[1].disk_read_bytes - stats[0].disk_read_bytes == grads + masters
+    assert stats[1].disk_write_bytes - stats[0].disk_write_bytes == grads + states + masters
     for before, after in itertools.pairwise(stats[1:]):
-        assert after.disk_read_bytes - before.disk_read_bytes == 8 * used + masters
-        assert after.disk_write_bytes - before.disk_write_bytes == 8 * used + masters
+        assert after.disk_read_bytes - before.disk_read_bytes == grads + states + masters
+        assert after.disk_write_bytes - before.disk_write_bytes == grads + states + masters
 
 
 def test_the_auto_policy_spills_to_disk_what_the_host_budget_cannot_hold(tmp_path: Path) -> None:
@@ -261,18 +263,17 @@ def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[
     step. Returns each step's outcome, and whether the model still equals the in-RAM run."""
     chunked, optimizer, booster = _boost(ON_DISK, "bf16", Path(disk_dir) / f"r{rank}")
     ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
-    real_write = DiskFile.write
+    real_pwritev = os.pwritev
     outcomes: list[Any] = []
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         x = torch.randn(8, WIDTH, generator=g)
-        broken = step == fail_at and rank == 1
 
-        def full(self: DiskFile, tensor: torch.Tensor, offset: int, then: Any = None) -> Any:
+        def full(fd: int, buffers: Any, offset: int) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        if broken:
-            DiskFile.write = lambda self, tensor, offset, then=None: self._pool.submit(full, self, tensor, offset)
+        if step == fail_at and rank == 1:  # every write of this step fails: gradients and sides
+            os.pwritev = full
         for model, opt, boost in ((chunked, optimizer, booster), (ram, ram_optimizer, ram_booster)):
             boost.backward(model(x).float().square().mean(), opt)
         start = time.monotonic()
@@ -282,7 +283,7 @@ def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[
         except DiskTierError as error:
             outcomes.append((str(error), time.monotonic() - start))
         finally:
-            DiskFile.write = real_write
+            os.pwritev = real_pwritev
         ram_optimizer.step()
         for opt in (optimizer, ram_optimizer):
             opt.zero_grad()
@@ -306,3 +307,44 @@ def test_two_ranks_with_sides_on_disk_and_a_disk_that_fills_up(tmp_path: Path, f
                 message, seconds = outcome
                 assert "rank 1" in message and "No space left" in message, message
                 assert seconds < 20
+
+
+@pytest.mark.parametrize(("max_norm", "norm_type"), [(1e-3, 2.0), (1e6, 2.0), (1e-3, float("inf")), (1e-3, 1.0)])
+def test_clipping_gradients_on_disk_equals_clipping_them_in_memory(
+    tmp_path: Path, max_norm: float, norm_type: float
+) -> None:
+    def run(placement: Any, disk_dir: Path | None) -> tuple[Any, list[float]]:
+        chunked, optimizer, booster = _boost(placement, "fp32", disk_dir)
+        g = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(3):
+            booster.backward(chunked(torch.randn(8, WIDTH, generator=g)).square().mean(), optimizer)
+            norms.append(float(optimizer.clip_grad_norm(max_norm, norm_type)))
+            optimizer.step()
+            optimizer.zero_grad()
+        return chunked.state_dict(), norms
+
+    on_disk, disk_norms = run(ON_DISK, tmp_path)
+    in_ram, ram_norms = run(IN_RAM, None)
+    assert disk_norms == pytest.approx(ram_norms, rel=1e-12)
+    _assert_equal_states(on_disk, in_ram)
+
+
+@pytest.mark.cpu_compute(reason="an infinite fp16 loss on the CPU")
+def test_fp16_inf_with_gradients_on_disk_skips_the_step_like_in_memory(tmp_path: Path) -> None:
+    def run(placement: Any, disk_dir: Path | None) -> tuple[Any, list[float]]:
+        chunked, optimizer, booster = _boost(placement, "fp16", disk_dir)
+        g = torch.Generator().manual_seed(1)
+        scales = []
+        for step in range(4):
+            loss = chunked(torch.randn(8, WIDTH, generator=g)).float().square().mean()
+            booster.backward(loss * float("inf") if step == 2 else loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            scales.append(optimizer.loss_scale)
+        return chunked.state_dict(), scales
+
+    on_disk, disk_scales = run(ON_DISK, tmp_path)
+    in_ram, ram_scales = run(IN_RAM, None)
+    assert disk_scales == ram_scales and disk_scales[2] < disk_scales[1]
+    _assert_equal_states(on_disk, in_ram)
