@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from placement import DISK_WINDOW
+
 from .errors import DiskTierError
 from .stats import Stats
 
@@ -125,6 +127,10 @@ class _Regions:
         self._name = name
         self._size = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
         self._next = 0
+        self.gradient_slots = threading.BoundedSemaphore(DISK_WINDOW)
+        """Gradient shards on their way to this file (``GradOnDisk``): at most ``DISK_WINDOW``
+        are in host memory at once, so a disk slower than the backward holds the backward up
+        instead of filling host memory."""
 
     @property
     def size(self) -> int:

@@ -1,8 +1,8 @@
 """``GradOnDisk``: a chunk's reduced gradient shard, kept on disk from its reduction to the optimizer
 step (the disk tier keeps no fp32 gradient in host memory).
 
-When the reduction is done the shard is written to the chunk's region of the disk file (from the
-reduced buffer itself on the CPU, through a pinned staging buffer on CUDA), and the few numbers the
+When the reduction is done the shard is copied to a host staging buffer (pinned on CUDA) and written
+from there to the chunk's region of the disk file, and the few numbers the
 step's global checks need are taken from it while it is in memory: its 2-norm and largest
 magnitude (``clip_grad_norm``) and whether it is finite (fp16 inf/nan). What those checks then do
 to the gradient, multiply it (clipping, unscaling), is recorded as a factor applied when the step
@@ -80,32 +80,40 @@ class GradOnDisk:
     ) -> None:
         """This rank's reduced slot (on the compute device): averaged, added to what is there with
         ``accumulate``, measured, and written out."""
-        if reduced.device.type == "cpu":
-            if after is not None:
-                after()
-            if divide_by is not None:
-                reduced.div_(divide_by)
-            host = reduced
-        else:
-            host = self._transfers.staging(self._numel, _FP32, self._host_device)
-            self._transfers.copy(host, reduced, Direction.TO_HOST, after, divide_by)
-            self._transfers.before_host_read(host)
+        # Through a host staging buffer, as every device-to-host copy (counted; pinned on CUDA),
+        # one of at most DISK_WINDOW on their way to disk.
+        self._file.gradient_slots.acquire()
+        host = self._transfers.staging(self._numel, _FP32, self._host_device)
+        self._transfers.copy(host, reduced, Direction.TO_HOST, after, divide_by)
+        self._transfers.before_host_read(host)
         if accumulate and self._present:
             if self._factor != 1.0:
                 raise RuntimeError(
                     f"{self._label}: a gradient arrived after the step's checks scaled the one on disk (clip or fp16 "
                     "unscale before the last backward); reduce all gradients before clipping"
                 )
-            previous = self._read_now()
-            host = previous.add_(host)
+            host.add_(self._read_now())  # what an earlier reduction left (a + b is b + a, bit for bit)
         self._measure(host)
         if self._off_disk:  # what memory held is superseded by this write
             self._off_disk = False
             self.evict()
-        self._writes.append((self._file.write(host, self._offset), host))
+        transfers, slots = self._transfers, self._file.gradient_slots
+
+        def written(future: Future[None]) -> None:  # on the I/O thread, or here if already done
+            if future.exception() is None:
+                transfers.give_back(host)  # a failed write keeps it: its values are the gradient
+            slots.release()
+
+        write = self._file.write(host, self._offset)
+        write.add_done_callback(written)
+        self._writes.append((write, host))
         self._present = True
 
     def _measure(self, values: torch.Tensor) -> None:
+        self._factor = 1.0
+        if values.is_meta:  # a plan (chunkmem.plan): nothing to measure
+            self._norm2, self._largest, self._finite = 0.0, 0.0, True
+            return
         # Computed as clip_grad_norm computes them for a shard in memory, so that both agree.
         self._norm2 = float(torch.linalg.vector_norm(values, 2))
         self._largest = float(values.abs().max()) if values.numel() else 0.0
@@ -133,7 +141,6 @@ class GradOnDisk:
                 self._tensor.copy_(source)
                 self._resident, self._scaled, self._off_disk = True, False, True
                 self.failure = error
-            if source.device.type == "cpu" and source.is_pinned():
                 self._transfers.give_back(source)
 
     def take_failure(self) -> BaseException | None:

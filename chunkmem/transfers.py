@@ -26,6 +26,7 @@ the wall clock), so achieved host-device bandwidth can be read against the pinne
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ class HostTransfers:
         self._writers: dict[int, torch.cuda.Event] = {}  # pinned host storage -> event after a copy into it
         self._timings: list[tuple[Direction, torch.cuda.Event, torch.cuda.Event]] = []
         self._staging: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._staging_lock = threading.Lock()
 
     @property
     def asynchronous(self) -> bool:
@@ -143,14 +145,17 @@ class HostTransfers:
     def staging(self, numel: int, dtype: torch.dtype, host: torch.device) -> torch.Tensor:
         """A buffer on ``host`` for a temporary copy (pinned on CUDA), reused once ``give_back``
         returns it; the pool keeps what it pinned."""
-        free = self._staging.setdefault((numel, dtype, host), [])
-        if free:
-            return free.pop()
+        with self._staging_lock:
+            free = self._staging.setdefault((numel, dtype, host), [])
+            if free:
+                return free.pop()
         return torch.empty(numel, dtype=dtype, device=host, pin_memory=self._cuda)
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        """A staging buffer is free again (the caller has read it: ``before_host_read``)."""
-        self._staging.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+        """A staging buffer is free again (the caller has read it: ``before_host_read``); any
+        thread may give one back (the disk tier's I/O threads do)."""
+        with self._staging_lock:
+            self._staging.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
     def settle(self) -> None:
         """Add the seconds of completed CUDA copies to the statistics."""

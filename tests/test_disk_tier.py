@@ -348,3 +348,17 @@ def test_fp16_inf_with_gradients_on_disk_skips_the_step_like_in_memory(tmp_path:
     in_ram, ram_scales = run(IN_RAM, None)
     assert disk_scales == ram_scales and disk_scales[2] < disk_scales[1]
     _assert_equal_states(on_disk, in_ram)
+
+
+def test_gradients_accumulated_over_two_backward_passes_on_disk_equal_in_memory(tmp_path: Path) -> None:
+    def run(placement: Any, disk_dir: Path | None) -> Any:
+        chunked, optimizer, booster = _boost(placement, "fp32", disk_dir)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):  # accumulation without no_sync: the second reduction adds to the first
+                booster.backward(chunked(torch.randn(8, WIDTH, generator=g)).square().mean(), optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        return chunked.state_dict()
+
+    _assert_equal_states(run(ON_DISK, tmp_path), run(IN_RAM, None))
