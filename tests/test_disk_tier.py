@@ -362,3 +362,16 @@ def test_gradients_accumulated_over_two_backward_passes_on_disk_equal_in_memory(
         return chunked.state_dict()
 
     _assert_equal_states(run(ON_DISK, tmp_path), run(IN_RAM, None))
+
+
+def test_a_sharded_checkpoint_of_sides_on_disk_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    from chunkmem import NotSupportedError
+
+    (tmp_path / "scratch").mkdir()
+    chunked, optimizer, booster = _boost(ON_DISK, "bf16", tmp_path / "scratch")
+    _train(chunked, optimizer, booster, 1)
+    with pytest.raises(NotSupportedError, match="shard=False"):
+        booster.save_model(chunked, tmp_path / "model", shard=True)
+    with pytest.raises(NotSupportedError, match="shard=False"):
+        booster.save_optimizer(optimizer, tmp_path / "optim", shard=True)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "optim").exists()
