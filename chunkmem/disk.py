@@ -173,12 +173,43 @@ class DiskFile(_Regions):
                 f"cannot reserve {self._size} bytes for the disk tier in {scratch.path} ({reason}; {free} bytes "
                 "free): free space there, pass another disk_dir, or keep more in host memory (host_budget)"
             ) from error
+        self._mapped: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunkmem-disk")
         self._closer = weakref.finalize(self, _close_file, self._fd, self._pool)
 
     @property
     def path(self) -> Path:
         return self._path
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``numel`` values at ``offset`` as a tensor mapped from the file (read-only use: a
+        checkpoint reads them without bringing the whole region into memory at once). Writes
+        must have landed (the pipeline waits for its own)."""
+        if self._mapped is None:
+            self._mapped = torch.from_file(str(self._path), shared=False, size=self._size, dtype=torch.uint8)
+        return self._mapped[offset : offset + numel * dtype.itemsize].view(dtype)
+
+    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``numel`` values backed by a new file of the scratch directory, its space
+        reserved now (a load stages what goes to disk there, not in memory); the file goes with
+        the tensor."""
+        nbytes = max(1, numel * dtype.itemsize)
+        path = self._scratch.path / f"staging-{secrets.token_hex(4)}.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            mapped = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        except OSError as error:
+            raise DiskTierError(
+                f"cannot stage {nbytes} bytes in {self._scratch.path} ({error.strerror or error}): a load stages what "
+                "goes to disk there; free space on that disk"
+            ) from error
+        finally:
+            path.unlink(missing_ok=True)  # the mapping keeps the space until the tensor goes
+        return mapped[: numel * dtype.itemsize].view(dtype)
 
     def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
         """Fill ``tensor`` (contiguous, on the CPU) from the file at ``offset``, on an I/O thread."""
@@ -253,6 +284,12 @@ class PlannedDiskFile(_Regions):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="meta")
 
     def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
         return self._done(tensor, False, None)

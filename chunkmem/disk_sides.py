@@ -74,10 +74,47 @@ class DiskSides:
         self._table = table
         self._ledger = ledger
         self._slots: dict[int, _Slot] = {}
+        self._at: dict[int, tuple[torch.Tensor, int]] = {}  # id(state tensor) -> it, and its offset
         self._chunks = list(chunks)
         for chunk in chunks:
             size = reserved(chunk)
             self._slots[chunk.chunk_id] = _Slot(file.region(size), size)
+
+    def view_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A state tensor whose values are on disk now, as a view mapped from the file (``None``
+        when it is not one of those)."""
+        offset = self._at.get(id(tensor))
+        if offset is None or offset[0] is not tensor:
+            return None
+        return self._file.view(offset[1], tensor.numel(), tensor.dtype).view(tensor.shape)
+
+    def staging(self, chunk: Chunk, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a load stages ``numel`` state values of ``chunk``: memory, or a file of the disk
+        tier's scratch directory for a chunk on disk."""
+        if chunk.chunk_id not in self._slots:
+            return torch.empty(numel, dtype=dtype)
+        return self._file.staging(numel, dtype)
+
+    def install(self, builders: dict[int, Callable[[], dict[torch.Tensor, dict[str, Any]]]]) -> None:
+        """A loaded state for the chunks on disk, one chunk at a time: build its runs' states (what
+        the optimizer's ``load_state_dict`` would have installed: elementwise state in the run's
+        dtype and device, the step count as it is), write them out and free them."""
+        failures: list[BaseException] = []
+        table = self._table()
+        for slot in self._slots.values():
+            slot.placed, slot.resident, slot.nbytes = [], True, 0
+        for chunk in self._chunks:
+            build = builders.get(chunk.chunk_id)
+            for tensor, state in (build() if build is not None else {}).items():
+                table[tensor] = {
+                    key: value.to(dtype=tensor.dtype, device=tensor.device)
+                    if isinstance(value, torch.Tensor) and key != "step" and value.is_floating_point()
+                    else value
+                    for key, value in state.items()
+                }
+            self._settle(self.evict(chunk, changed=True), failures)
+        if failures:
+            raise failures[0]
 
     def holds(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s optimizer states live on disk."""
@@ -135,7 +172,11 @@ class DiskSides:
                 tensor.untyped_storage().resize_(0)
             self._gone(slot)
             return pending
+        for tensor, _ in slot.placed:
+            self._at.pop(id(tensor), None)
         slot.placed = self._place(chunk, slot, tensors)
+        for tensor, offset in slot.placed:
+            self._at[id(tensor)] = (tensor, offset)
         if not slot.placed:
             self._gone(slot)
             return pending
@@ -221,17 +262,6 @@ class DiskSides:
             writes.append(self.evict(chunk, changed=True))
         for pending in writes:
             self._settle(pending, failures)
-        if failures:
-            raise failures[0]
-
-    def adopt_loaded(self) -> None:
-        """A loaded optimizer state replaced every state tensor, in memory: write those of the
-        chunks on disk out and free them, chunk by chunk."""
-        failures: list[BaseException] = []
-        for slot in self._slots.values():
-            slot.placed, slot.resident, slot.nbytes = [], True, 0
-        for chunk in self._chunks:
-            self._settle(self.evict(chunk, changed=True), failures)
         if failures:
             raise failures[0]
 

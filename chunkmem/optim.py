@@ -81,7 +81,9 @@ def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.info.shape:
-            out[key] = value.detach().reshape(-1)[piece.param_slice].clone()
+            # A view: installing copies it (runs concatenate their pieces), so a file mapped by
+            # torch.load is read one run at a time, not all at once.
+            out[key] = value.detach().reshape(-1)[piece.param_slice]
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()
         else:
@@ -178,6 +180,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 lambda: self._optim.state,
                 runtime.manager.ledger,
             )
+            self._runs.read_from_disk(self._disk.view_of)
         self._probe_host_kernels()
         # torch's own bookkeeping (hook tables, step profiling), then share the user's groups and state.
         super().__init__([{"params": []}], optimizer.defaults)
@@ -389,7 +392,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         optimizer's own ``load_state_dict``, which puts each value on the device and dtype its class
         expects. The caller has validated everything (``chunkmem.checkpoint.optimizer_state``)."""
         self.cancel_early_steps()
-        run_states = self._runs.regroup({id(t): s for t, s in states.items()})
+        run_states, on_disk = self._runs.regroup({id(t): s for t, s in states.items()}, later=self._on_disk)
         index: dict[int, int] = {}
         groups = []
         for position, group in enumerate(self._optim.param_groups):
@@ -412,7 +415,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         if stateful is not None:  # the parameters with state in the full state (the same on every rank)
             self._stateful = {id(info) for info in stateful}
         if self._disk is not None:
-            self._disk.adopt_loaded()
+            self._disk.install(on_disk)
         self._account_state()
 
     def _probe_host_kernels(self) -> None:
@@ -589,6 +592,13 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._runs.split_by_gradient(has_grad, only=lambda other: other is chunk)
         runs = [run for run in self._runs.runs() if run.chunk is chunk and has_grad[id(run.pieces[0].tensor)]]
         self._step_with_grads(runs, reduced)
+
+    def state_staging(self, chunk: Chunk, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a load stages ``numel`` values of ``chunk``'s optimizer state before installing
+        them: memory, or for a chunk on disk a file beside its other files."""
+        if self._disk is None:
+            return torch.empty(numel, dtype=dtype)
+        return self._disk.staging(chunk, numel, dtype)
 
     def _on_disk(self, chunk: Chunk) -> bool:
         return self._disk is not None and self._disk.holds(chunk)

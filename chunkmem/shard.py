@@ -441,6 +441,20 @@ class ShardStore:
         finally:
             storage.resize_(0)
 
+    def readable_master(self) -> torch.Tensor:
+        """The master's values to read without changing them: the master in memory, or, while it
+        is on disk, a view mapped from its region of the disk file."""
+        if self._master_resident or self._disk is None:
+            return self._master
+        return self._disk.view(self._disk_offset, self._numel, MASTER_DTYPE)
+
+    def staging_for_master(self, numel: int) -> torch.Tensor:
+        """Where a load stages ``numel`` master values before installing them: memory, or for a
+        master on disk a file of the disk tier's scratch directory."""
+        if self._disk is None:
+            return torch.empty(numel, dtype=MASTER_DTYPE)
+        return self._disk.staging(numel, MASTER_DTYPE)
+
     def spill_master(self) -> None:
         """Move the master to its disk region, once, after it got its values (boost): its 16-bit
         copy is made first (gathers read that) and its memory is freed."""

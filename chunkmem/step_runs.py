@@ -103,6 +103,7 @@ class StepRuns:
 
     def __init__(self, table: Callable[[], MutableMapping[torch.Tensor, Any]]) -> None:
         self._table = table
+        self._disk_view: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         self._groups: list[list[Run]] = []
         self._run_of: dict[int, Run] = {}  # id(piece.tensor) -> its run
 
@@ -121,6 +122,10 @@ class StepRuns:
         for piece in pieces:
             self._run_of[id(piece.tensor)] = run
         return run
+
+    def read_from_disk(self, view: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """How to read a state tensor whose values are on disk now (``DiskSides.view_of``)."""
+        self._disk_view = view
 
     # --- reading ----------------------------------------------------------------------------
     @property
@@ -141,8 +146,7 @@ class StepRuns:
     def piece_state(self, piece: Piece) -> dict[str, Any]:
         """The optimizer state of one piece: views of its run's elementwise state, and the run's
         other values (shared by all its pieces). Empty when the piece has no state yet. An
-        elementwise state that is on disk now (``DiskSides``) shows as a meta tensor of its shape
-        and dtype."""
+        elementwise state that is on disk now (``DiskSides``) is a view mapped from its file."""
         run = self.run_of(piece)
         state = self._table().get(run.tensor)
         if not state:
@@ -154,7 +158,10 @@ class StepRuns:
             if not _elementwise(value, run):
                 out[key] = value
             elif value.untyped_storage().nbytes() < value.nbytes:
-                out[key] = torch.empty(end - begin, dtype=value.dtype, device="meta")
+                on_disk = self._disk_view(value) if self._disk_view is not None else None
+                if on_disk is None:
+                    raise RuntimeError(f"{run.describe()}: its state '{key}' is neither in memory nor on disk")
+                out[key] = on_disk[begin:end]
             else:
                 out[key] = value[begin:end]
         return out
@@ -208,25 +215,42 @@ class StepRuns:
                 }
         return runs
 
-    def regroup(self, states: Mapping[int, Mapping[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
+    def regroup(
+        self, states: Mapping[int, Mapping[str, Any]], later: Callable[[Chunk], bool] | None = None
+    ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[int, Callable[[], dict[torch.Tensor, dict[str, Any]]]]]:
         """Runs for a state being loaded (``states`` by ``id(piece.tensor)``, each piece's own, on
         the CPU or anywhere): the pieces of each group cut where their per-parameter values differ
         or where one has state and the next has none. Returns each run's state (elementwise state
         concatenated over its pieces) for the caller to install through the optimizer's own
-        ``load_state_dict``; the runs replace the old ones, whose state is forgotten."""
+        ``load_state_dict``, and, for the chunks ``later`` accepts, by chunk id, a function that
+        builds them when called (one chunk's states in memory at a time: the disk tier's). The
+        runs replace the old ones, whose state is forgotten."""
         loaded: dict[torch.Tensor, dict[str, Any]] = {}
+        deferred: dict[int, list[tuple[Run, list[Mapping[str, Any]]]]] = {}
         for group, runs in enumerate(self._groups):
             out: list[Run] = []
             for part in _consecutive([p for run in runs for p in run.pieces]):
                 for pieces in self._alike(part, states):
                     run = self._make(group, pieces)
                     out.append(run)
-                    state = _concatenated(run, [states.get(id(p.tensor)) or {} for p in pieces])
+                    parts = [states.get(id(p.tensor)) or {} for p in pieces]
+                    if later is not None and later(run.chunk):
+                        deferred.setdefault(run.chunk.chunk_id, []).append((run, parts))
+                        continue
+                    state = _concatenated(run, parts)
                     if state:
                         loaded[run.tensor] = state
             self._groups[group] = out
         self._table().clear()
-        return loaded
+
+        def builder(entries: list[tuple[Run, list[Mapping[str, Any]]]]) -> Callable[[], dict[torch.Tensor, Any]]:
+            def build() -> dict[torch.Tensor, dict[str, Any]]:
+                built = {run.tensor: _concatenated(run, parts) for run, parts in entries}
+                return {tensor: state for tensor, state in built.items() if state}
+
+            return build
+
+        return loaded, {chunk_id: builder(entries) for chunk_id, entries in deferred.items()}
 
     @staticmethod
     def _alike(pieces: Sequence[Piece], states: Mapping[int, Mapping[str, Any]]) -> Iterator[list[Piece]]:

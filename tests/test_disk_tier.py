@@ -231,22 +231,26 @@ def test_the_scratch_directory_goes_at_exit_and_after_a_kill_with_the_next_boost
     assert not left[0].exists() and len(_scratch(tmp_path)) == 1
 
 
-def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shard", [False, True], ids=["full", "sharded"])
+def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_path: Path, shard: bool) -> None:
     disk_dir = tmp_path / "scratch"
     disk_dir.mkdir()
     chunked, optimizer, booster = _boost(ON_DISK, "bf16", disk_dir)
     _train(chunked, optimizer, booster, 2)
-    booster.save_model(chunked, tmp_path / "model.pt")
-    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    model_path, optim_path = (
+        (tmp_path / "model", tmp_path / "optim") if shard else (tmp_path / "model.pt", tmp_path / "optim.pt")
+    )
+    booster.save_model(chunked, model_path, shard=shard)
+    booster.save_optimizer(optimizer, optim_path, shard=shard)
     ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
     _train(ram, ram_optimizer, ram_booster, 2)
     # Into a fresh model on disk, and into one in memory: both continue like the uninterrupted run.
     resumed, resumed_optimizer, resumed_booster = _boost(ON_DISK, "bf16", disk_dir, seed=5)
-    resumed_booster.load_model(resumed, tmp_path / "model.pt")
-    resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
+    resumed_booster.load_model(resumed, model_path)
+    resumed_booster.load_optimizer(resumed_optimizer, optim_path)
     in_ram, in_ram_optimizer, in_ram_booster = _boost(IN_RAM, "bf16", None, seed=5)
-    in_ram_booster.load_model(in_ram, tmp_path / "model.pt")
-    in_ram_booster.load_optimizer(in_ram_optimizer, tmp_path / "optim.pt")
+    in_ram_booster.load_model(in_ram, model_path)
+    in_ram_booster.load_optimizer(in_ram_optimizer, optim_path)
     for model, opt, boost in (
         (resumed, resumed_optimizer, resumed_booster),
         (in_ram, in_ram_optimizer, in_ram_booster),
@@ -364,14 +368,17 @@ def test_gradients_accumulated_over_two_backward_passes_on_disk_equal_in_memory(
     _assert_equal_states(run(ON_DISK, tmp_path), run(IN_RAM, None))
 
 
-def test_a_sharded_checkpoint_of_sides_on_disk_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    from chunkmem import NotSupportedError
-
-    (tmp_path / "scratch").mkdir()
-    chunked, optimizer, booster = _boost(ON_DISK, "bf16", tmp_path / "scratch")
-    _train(chunked, optimizer, booster, 1)
-    with pytest.raises(NotSupportedError, match="shard=False"):
-        booster.save_model(chunked, tmp_path / "model", shard=True)
-    with pytest.raises(NotSupportedError, match="shard=False"):
-        booster.save_optimizer(optimizer, tmp_path / "optim", shard=True)
-    assert not (tmp_path / "model").exists() and not (tmp_path / "optim").exists()
+def test_a_load_stages_what_goes_to_disk_in_files_of_the_scratch_directory(tmp_path: Path) -> None:
+    half = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.5, max_prefetch=0)
+    chunked, optimizer, _ = _boost(half, "bf16", tmp_path)
+    chunks = chunked.runtime.manager.chunks
+    on_disk = [c for c in chunks if c.store.master_on_disk]
+    in_memory = [c for c in chunks if not c.store.master_on_disk]
+    assert on_disk and in_memory
+    scratch = str(_scratch(tmp_path)[0])
+    for chunk in on_disk:
+        for staged in (optimizer.state_staging(chunk, 10, torch.float32), chunk.store.staging_for_master(10)):
+            assert (staged.untyped_storage().filename or "").startswith(scratch)
+    for chunk in in_memory:
+        for staged in (optimizer.state_staging(chunk, 10, torch.float32), chunk.store.staging_for_master(10)):
+            assert staged.untyped_storage().filename is None

@@ -27,13 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    NotSupportedError,
-    StateDictMismatchError,
-)
+from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
 from .agreement import agree, on_first_rank
 from .directory import is_sharded
 from .files import (
@@ -95,17 +89,6 @@ def _check_shard(shard: object) -> None:
         raise TypeError(f"shard must be True (a directory, each rank writing its pieces) or False, got {shard!r}")
 
 
-def _refuse_sharded_on_disk(manager: ChunkManager, what: str) -> None:
-    """Sharded checkpoints hand DCP every piece at once; with optimizer sides on disk that would
-    bring them all into memory (the same decision on every rank: the placement is shared)."""
-    if any(chunk.store.master_on_disk or chunk.store.grad_on_disk is not None for chunk in manager.chunks):
-        raise NotSupportedError(
-            f"{what}: a sharded checkpoint of a model whose optimizer sides are on disk (disk_dir) is not supported "
-            "yet; save and load full checkpoints (shard=False: written and read one chunk at a time), which load into "
-            "any placement and world size"
-        )
-
-
 def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
     """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
     chunk and written there, with its manifest; with ``shard=True``, a directory to which every
@@ -116,7 +99,6 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     target = Path(path)
     if shard:
         what = "saving a sharded model checkpoint"
-        _refuse_sharded_on_disk(runtime.manager, what)
         runtime.enter_state_access(what)
         runtime.finish_backward()
         request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
@@ -144,7 +126,6 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
     target = Path(path)
     runtime.finish_backward()
     if is_sharded(target):
-        _refuse_sharded_on_disk(runtime.manager, f"loading {target}")
         staged_pieces, directory_manifest = load_directory(
             runtime.manager.comm, target, "model", plan_model_load(model, strict, target)
         )
@@ -178,7 +159,6 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     comm = runtime.manager.comm
     target = Path(path)
     if shard:
-        _refuse_sharded_on_disk(runtime.manager, "saving a sharded optimizer checkpoint")
         runtime.enter_state_access("saving a sharded optimizer checkpoint")
         request = SaveRequest(
             "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
@@ -205,7 +185,6 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
     runtime = optimizer.runtime
     target = Path(path)
     if is_sharded(target):
-        _refuse_sharded_on_disk(runtime.manager, f"loading {target}")
         staged_state, directory_manifest = load_directory(
             runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target)
         )

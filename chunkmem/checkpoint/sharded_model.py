@@ -67,7 +67,8 @@ def model_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
         for info in chunk.tensors:
             piece = chunk.piece(info)
             if piece is not None:
-                entries[info.name] = FlatRange(chunk.store.master[piece.shard], tuple(info.shape), piece.param.start)
+                master = chunk.store.readable_master()  # mapped from the disk tier's file when there
+                entries[info.name] = FlatRange(master[piece.shard], tuple(info.shape), piece.param.start)
             elif info.numel == 0 and first:
                 entries[info.name] = Whole(torch.zeros(info.shape, dtype=MASTER_DTYPE))
     if first:
@@ -147,7 +148,7 @@ def plan_model_load(
             chunk = manager.chunk(info.chunk_id)
             piece = chunk.piece(info)
             if piece is not None:
-                staging = torch.empty(piece.numel, dtype=MASTER_DTYPE)
+                staging = chunk.store.staging_for_master(piece.numel)
                 targets[name] = FlatRange(staging, tuple(info.shape), piece.param.start)
                 pieces.append((chunk, piece, staging))
         loaded_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -183,8 +184,13 @@ def install_model(model: ChunkedModel, staged: StagedShardedModel) -> Any:
 
     model.runtime.cancel_early_steps()
     model.runtime.manager.prepare_master_writes()
+    by_chunk: dict[int, list[tuple[Chunk, ShardPiece, torch.Tensor]]] = {}
+    for entry in staged.pieces:
+        by_chunk.setdefault(entry[0].chunk_id, []).append(entry)
     with torch.no_grad():
-        for chunk, piece, values in staged.pieces:
-            chunk.store.master[piece.shard].copy_(values)
+        for pieces in by_chunk.values():  # one chunk in memory at a time when masters are on disk
+            with pieces[0][0].store.resident_master(write_back=True) as master:
+                for _, piece, values in pieces:
+                    master[piece.shard].copy_(values)
     rest = StagedModelLoad([], staged.buffers, staged.missing, staged.unexpected)
     return model.apply_load(rest)

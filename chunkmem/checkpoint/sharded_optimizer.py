@@ -191,7 +191,7 @@ def plan_optimizer_load(
             for key, saved in layout.state.get(parameter, {}).items():
                 name = f"state.{parameter}.{key}"
                 if _elementwise(saved, piece.info):
-                    staging = torch.empty(piece.part.numel, dtype=saved.properties.dtype)
+                    staging = optimizer.state_staging(piece.chunk, piece.part.numel, saved.properties.dtype)
                     targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
                 else:
                     targets[name] = _target(saved)
