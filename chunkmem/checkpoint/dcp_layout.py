@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..comm import Communicator
 from ..errors import NotSupportedError
+from .dcp_reader import SafeFileSystemReader
 
 __all__ = [
     "Blob",
@@ -78,7 +79,6 @@ __all__ = [
     "boxes",
     "dcp_load",
     "dcp_save",
-    "read_metadata",
 ]
 
 Shape = tuple[int, ...]
@@ -325,14 +325,9 @@ def dcp_save(
 def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str) -> None:
     """Fill ``targets`` from ``directory`` (a collective over the model's ranks)."""
     no_dist = _no_dist(comm, what)
-    reader = dcp.FileSystemReader(directory)
+    reader = SafeFileSystemReader(directory)
     with _quiet():
         dcp.load({}, storage_reader=reader, planner=PieceLoadPlanner(targets), no_dist=no_dist)
     unread = [fqn for fqn, target in targets.items() if isinstance(target, BlobTarget) and not target.loaded]
     if unread:
         raise RuntimeError(f"{directory}: the values of {unread[:5]} were not read")
-
-
-def read_metadata(directory: Path) -> Metadata:
-    """DCP's ``.metadata`` of ``directory`` (a pickle: verify its checksum first when you can)."""
-    return dcp.FileSystemReader(directory).read_metadata()

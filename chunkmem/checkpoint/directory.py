@@ -93,7 +93,7 @@ def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
     without chunkmem)."""
     side = directory / MANIFEST_NAME
     try:
-        text = side.read_text()
+        text = side.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as error:

@@ -286,7 +286,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
     """The manifest beside ``path``, or ``None`` when there is none (a file from plain PyTorch)."""
     side = manifest_path(path)
     try:
-        text = side.read_text()
+        text = side.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as error:

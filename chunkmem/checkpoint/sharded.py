@@ -43,7 +43,8 @@ from ..errors import (
     ChunkmemError,
 )
 from .agreement import agree, on_first_rank
-from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save, read_metadata
+from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
+from .dcp_reader import read_metadata
 from .directory import (
     DCP_METADATA,
     MANIFEST_NAME,
@@ -249,6 +250,8 @@ def _open(comm: Communicator, target: Path, kind: ShardedKind) -> tuple[Director
         verify_files(target, manifest, comm.rank, comm.world_size)
     try:
         metadata = read_metadata(target)
+    except CheckpointCorruptedError:
+        raise
     except Exception as error:
         raise CheckpointCorruptedError(
             f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {_first_line(error)}): the directory is not "

@@ -1,0 +1,144 @@
+"""Checkpoints from a hostile source: no file a load reads can run code, whatever the manifest
+says (a forged one matches the planted file), and the error names the file."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from models import adamw_two_groups, batches, boost, gpt2, train_chunked
+
+from chunkmem import CheckpointCorruptedError
+from chunkmem.checkpoint.dcp_reader import read_metadata
+
+
+class _Payload:
+    """Unpickling it creates ``marker``: proof that the load ran code from the file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def _trained() -> tuple[Any, Any, Any]:
+    chunked, optimizer, booster = boost(gpt2(n_layer=1), adamw_two_groups, precision="fp32", chunk_size=8_000)
+    train_chunked(chunked, optimizer, booster, batches(1))
+    return chunked, optimizer, booster
+
+
+def _digest(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _forge_file(path: Path, data: bytes) -> None:
+    """Replace a single-file checkpoint and make its manifest vouch for the new bytes."""
+    path.write_bytes(data)
+    side = path.with_name(path.name + ".chunkmem.json")
+    manifest = json.loads(side.read_text())
+    manifest["digest"] = _digest(data)
+    side.write_text(json.dumps(manifest))
+
+
+def _forge_in_directory(directory: Path, name: str, data: bytes) -> None:
+    (directory / name).write_bytes(data)
+    side = directory / "chunkmem.json"
+    manifest = json.loads(side.read_text())
+    manifest["files"][name] = _digest(data)
+    side.write_text(json.dumps(manifest))
+
+
+def _torch_saved(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _plant_in_distcp(directory: Path, marker: Path) -> str:
+    """Append a torch.save payload to a data file and point every record of that file at it, in a
+    well-formed .metadata; the manifest vouches for both. Returns the data file's name."""
+    metadata = read_metadata(directory)
+    storage = metadata.storage_data
+    name = sorted({info.relative_path for info in storage.values()})[0]
+    blob = _torch_saved(_Payload(marker))
+    data = (directory / name).read_bytes()
+    for index, info in list(storage.items()):
+        if info.relative_path == name:
+            storage[index] = type(info)(relative_path=name, offset=len(data), length=len(blob))
+    metadata.storage_meta = None
+    _forge_in_directory(directory, name, data + blob)
+    _forge_in_directory(directory, ".metadata", pickle.dumps(metadata))
+    return name
+
+
+def _refused(load: Callable[[], Any], marker: Path, names: str) -> None:
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        load()
+    assert not marker.exists(), "the checkpoint ran code"
+    assert names in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("manifest", ["forged", "absent"])
+def test_no_file_of_a_sharded_checkpoint_runs_code(tmp_path: Path, manifest: str) -> None:
+    chunked, optimizer, booster = _trained()
+    marker = tmp_path / "ran"
+    for kind, save, load in (
+        ("model", booster.save_model, lambda d: booster.load_model(chunked, d)),
+        ("optim", booster.save_optimizer, lambda d: booster.load_optimizer(optimizer, d)),
+    ):
+        metadata_case, data_case = tmp_path / f"{kind}-metadata", tmp_path / f"{kind}-data"
+        save(chunked if kind == "model" else optimizer, metadata_case, shard=True)
+        save(chunked if kind == "model" else optimizer, data_case, shard=True)
+        _forge_in_directory(metadata_case, ".metadata", pickle.dumps(_Payload(marker)))
+        name = _plant_in_distcp(data_case, marker)
+        for directory in (metadata_case, data_case):
+            if manifest == "absent":
+                (directory / "chunkmem.json").unlink()
+        _refused(lambda d=metadata_case, load=load: load(d), marker, str(metadata_case / ".metadata"))
+        _refused(lambda d=data_case, load=load: load(d), marker, str(data_case / name))
+
+
+def test_no_single_file_checkpoint_runs_code(tmp_path: Path) -> None:
+    chunked, optimizer, booster = _trained()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    marker = tmp_path / "ran"
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    booster.save_lr_scheduler(scheduler, tmp_path / "sched.pt", optimizer)
+    payload = _torch_saved({"state": _Payload(marker)})
+    for name in ("model.pt", "optim.pt", "sched.pt"):
+        _forge_file(tmp_path / name, payload)
+    _refused(lambda: booster.load_model(chunked, tmp_path / "model.pt"), marker, str(tmp_path / "model.pt"))
+    _refused(lambda: booster.load_optimizer(optimizer, tmp_path / "optim.pt"), marker, str(tmp_path / "optim.pt"))
+    _refused(lambda: booster.load_lr_scheduler(scheduler, tmp_path / "sched.pt"), marker, str(tmp_path / "sched.pt"))
+    # a manifest is JSON: bytes that would unpickle to code are refused as a damaged manifest
+    (tmp_path / "model.pt.chunkmem.json").write_bytes(pickle.dumps(_Payload(marker)))
+    _refused(lambda: booster.load_model(chunked, tmp_path / "model.pt"), marker, "model.pt.chunkmem.json")
+
+
+def _planted_metadata_on_two_ranks(rank: int, world_size: int, directory: str) -> str:
+    chunked, _, booster = boost(gpt2(n_layer=1), adamw_two_groups, precision="fp32", chunk_size=8_000)
+    target = Path(directory) / "model"
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        booster.load_model(chunked, target)
+    return str(caught.value)
+
+
+@pytest.mark.multirank
+def test_a_planted_metadata_is_refused_on_every_rank_without_running(tmp_path: Path) -> None:
+    chunked, _, booster = _trained()
+    booster.save_model(chunked, tmp_path / "model", shard=True)
+    marker = tmp_path / "ran"
+    _forge_in_directory(tmp_path / "model", ".metadata", pickle.dumps(_Payload(marker)))
+    messages = run_ranks(_planted_metadata_on_two_ranks, 2, (str(tmp_path),))
+    assert not marker.exists()
+    assert all(".metadata" in m and "refusing" in m for m in messages), messages
