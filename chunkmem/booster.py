@@ -75,30 +75,38 @@ class Booster:
         gathering nothing; it replaces the previous one atomically."""
         checkpoint.save_model(model, path, shard=shard)
 
-    def load_model(self, model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
-        """Load full weights saved by ``save_model`` (a file, a sharded directory, a plain PyTorch
-        ``state_dict`` file or DCP checkpoint) on every rank, at any world size, chunk size or
-        placement; a corrupted or mismatched checkpoint is refused before anything is written."""
-        return checkpoint.load_model(model, path, strict=strict)
+    def load_model(
+        self, model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True, verify: bool = True
+    ) -> Any:
+        """Load full weights saved by ``save_model`` (a file or a sharded directory) on every rank,
+        at any world size, chunk size or placement; a corrupted or mismatched checkpoint is refused
+        before anything is written. A plain PyTorch ``state_dict`` file or DCP checkpoint has no
+        chunkmem manifest to verify it by: pass ``verify=False`` (the load is logged as unverified)."""
+        return checkpoint.load_model(model, path, strict=strict, verify=verify)
 
     def save_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str], shard: bool = False) -> None:
         """Write the full optimizer state in PyTorch's format (every rank calls it; rank 0 writes).
         With ``shard=True``, a directory to which every rank writes the state of its own pieces."""
         checkpoint.save_optimizer(optimizer, path, shard=shard)
 
-    def load_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
-        """Load an optimizer state saved by ``save_optimizer`` (a file or a sharded directory) or by
-        plain PyTorch on every rank, at any world size, chunk size or placement."""
-        checkpoint.load_optimizer(optimizer, path)
+    def load_optimizer(self, optimizer: ChunkOptimizer, path: str | os.PathLike[str], verify: bool = True) -> None:
+        """Load an optimizer state saved by ``save_optimizer`` (a file or a sharded directory), or by
+        plain PyTorch with ``verify=False``, on every rank, at any world size, chunk size or placement."""
+        checkpoint.load_optimizer(optimizer, path, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
         """Write the scheduler's state (every rank calls it; rank 0 writes)."""
         checkpoint.save_lr_scheduler(lr_scheduler, path, optimizer)
 
     def load_lr_scheduler(
-        self, lr_scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None
+        self,
+        lr_scheduler: Any,
+        path: str | os.PathLike[str],
+        optimizer: ChunkOptimizer | None = None,
+        verify: bool = True,
     ) -> None:
-        """Load a scheduler state written by ``save_lr_scheduler``. Pass the boosted ``optimizer``
-        when the scheduler was built on the optimizer object given to ``boost``, so the ranks agree
-        and the file's step is checked against the model and optimizer loaded with it."""
-        checkpoint.load_lr_scheduler(lr_scheduler, path, optimizer)
+        """Load a scheduler state written by ``save_lr_scheduler`` (plain PyTorch's with
+        ``verify=False``). Pass the boosted ``optimizer`` when the scheduler was built on the
+        optimizer object given to ``boost``, so the ranks agree and the file's step is checked
+        against the model and optimizer loaded with it."""
+        checkpoint.load_lr_scheduler(lr_scheduler, path, optimizer, verify=verify)

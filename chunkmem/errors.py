@@ -125,5 +125,10 @@ class CheckpointMismatchError(CheckpointError):
     to ``load_optimizer``), or at another step than the files loaded with it."""
 
 
+class CheckpointUnverifiedError(CheckpointError):
+    """A checkpoint without chunkmem's manifest (a plain PyTorch file, a plain DCP directory, or
+    chunkmem files copied without theirs) was loaded without ``verify=False``."""
+
+
 class CheckpointWriteError(CheckpointError, OSError):
     """A save failed on some rank (disk full, unwritable path); the previous file is unchanged."""

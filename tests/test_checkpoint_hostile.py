@@ -16,8 +16,10 @@ import torch
 from distributed import run_ranks
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 
-from chunkmem import CheckpointCorruptedError
+from chunkmem import CheckpointCorruptedError, CheckpointUnverifiedError
 from chunkmem.checkpoint.dcp_reader import read_metadata
+from chunkmem.checkpoint.directory import DirectoryManifest
+from chunkmem.checkpoint.files import Manifest, seal
 
 
 class _Payload:
@@ -41,12 +43,13 @@ def _digest(data: bytes) -> dict[str, Any]:
 
 
 def _forge_file(path: Path, data: bytes) -> None:
-    """Replace a single-file checkpoint and make its manifest vouch for the new bytes."""
+    """Replace a single-file checkpoint and make its manifest vouch for the new bytes (sealed
+    again, as whoever can write both files can)."""
     path.write_bytes(data)
     side = path.with_name(path.name + ".chunkmem.json")
     manifest = json.loads(side.read_text())
     manifest["digest"] = _digest(data)
-    side.write_text(json.dumps(manifest))
+    side.write_text(seal(Manifest.model_validate(manifest)).model_dump_json())
 
 
 def _forge_in_directory(directory: Path, name: str, data: bytes) -> None:
@@ -54,7 +57,7 @@ def _forge_in_directory(directory: Path, name: str, data: bytes) -> None:
     side = directory / "chunkmem.json"
     manifest = json.loads(side.read_text())
     manifest["files"][name] = _digest(data)
-    side.write_text(json.dumps(manifest))
+    side.write_text(seal(DirectoryManifest.model_validate(manifest)).model_dump_json())
 
 
 def _torch_saved(obj: Any) -> bytes:
@@ -91,9 +94,10 @@ def _refused(load: Callable[[], Any], marker: Path, names: str) -> None:
 def test_no_file_of_a_sharded_checkpoint_runs_code(tmp_path: Path, manifest: str) -> None:
     chunked, optimizer, booster = _trained()
     marker = tmp_path / "ran"
+    verify = manifest == "forged"
     for kind, save, load in (
-        ("model", booster.save_model, lambda d: booster.load_model(chunked, d)),
-        ("optim", booster.save_optimizer, lambda d: booster.load_optimizer(optimizer, d)),
+        ("model", booster.save_model, lambda d: booster.load_model(chunked, d, verify=verify)),
+        ("optim", booster.save_optimizer, lambda d: booster.load_optimizer(optimizer, d, verify=verify)),
     ):
         metadata_case, data_case = tmp_path / f"{kind}-metadata", tmp_path / f"{kind}-data"
         save(chunked if kind == "model" else optimizer, metadata_case, shard=True)
@@ -142,3 +146,71 @@ def test_a_planted_metadata_is_refused_on_every_rank_without_running(tmp_path: P
     messages = run_ranks(_planted_metadata_on_two_ranks, 2, (str(tmp_path),))
     assert not marker.exists()
     assert all(".metadata" in m and "refusing" in m for m in messages), messages
+
+
+# --- verification by default ------------------------------------------------------------------
+def test_a_checkpoint_without_its_manifest_loads_only_when_told_and_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    chunked, optimizer, booster = _trained()
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim", shard=True)
+    (tmp_path / "model.pt.chunkmem.json").unlink()
+    (tmp_path / "optim" / "chunkmem.json").unlink()
+    with pytest.raises(CheckpointUnverifiedError, match=r"model.pt has no manifest.*verify=False"):
+        booster.load_model(chunked, tmp_path / "model.pt")
+    with pytest.raises(CheckpointUnverifiedError, match=r"optim has no manifest.*verify=False"):
+        booster.load_optimizer(optimizer, tmp_path / "optim")
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        booster.load_model(chunked, tmp_path / "model.pt", verify=False)
+        booster.load_optimizer(optimizer, tmp_path / "optim", verify=False)
+    unverified = [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()]
+    assert len(unverified) == 2 and "model.pt" in unverified[0] and "optim" in unverified[1], unverified
+
+
+def test_an_edited_step_is_refused_and_old_unsealed_manifests_still_load(tmp_path: Path) -> None:
+    chunked, _, booster = _trained()
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_model(chunked, tmp_path / "model", shard=True)
+    for side in (tmp_path / "model.pt.chunkmem.json", tmp_path / "model" / "chunkmem.json"):
+        original = json.loads(side.read_text())
+        edited = {**original, "step": original["step"] + 1}
+        side.write_text(json.dumps(edited))
+        target = tmp_path / ("model.pt" if side.parent == tmp_path else "model")
+        with pytest.raises(CheckpointCorruptedError, match=r"changed after it was written"):
+            booster.load_model(chunked, target)
+        # a manifest of version 1 (before manifests were sealed) still loads
+        legacy = {k: v for k, v in original.items() if k != "checksum"}
+        side.write_text(json.dumps({**legacy, "version": 1}))
+        booster.load_model(chunked, target)
+
+
+@pytest.mark.parametrize("entry", ["../../secret.txt", "/etc/hostname", "link"])
+def test_manifest_and_metadata_paths_stay_inside_the_checkpoint(tmp_path: Path, entry: str) -> None:
+    chunked, _, booster = _trained()
+    directory = tmp_path / "ckpt" / "model"
+    booster.save_model(chunked, directory, shard=True)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a checkpoint")
+    side = directory / "chunkmem.json"
+    manifest = json.loads(side.read_text())
+    if entry == "link":
+        (directory / "link").symlink_to(secret)
+    manifest["files"][entry] = _digest(secret.read_bytes())
+    side.write_text(seal(DirectoryManifest.model_construct(**manifest)).model_dump_json())
+    with pytest.raises(CheckpointCorruptedError) as caught:
+        booster.load_model(chunked, directory)
+    message = str(caught.value)
+    assert "inside" in message or "leading out" in message, message
+    assert str(secret.stat().st_size) not in message.replace(str(tmp_path), "")
+    # DCP's metadata may not point outside either, with or without a manifest
+    side.unlink()
+    if entry == "link":
+        return
+    metadata = read_metadata(directory)
+    for index, info in list(metadata.storage_data.items()):
+        metadata.storage_data[index] = type(info)(relative_path=entry, offset=0, length=4)
+    metadata.storage_meta = None
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointCorruptedError, match="leading out"):
+        booster.load_model(chunked, directory, verify=False)

@@ -32,6 +32,7 @@ from chunkmem import (
     checkpoint,
 )
 from chunkmem.checkpoint import Destination
+from chunkmem.checkpoint.files import seal
 from chunkmem.checkpoint.optimizer_state import full_optimizer_state
 
 
@@ -90,11 +91,12 @@ def test_damaged_files_are_refused_and_nothing_changes(tmp_path: Path, damage: s
     chunked, optimizer, booster = _trained(1, seed=5)
     before = raw_state(chunked, optimizer)
     expected = {"flip": "is corrupted: its SHA-256", "truncate": "is truncated", "truncate-unverified": "cannot read"}
+    verify = damage != "truncate-unverified"
     with pytest.raises(CheckpointCorruptedError, match=expected[damage]) as error:
-        booster.load_model(chunked, tmp_path / "model.pt")
+        booster.load_model(chunked, tmp_path / "model.pt", verify=verify)
     assert str(tmp_path / "model.pt") in str(error.value)
     with pytest.raises(CheckpointCorruptedError, match=expected[damage]) as error:
-        booster.load_optimizer(optimizer, tmp_path / "optim.pt")
+        booster.load_optimizer(optimizer, tmp_path / "optim.pt", verify=verify)
     assert str(tmp_path / "optim.pt") in str(error.value)
     assert_identical(raw_state(chunked, optimizer), before)
 
@@ -112,9 +114,9 @@ def test_files_of_another_model_are_refused(tmp_path: Path) -> None:
     for name in ("model.pt", "optim.pt"):
         (tmp_path / f"{name}.chunkmem.json").unlink()
     with pytest.raises(StateDictMismatchError, match=r"size mismatch for transformer.wte.weight"):
-        booster.load_model(chunked, tmp_path / "model.pt")
+        booster.load_model(chunked, tmp_path / "model.pt", verify=False)
     with pytest.raises(StateDictMismatchError, match=r"state 'exp_avg' of parameter 'transformer.wte.weight'"):
-        booster.load_optimizer(optimizer, tmp_path / "optim.pt")
+        booster.load_optimizer(optimizer, tmp_path / "optim.pt", verify=False)
     assert_identical(raw_state(chunked, optimizer), before)
     optimizer.step()  # still usable
 
@@ -156,9 +158,9 @@ def test_a_file_of_the_wrong_kind_is_named(tmp_path: Path) -> None:
     for name in ("model.pt", "optim.pt"):
         (tmp_path / f"{name}.chunkmem.json").unlink()
     with pytest.raises(StateDictMismatchError, match=r"holds a model state dict.*load_model"):
-        booster.load_optimizer(optimizer, tmp_path / "model.pt")
+        booster.load_optimizer(optimizer, tmp_path / "model.pt", verify=False)
     with pytest.raises(StateDictMismatchError, match=r"holds an optimizer state.*load_optimizer"):
-        booster.load_model(chunked, tmp_path / "optim.pt")
+        booster.load_model(chunked, tmp_path / "optim.pt", verify=False)
     (tmp_path / "swapped.pt").write_bytes((tmp_path / "model.pt").read_bytes())
     shutil.copy(tmp_path / "optim.pt", tmp_path / "other.pt")
     booster.save_model(chunked, tmp_path / "named.pt")
@@ -231,9 +233,9 @@ def test_a_failed_write_names_the_file_and_disk(tmp_path: Path, monkeypatch: pyt
 
 def _copy_with_manifest(source: Path, target: Path) -> None:
     shutil.copy(source, target)
-    manifest = json.loads(checkpoint.manifest_path(source).read_text())
-    manifest["file"] = target.name
-    checkpoint.manifest_path(target).write_text(json.dumps(manifest))
+    manifest = checkpoint.read_manifest(source)
+    renamed = seal(manifest.model_copy(update={"file": target.name}))
+    checkpoint.manifest_path(target).write_text(renamed.model_dump_json())
 
 
 # --- two ranks ----------------------------------------------------------------------------------

@@ -117,17 +117,17 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     )
 
 
-def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True) -> Any:
+def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool = True, verify: bool = True) -> Any:
     """Load full weights into the master shards and buffers: every rank reads and verifies the file
     (only the slices it holds are read), the ranks agree, then every rank writes. A directory is a
     sharded checkpoint: each rank reads the parts of the saved pieces that fall in its own. A
-    collective."""
+    checkpoint without chunkmem's manifest loads only with ``verify=False``. A collective."""
     runtime = model.runtime
     target = Path(path)
     runtime.finish_backward()
     if is_sharded(target):
         staged_pieces, directory_manifest = load_directory(
-            runtime.manager.comm, target, "model", plan_model_load(model, strict, target)
+            runtime.manager.comm, target, "model", plan_model_load(model, strict, target), verify
         )
         result = install_model(model, staged_pieces)
         if directory_manifest is not None:
@@ -135,7 +135,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         return result
 
     def stage() -> tuple[Any, Manifest | None]:
-        obj, manifest = read_checkpoint(target, "model")
+        obj, manifest = read_checkpoint(target, "model", verify)
         if manifest is not None:
             if strict:
                 _check_model(target, manifest, runtime.manager, model.state_spec())
@@ -178,15 +178,16 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     )
 
 
-def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> None:
-    """Load a full optimizer state (from ``save_optimizer`` or plain PyTorch), cut down to this
-    rank's pieces; verified and agreed on every rank before anything changes. A directory is a
-    sharded checkpoint (``save_optimizer(..., shard=True)``). A collective."""
+def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], verify: bool = True) -> None:
+    """Load a full optimizer state (from ``save_optimizer``, or plain PyTorch with
+    ``verify=False``), cut down to this rank's pieces; verified and agreed on every rank before
+    anything changes. A directory is a sharded checkpoint (``save_optimizer(..., shard=True)``). A
+    collective."""
     runtime = optimizer.runtime
     target = Path(path)
     if is_sharded(target):
         staged_state, directory_manifest = load_directory(
-            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target)
+            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target), verify
         )
         staged_state.install(optimizer)
         if directory_manifest is not None:
@@ -194,7 +195,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str]) -> N
         return
 
     def stage() -> tuple[Any, Manifest | None]:
-        obj, manifest = read_checkpoint(target, "optimizer")
+        obj, manifest = read_checkpoint(target, "optimizer", verify)
         if manifest is not None:
             here = optimizer_entries(optimizer)
             if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
@@ -256,8 +257,11 @@ def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]
     return obj
 
 
-def load_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None) -> None:
-    """Load a scheduler state written by ``save_lr_scheduler`` (or plain PyTorch). Checked before
+def load_lr_scheduler(
+    scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None, verify: bool = True
+) -> None:
+    """Load a scheduler state written by ``save_lr_scheduler`` (or plain PyTorch, with
+    ``verify=False``). Checked before
     anything changes; a scheduler whose own ``load_state_dict`` fails is restored. With the boosted
     optimizer known (``optimizer``, or the one the scheduler was built on) every rank agrees and
     the step is checked against the model and optimizer loaded with it."""
@@ -265,7 +269,7 @@ def load_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: C
     target = Path(path)
 
     def stage() -> tuple[Mapping[str, Any], Manifest | None]:
-        obj, manifest = read_checkpoint(target, "lr_scheduler")
+        obj, manifest = read_checkpoint(target, "lr_scheduler", verify)
         if manifest is not None and runtime is not None:
             check_pairing(runtime, "lr_scheduler", manifest.step, target)
         return _stage_scheduler(scheduler, obj, str(target)), manifest

@@ -30,16 +30,19 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointWriteError
 from .files import (
     FileDigest,
     TensorEntry,
+    check_seal,
     digest_of,
     fsync_directory,
     left_by_a_killed_save,
+    plain_name,
     remove_stale_temps,
+    seal,
     temp_name,
 )
 
@@ -51,6 +54,7 @@ __all__ = [
     "check_kind",
     "check_replaceable",
     "discard",
+    "inside",
     "install",
     "is_sharded",
     "make_temp_directory",
@@ -71,7 +75,10 @@ class DirectoryManifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal["chunkmem-sharded-checkpoint"] = "chunkmem-sharded-checkpoint"
-    version: Literal[1] = 1
+    version: Literal[1, 2] = 2
+    """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
+    checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of every other field: an edited step, digest or file list is refused."""
     layout: Literal["torch.distributed.checkpoint"] = "torch.distributed.checkpoint"
     """How the state is stored: a DCP checkpoint of the module's (optimizer's) state dict."""
     kind: ShardedKind
@@ -87,6 +94,14 @@ class DirectoryManifest(BaseModel):
     tensors: list[TensorEntry]
     """For a model, every state-dict entry; for an optimizer, its parameters in param group order."""
 
+    @field_validator("files")
+    @classmethod
+    def _names_inside(cls, files: dict[str, FileDigest]) -> dict[str, FileDigest]:
+        outside = [name for name in files if not plain_name(name)]
+        if outside:
+            raise ValueError(f"{outside[:3]} are not file names inside the directory (no '/', '..' or absolute paths)")
+        return files
+
 
 def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
     """The manifest of ``directory``, or ``None`` when it has none (a DCP checkpoint written
@@ -101,13 +116,15 @@ def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
             f"cannot read the manifest {side} of checkpoint directory {directory}: {error}"
         ) from error
     try:
-        return DirectoryManifest.model_validate_json(text)
+        manifest = DirectoryManifest.model_validate_json(text)
     except ValidationError as error:
         raise CheckpointCorruptedError(
             f"the manifest {side} of checkpoint directory {directory} is damaged ({error.error_count()} problem(s): "
-            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it to load {directory} "
-            "unverified."
+            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it and load {directory} "
+            "with verify=False."
         ) from error
+    check_seal(manifest, side, f"checkpoint directory {directory}")
+    return manifest
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -214,7 +231,7 @@ def install(temp: Path, target: Path, manifest: DirectoryManifest) -> None:
     check_replaceable(target, manifest.kind)
     side = temp / MANIFEST_NAME
     with open(side, "w") as f:
-        f.write(manifest.model_dump_json(indent=1))
+        f.write(seal(manifest).model_dump_json(indent=1))
         f.flush()
         os.fsync(f.fileno())
     fsync_directory(temp)
@@ -251,8 +268,20 @@ def check_kind(directory: Path, manifest: DirectoryManifest, kind: ShardedKind) 
         )
 
 
-def _verify_file(directory: Path, name: str, expected: FileDigest) -> None:
+def inside(directory: Path, name: str) -> Path:
+    """``directory / name``, refused when it leads out of ``directory`` (a path or a link)."""
     path = directory / name
+    if not plain_name(name) or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+        raise CheckpointCorruptedError(
+            f"checkpoint directory {directory} refers to {name!r}, which is not a file of the directory (a path or a "
+            "link leading out of it); nothing outside a checkpoint is read. Load an intact copy or an earlier "
+            "checkpoint."
+        )
+    return path
+
+
+def _verify_file(directory: Path, name: str, expected: FileDigest) -> None:
+    path = inside(directory, name)
     try:
         actual = digest_of(path)
     except FileNotFoundError:
@@ -272,7 +301,8 @@ def _verify_file(directory: Path, name: str, expected: FileDigest) -> None:
         raise CheckpointCorruptedError(
             f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
             f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
-            f"you replaced files on purpose, delete {directory / MANIFEST_NAME} to load the directory unverified."
+            f"you replaced files on purpose, delete {directory / MANIFEST_NAME} and load the directory with "
+            "verify=False."
         )
 
 

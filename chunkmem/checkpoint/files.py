@@ -18,6 +18,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -26,9 +27,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointWriteError
+from ..errors import (
+    CheckpointCorruptedError,
+    CheckpointMismatchError,
+    CheckpointUnverifiedError,
+    CheckpointWriteError,
+)
+
+log = logging.getLogger("chunkmem")
 
 __all__ = [
     "MANIFEST_SUFFIX",
@@ -37,15 +45,19 @@ __all__ = [
     "Manifest",
     "TensorEntry",
     "atomic_save",
+    "check_seal",
     "digest_of",
     "fingerprint",
     "fsync_directory",
     "left_by_a_killed_save",
     "manifest_path",
+    "plain_name",
     "read_checkpoint",
     "read_manifest",
     "remove_stale_temps",
+    "seal",
     "temp_name",
+    "unverified",
     "write_checkpoint",
 ]
 
@@ -70,13 +82,27 @@ class FileDigest(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+def plain_name(name: str) -> bool:
+    """Whether ``name`` names an entry of a directory itself: not a path, ``.`` or ``..``."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+def _confined(name: str) -> str:
+    if not plain_name(name):
+        raise ValueError(f"{name!r} is not a file name inside the checkpoint (no '/', '..' or absolute paths)")
+    return name
+
+
 class Manifest(BaseModel):
     """What ``<file>.chunkmem.json`` records about the checkpoint file ``<file>``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format: Literal["chunkmem-checkpoint"] = "chunkmem-checkpoint"
-    version: Literal[1] = 1
+    version: Literal[1, 2] = 2
+    """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
+    checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of every other field (:func:`seal`): an edited step or digest is refused."""
     kind: Kind
     """Which save wrote it: a model, an optimizer or an LR scheduler state."""
     file: str
@@ -92,6 +118,29 @@ class Manifest(BaseModel):
     tensors: list[TensorEntry]
     """For a model file, every state-dict entry; for an optimizer file, its parameters in param
     group order (what the file's integer parameter ids stand for)."""
+
+    _file_is_a_name = field_validator("file")(_confined)
+
+
+def _canonical(manifest: BaseModel) -> bytes:
+    fields = manifest.model_dump(mode="json", exclude={"checksum"})
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: Any) -> Any:
+    """``manifest`` with its ``checksum`` over every other field."""
+    return manifest.model_copy(update={"checksum": hashlib.sha256(_canonical(manifest)).hexdigest()})
+
+
+def check_seal(manifest: Any, side: Path, what: str) -> None:
+    """Refuse a sealed manifest whose fields were changed after it was written."""
+    if manifest.version == 1:
+        return
+    if manifest.checksum != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise CheckpointCorruptedError(
+            f"the manifest {side} of {what} was changed after it was written: its checksum does not match its "
+            "fields (step, digests, model). Restore it from the same checkpoint, or load an earlier checkpoint."
+        )
 
 
 def fingerprint(entries: Sequence[TensorEntry]) -> str:
@@ -258,14 +307,16 @@ def write_checkpoint(
     """Write ``obj`` atomically, then its manifest (also atomically)."""
     target = Path(path)
     digest = _atomic_write(obj, target)
-    manifest = Manifest(
-        kind=kind,
-        file=target.name,
-        digest=digest,
-        step=step,
-        model_fingerprint=model_fingerprint,
-        world_size=world_size,
-        tensors=[(name, tuple(shape), dtype) for name, shape, dtype in tensors],
+    manifest = seal(
+        Manifest(
+            kind=kind,
+            file=target.name,
+            digest=digest,
+            step=step,
+            model_fingerprint=model_fingerprint,
+            world_size=world_size,
+            tensors=[(name, tuple(shape), dtype) for name, shape, dtype in tensors],
+        )
     )
     side = manifest_path(target)
     remove_stale_temps(side)
@@ -292,13 +343,15 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
     except OSError as error:
         raise CheckpointCorruptedError(f"cannot read the manifest {side} of checkpoint file {path}: {error}") from error
     try:
-        return Manifest.model_validate_json(text)
+        manifest = Manifest.model_validate_json(text)
     except ValidationError as error:
         raise CheckpointCorruptedError(
             f"the manifest {side} of checkpoint file {path} is damaged ({error.error_count()} problem(s): "
-            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it to load {path} "
-            "unverified."
+            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it and load {path} with "
+            "verify=False."
         ) from error
+    check_seal(manifest, side, f"checkpoint file {path}")
+    return manifest
 
 
 def digest_of(path: Path) -> FileDigest:
@@ -315,7 +368,18 @@ def digest_of(path: Path) -> FileDigest:
     return FileDigest(size=size, sha256=digest.hexdigest())
 
 
-def verify(path: Path, manifest: Manifest, kind: Kind) -> None:
+def unverified(target: Path, manifest_name: str, verify: bool) -> None:
+    """A checkpoint without its manifest: refused, or with ``verify=False`` logged as unverified."""
+    if verify:
+        raise CheckpointUnverifiedError(
+            f"{target} has no manifest ({manifest_name}), so chunkmem cannot check that it is intact and saved for "
+            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
+            f"logged as unverified); if chunkmem saved it, copy {manifest_name} with it."
+        )
+    log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
+
+
+def check_file(path: Path, manifest: Manifest, kind: Kind) -> None:
     """Refuse a file whose manifest names another kind, size or checksum."""
     if manifest.kind != kind:
         raise CheckpointMismatchError(
@@ -338,13 +402,15 @@ def verify(path: Path, manifest: Manifest, kind: Kind) -> None:
         raise CheckpointCorruptedError(
             f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
             f"{manifest.digest.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier "
-            f"checkpoint; if you replaced the file on purpose, delete {manifest_path(path).name} to load it unverified."
+            f"checkpoint; if you replaced the file on purpose, delete {manifest_path(path).name} and load it with "
+            "verify=False."
         )
 
 
-def read_checkpoint(path: str | os.PathLike[str], kind: Kind) -> tuple[Any, Manifest | None]:
-    """Verify ``path`` against its manifest (when it has one), then load it (memory-mapped where
-    the format allows: a rank reads only the slices it uses)."""
+def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = True) -> tuple[Any, Manifest | None]:
+    """Verify ``path`` against its manifest, then load it (memory-mapped where the format allows: a
+    rank reads only the slices it uses). A file without a manifest is refused unless ``verify`` is
+    false (a file from plain PyTorch or elsewhere), and then logged as unverified."""
     target = Path(path)
     if not target.is_file():
         raise CheckpointCorruptedError(
@@ -353,7 +419,9 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind) -> tuple[Any, Mani
         )
     manifest = read_manifest(target)
     if manifest is not None:
-        verify(target, manifest, kind)
+        check_file(target, manifest, kind)
+    else:
+        unverified(target, manifest_path(target).name, verify)
     try:
         try:
             obj = torch.load(target, map_location="cpu", weights_only=True, mmap=True)

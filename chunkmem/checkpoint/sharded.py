@@ -52,12 +52,13 @@ from .directory import (
     ShardedKind,
     check_kind,
     discard,
+    inside,
     install,
     make_temp_directory,
     read_directory_manifest,
     verify_files,
 )
-from .files import FileDigest, TensorEntry, digest_of
+from .files import FileDigest, TensorEntry, digest_of, unverified
 
 __all__ = ["Reading", "SaveRequest", "load_directory", "save_directory"]
 
@@ -229,7 +230,9 @@ class Reading(Generic[T]):
         self.finish = finish
 
 
-def _open(comm: Communicator, target: Path, kind: ShardedKind) -> tuple[DirectoryManifest | None, Metadata]:
+def _open(
+    comm: Communicator, target: Path, kind: ShardedKind, verify: bool
+) -> tuple[DirectoryManifest | None, Metadata]:
     if not target.is_dir():
         interrupted = sorted(target.parent.glob(f".{target.name}.old-*")) if target.parent.is_dir() else []
         hint = (
@@ -248,6 +251,8 @@ def _open(comm: Communicator, target: Path, kind: ShardedKind) -> tuple[Director
     if manifest is not None:
         check_kind(target, manifest, kind)
         verify_files(target, manifest, comm.rank, comm.world_size)
+    else:
+        unverified(target, MANIFEST_NAME, verify)
     try:
         metadata = read_metadata(target)
     except CheckpointCorruptedError:
@@ -257,8 +262,10 @@ def _open(comm: Communicator, target: Path, kind: ShardedKind) -> tuple[Director
             f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {_first_line(error)}): the directory is not "
             "a DCP checkpoint or it is damaged. Load an intact copy or an earlier checkpoint."
         ) from error
+    referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    for name in sorted(referenced):
+        inside(target, name)  # DCP would open it: nothing outside the directory
     if manifest is not None:
-        referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
         unlisted = sorted(referenced - set(manifest.files))
         if unlisted:
             raise CheckpointCorruptedError(
@@ -273,15 +280,16 @@ def load_directory(
     target: Path,
     kind: ShardedKind,
     plan: Callable[[DirectoryManifest | None, Metadata], Reading[T]],
+    verify: bool = True,
 ) -> tuple[T, DirectoryManifest | None]:
     """Verify ``target``, let ``plan`` check the saved keys and shapes and say what this rank
     reads, read it, and return what ``Reading.finish`` staged, with the manifest (``None`` for a
-    DCP checkpoint written without chunkmem, loaded unverified). Nothing is installed. A
-    collective: every rank calls it."""
+    DCP checkpoint written without chunkmem, refused unless ``verify`` is false). Nothing is
+    installed. A collective: every rank calls it."""
     what = f"loading a sharded {kind} checkpoint"
 
     def open_and_plan() -> tuple[DirectoryManifest | None, Reading[T]]:
-        manifest, metadata = _open(comm, target, kind)
+        manifest, metadata = _open(comm, target, kind, verify)
         return manifest, plan(manifest, metadata)
 
     manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
