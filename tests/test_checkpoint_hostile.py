@@ -7,6 +7,8 @@ import hashlib
 import io
 import json
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from killed_saves import dead_workspace
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 
 from chunkmem import CheckpointCorruptedError, CheckpointUnverifiedError
@@ -214,3 +217,147 @@ def test_manifest_and_metadata_paths_stay_inside_the_checkpoint(tmp_path: Path, 
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointCorruptedError, match="leading out"):
         booster.load_model(chunked, directory, verify=False)
+
+
+# --- what a save may touch --------------------------------------------------------------------
+_LOOK_ALIKES = {
+    ".model.pt.tmp-notes.txt": b"notes",
+    ".model.pt.tmp-otherhost-999999": b"another host's save",
+    ".model.pt.chunkmem.json.tmp-keep": b"keep",
+    ".model.pt.chunkmem-tmp-0123456789abcdef": b"a file, not a workspace",
+    ".model_s.tmp-backup/kept.txt": b"backup",
+    ".model_s.old-2024-backup/kept.txt": b"old backup",
+    ".model_s.chunkmem-tmp-zz/kept.txt": b"not a token",
+    ".model_s.chunkmem-tmp-fedcba9876543210/.chunkmem-workspace": b"a marker that says something else",
+    ".model_s.chunkmem-tmp-0011223344556677/kept.txt": b"no marker",
+}
+
+
+def test_look_alike_names_survive_saves_kills_and_cleanups(tmp_path: Path) -> None:
+    for name, data in _LOOK_ALIKES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    chunked, optimizer, booster = _trained()
+    for _ in range(2):
+        dead_workspace(tmp_path / "model.pt")
+        dead_workspace(tmp_path / "model_s")
+        booster.save_model(chunked, tmp_path / "model.pt")
+        booster.save_model(chunked, tmp_path / "model_s", shard=True)
+        train_chunked(chunked, optimizer, booster, batches(1))
+    for name, data in _LOOK_ALIKES.items():
+        assert (tmp_path / name).read_bytes() == data, name
+    top = {name.split("/")[0] for name in _LOOK_ALIKES}
+    assert {p.name for p in tmp_path.iterdir()} == top | {"model.pt", "model.pt.chunkmem.json", "model_s"}
+    booster.load_model(chunked, tmp_path / "model.pt")
+    booster.load_model(chunked, tmp_path / "model_s")
+
+
+# --- a kill at any point of a save ------------------------------------------------------------
+_SAVE = """
+import os, sys, torch
+from chunkmem import Booster, ChunkPlugin
+
+kill_at = int(sys.argv[1])
+calls = 0
+def dying(real):
+    def call(*args, **kwargs):
+        global calls
+        calls += 1
+        if calls == kill_at:
+            os._exit(9)
+        return real(*args, **kwargs)
+    return call
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+booster = Booster(ChunkPlugin(precision="fp32", chunk_size=200))
+chunked, *_ = booster.boost(model)
+chunked.load_state_dict({k: torch.full_like(v, 2.0) for k, v in chunked.state_dict().items()})
+for name in ("fsync", "replace", "rename"):
+    setattr(os, name, dying(getattr(os, name)))
+booster.save_model(chunked, sys.argv[2], shard=sys.argv[3] == "shard")
+sys.exit(0)
+"""
+
+
+def _small() -> tuple[Any, Any]:
+    from chunkmem import Booster, ChunkPlugin
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    booster = Booster(ChunkPlugin(precision="fp32", chunk_size=200))
+    chunked, *_ = booster.boost(model)
+    return chunked, booster
+
+
+def _fill(chunked: Any, value: float) -> None:
+    chunked.load_state_dict({k: torch.full_like(v, value) for k, v in chunked.state_dict().items()})
+
+
+def _loaded_value(chunked: Any, booster: Any, target: Path) -> float:
+    _fill(chunked, -1.0)
+    booster.load_model(chunked, target)  # verified: it has its manifest, which must match
+    values = {float(v.unique().item()) for v in chunked.state_dict().values()}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["file", "shard"])
+def test_a_save_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_verified(tmp_path: Path, shard: str) -> None:
+    chunked, booster = _small()
+    target = tmp_path / ("model" if shard == "shard" else "model.pt")
+    seen = []
+    for kill_at in range(1, 40):
+        _fill(chunked, 1.0)
+        booster.save_model(chunked, target, shard=shard == "shard")
+        done = subprocess.run(
+            [sys.executable, "-c", _SAVE, str(kill_at), str(target), shard], capture_output=True, text=True
+        )
+        assert done.returncode in (0, 9), done.stderr[-2000:]
+        seen.append(_loaded_value(chunked, booster, target))
+        if done.returncode == 0:
+            break
+    else:
+        pytest.fail("the save was killed at every one of 39 points")
+    assert seen[0] == 1.0 and seen[-1] == 2.0 and set(seen) == {1.0, 2.0}, seen
+    booster.save_model(chunked, target, shard=shard == "shard")  # cleans up after the killed ones
+    expected = {"model"} if shard == "shard" else {"model.pt", "model.pt.chunkmem.json"}
+    assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+# --- a reader beside a saver ------------------------------------------------------------------
+_SAVER = """
+import sys, torch
+from chunkmem import Booster, ChunkPlugin
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+booster = Booster(ChunkPlugin(precision="fp32", chunk_size=200))
+chunked, *_ = booster.boost(model)
+print("ready", flush=True)
+value = 1.0
+while True:
+    chunked.load_state_dict({k: torch.full_like(v, value) for k, v in chunked.state_dict().items()})
+    booster.save_model(chunked, sys.argv[1], shard=sys.argv[2] == "shard")
+    value = 3.0 - value
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shard", "loads"), [("file", 2000), ("shard", 500)])
+def test_a_reader_beside_a_saver_never_sees_a_false_corruption(tmp_path: Path, shard: str, loads: int) -> None:
+    chunked, booster = _small()
+    target = tmp_path / ("model" if shard == "shard" else "model.pt")
+    _fill(chunked, 1.0)
+    booster.save_model(chunked, target, shard=shard == "shard")
+    saver = subprocess.Popen(
+        [sys.executable, "-c", _SAVER, str(target), shard], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert saver.stdout is not None and saver.stdout.readline().strip() == "ready"
+        values = [_loaded_value(chunked, booster, target) for _ in range(loads)]
+        assert saver.poll() is None, saver.stderr.read() if saver.stderr else ""
+    finally:
+        saver.kill()
+        saver.wait()
+    assert set(values) <= {1.0, 2.0} and len(set(values)) == 2, "the saver did not replace it during the loads"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from killed_saves import dead_workspace, live_workspace
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 from state_helpers import assert_identical, raw_state
 
@@ -169,18 +170,19 @@ def test_a_file_of_the_wrong_kind_is_named(tmp_path: Path) -> None:
         booster.load_model(chunked, tmp_path / "swapped.pt")
 
 
-def test_stale_temporary_files_are_removed_by_the_next_save(tmp_path: Path) -> None:
-    from chunkmem.checkpoint.files import _HOST
-
+def test_workspaces_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path) -> None:
     target = tmp_path / "model.pt"
-    dead = tmp_path / f".model.pt.tmp-{_HOST}-999999999"
-    other_host = tmp_path / ".model.pt.tmp-elsewhere-123"
-    live = tmp_path / f".model.pt.tmp-{_HOST}-1"  # pid 1 runs: a save still in progress
-    for path in (dead, other_host, live):
-        path.write_bytes(b"x" * 1000)
-    checkpoint.atomic_save({"w": torch.ones(3)}, target)
-    assert not dead.exists() and not other_host.exists() and live.exists()
+    dead = dead_workspace(target)
+    process, live = live_workspace(target)
+    try:
+        checkpoint.atomic_save({"w": torch.ones(3)}, target)
+        assert not dead.exists() and live.exists()
+    finally:
+        process.kill()
+        process.wait()
     assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
+    checkpoint.atomic_save({"w": torch.ones(3)}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
 def test_a_killed_save_leaves_the_old_file_and_its_temp_goes_next_time(tmp_path: Path) -> None:
@@ -203,9 +205,9 @@ def test_a_killed_save_leaves_the_old_file_and_its_temp_goes_next_time(tmp_path:
     process = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 60
-        while not list(tmp_path.glob(".model.pt.tmp-*")) and time.monotonic() < deadline:
+        while not list(tmp_path.glob(".model.pt.chunkmem-tmp-*/data")) and time.monotonic() < deadline:
             time.sleep(0.1)
-        temps = list(tmp_path.glob(".model.pt.tmp-*"))
+        temps = list(tmp_path.glob(".model.pt.chunkmem-tmp-*"))
         assert temps, "the saving process did not start writing"
     finally:
         process.kill()

@@ -10,7 +10,6 @@ import errno
 import gc
 import hashlib
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
+from killed_saves import dead_workspace, live_workspace
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunked
 from state_helpers import assert_identical, raw_state
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -317,43 +317,43 @@ def test_refused_loads_and_a_failed_save_raise_on_every_rank_and_change_nothing(
 def test_a_save_replaces_the_previous_directory_and_cleans_up_after_killed_saves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chunkmem.checkpoint.files import _HOST
-
     chunked, optimizer, booster = _trained(1)
     target = tmp_path / "model"
     booster.save_model(chunked, target, shard=True)
     first = json.loads((target / "chunkmem.json").read_text())
-    dead_temp = tmp_path / f".model.tmp-{_HOST}-999999999"
-    (dead_temp / "sub").mkdir(parents=True)
-    other_host = tmp_path / ".model.tmp-elsewhere-123"
-    other_host.mkdir()
-    live = tmp_path / f".model.tmp-{_HOST}-1"  # pid 1 runs: a save still in progress
-    live.mkdir()
-    train_chunked(chunked, optimizer, booster, batches(1, seed=8))
-    booster.save_model(chunked, target, shard=True)
-    assert not dead_temp.exists() and not other_host.exists() and live.exists()
-    second = json.loads((target / "chunkmem.json").read_text())
-    assert second["step"] == first["step"] + 1 and second["files"] != first["files"]
-
-    # Where directories cannot be exchanged in one step, the previous one is moved aside first;
-    # a save killed between the two renames leaves it there, and the next save puts it back.
-    monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
-    os.rename(target, tmp_path / f".model.old-{_HOST}-999999999")
-    with pytest.raises(CheckpointCorruptedError, match=r"does not exist; a save to it was interrupted"):
-        booster.load_model(chunked, target)
-
-    def failing_install(temp: Path, target: Path, manifest: Any) -> None:
-        raise OSError("boom")
-
-    monkeypatch.setattr(sharded, "install", failing_install)
-    with pytest.raises(CheckpointWriteError, match=r"boom.*previous checkpoint at .*model, if any, is unchanged"):
+    dead = dead_workspace(target)
+    process, live = live_workspace(target)
+    try:
+        train_chunked(chunked, optimizer, booster, batches(1, seed=8))
         booster.save_model(chunked, target, shard=True)
-    assert json.loads((target / "chunkmem.json").read_text()) == second  # put back by that save
-    monkeypatch.undo()
-    monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
-    booster.save_model(chunked, target, shard=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".model.tmp-" + f"{_HOST}-1", "model"])
-    booster.load_model(chunked, target)
+        assert not dead.exists() and live.exists()
+        second = json.loads((target / "chunkmem.json").read_text())
+        assert second["step"] == first["step"] + 1 and second["files"] != first["files"]
+
+        # Where directories cannot be exchanged in one step, the previous one is moved into the
+        # workspace first; a save killed between the two renames leaves it there, and the next
+        # save puts it back.
+        monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
+        interrupted = dead_workspace(target, move_previous=True)
+        with pytest.raises(CheckpointCorruptedError, match=r"does not exist; a save to it was interrupted"):
+            booster.load_model(chunked, target)
+
+        def failing_install(workspace: Any, target: Path, manifest: Any) -> None:
+            raise OSError("boom")
+
+        monkeypatch.setattr(sharded, "install", failing_install)
+        with pytest.raises(CheckpointWriteError, match=r"boom.*previous checkpoint at .*model, if any, is unchanged"):
+            booster.save_model(chunked, target, shard=True)
+        assert json.loads((target / "chunkmem.json").read_text()) == second  # put back by that save
+        assert not interrupted.exists()
+        monkeypatch.undo()
+        monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
+        booster.save_model(chunked, target, shard=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "model"])
+        booster.load_model(chunked, target)
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path: Path) -> None:

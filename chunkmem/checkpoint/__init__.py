@@ -37,7 +37,6 @@ from .files import (
     manifest_path,
     read_checkpoint,
     read_manifest,
-    remove_stale_temps,
     write_checkpoint,
 )
 from .gather import Destination
@@ -66,7 +65,6 @@ __all__ = [
     "manifest_path",
     "model_fingerprint",
     "read_manifest",
-    "remove_stale_temps",
     "save_lr_scheduler",
     "save_model",
     "save_optimizer",

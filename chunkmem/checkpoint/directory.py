@@ -8,16 +8,17 @@ ranks share the work) before DCP reads anything, so a corrupted, truncated or sw
 directory of another model, or a model and optimizer from different steps are refused as for
 single files.
 
-Saving is atomic at the directory level. The ranks write into ``.<name>.tmp-<host>-<pid>`` beside
-the target (named after rank 0's process), rank 0 writes the manifest last, then swaps the new
-directory into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; the previous checkpoint comes
-out under the temporary name and is deleted). Where the filesystem cannot exchange, the previous
-directory is first renamed to ``.<name>.old-<host>-<pid>``, the new one renamed into place, then the
-old one deleted; a save killed between the two renames leaves the previous checkpoint there, and
-the next save to the target renames it back before anything else. Temporary directories of killed
-saves are removed by the next save to the same target. Only an empty directory or a chunkmem
-checkpoint of the same kind holding nothing but its own files is ever replaced: another kind's
-checkpoint, or a directory holding anything else, is refused, never deleted.
+Saving is atomic at the directory level. The ranks write into ``checkpoint/`` of a workspace rank 0
+creates beside the target (:class:`~chunkmem.checkpoint.workspace.Workspace`: a random name, a
+marker, a lock held while it lives), rank 0 writes the manifest last, then swaps the new directory
+into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; the previous checkpoint comes out inside
+the workspace, which is deleted). Where the filesystem cannot exchange, the previous directory is
+first moved into the workspace, then the new one into place; a save killed between the two renames
+leaves the previous checkpoint there, and the next save to the target moves it back.
+Workspaces of killed saves are removed by the next save to the same target; nothing else beside
+the target is touched. Only an empty directory or a chunkmem checkpoint of the same kind holding
+nothing but its own files is ever replaced: another kind's checkpoint, or a directory holding
+anything else, is refused, never deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Literal
@@ -39,25 +39,23 @@ from .files import (
     check_seal,
     digest_of,
     fsync_directory,
-    left_by_a_killed_save,
     plain_name,
-    remove_stale_temps,
     seal,
-    temp_name,
 )
+from .workspace import PREVIOUS, Workspace, interrupted_saves, remove_dead_workspaces
 
 __all__ = [
     "DCP_METADATA",
     "MANIFEST_NAME",
+    "WRITE_INTO",
     "DirectoryManifest",
     "ShardedKind",
     "check_kind",
     "check_replaceable",
-    "discard",
     "inside",
     "install",
     "is_sharded",
-    "make_temp_directory",
+    "make_workspace",
     "read_directory_manifest",
     "verify_files",
 ]
@@ -128,29 +126,16 @@ def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
 
 
 # --- writing ----------------------------------------------------------------------------------
-def _old_prefix(target: Path) -> str:
-    return f".{target.name}.old-"
-
-
-def _restore_interrupted(target: Path) -> None:
-    """A save killed between moving the previous directory aside and moving the new one in left
-    the previous one under ``.<name>.old-*``: put it back. Other leftovers are deleted."""
-    prefix = _old_prefix(target)
-    for candidate in sorted(target.parent.glob(f"{prefix}*")):
-        if not left_by_a_killed_save(candidate, prefix):
-            continue
-        if not target.exists():
-            os.rename(candidate, target)
-        else:
-            shutil.rmtree(candidate, ignore_errors=True)
+WRITE_INTO = "checkpoint"
+"""The entry of a save's workspace that the ranks write the new directory into."""
 
 
 def is_sharded(target: Path) -> bool:
     """Whether ``target`` names a sharded checkpoint: a directory, or a path a directory save was
-    interrupted at (its previous checkpoint waits under ``.<name>.old-*``)."""
+    interrupted at (its previous checkpoint waits in the save's workspace)."""
     if target.is_dir():
         return True
-    return not target.exists() and target.parent.is_dir() and any(target.parent.glob(f"{_old_prefix(target)}*"))
+    return not target.exists() and bool(interrupted_saves(target))
 
 
 def check_replaceable(target: Path, kind: ShardedKind) -> None:
@@ -193,18 +178,15 @@ def check_replaceable(target: Path, kind: ShardedKind) -> None:
         )
 
 
-def make_temp_directory(target: Path, kind: ShardedKind) -> Path:
+def make_workspace(target: Path, kind: ShardedKind) -> Workspace:
     """On the first rank: clean up after killed saves to ``target``, check that it may be replaced
-    by a ``kind`` checkpoint, and create the (empty) directory the ranks write into."""
+    by a ``kind`` checkpoint, and create the workspace whose ``checkpoint/`` the ranks write into."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    _restore_interrupted(target)
-    remove_stale_temps(target)
+    remove_dead_workspaces(target)
     check_replaceable(target, kind)
-    temp = temp_name(target)
-    if temp.exists():  # this process's own, from a save that failed and could not clean up
-        shutil.rmtree(temp)
-    temp.mkdir()
-    return temp
+    workspace = Workspace(target)
+    (workspace / WRITE_INTO).mkdir()
+    return workspace
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -225,38 +207,27 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(second))
 
 
-def install(temp: Path, target: Path, manifest: DirectoryManifest) -> None:
-    """On the first rank: write the manifest into ``temp`` (durably), then put ``temp`` in place
-    of ``target`` atomically and delete the previous checkpoint."""
+def install(workspace: Workspace, target: Path, manifest: DirectoryManifest) -> None:
+    """On the first rank: write the manifest into the new directory (durably), then put it in
+    place of ``target`` atomically and delete the previous checkpoint with the workspace."""
     check_replaceable(target, manifest.kind)
-    side = temp / MANIFEST_NAME
-    with open(side, "w") as f:
+    new = workspace / WRITE_INTO
+    with open(new / MANIFEST_NAME, "w") as f:
         f.write(seal(manifest).model_dump_json(indent=1))
         f.flush()
         os.fsync(f.fileno())
-    fsync_directory(temp)
+    fsync_directory(new)
     if not target.exists():
-        os.rename(temp, target)
-        previous = None
-    elif _exchange(temp, target):
-        previous = temp
-    else:
-        previous = target.with_name(f"{temp.name.replace('.tmp-', '.old-', 1)}")
-        os.rename(target, previous)
+        os.rename(new, target)
+    elif not _exchange(new, target):
+        os.rename(target, workspace / PREVIOUS)
         try:
-            os.rename(temp, target)
+            os.rename(new, target)
         except OSError:
-            os.rename(previous, target)
+            os.rename(workspace / PREVIOUS, target)
             raise
     fsync_directory(target.parent)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-
-
-def discard(temp: Path) -> None:
-    """Remove a temporary directory after a failed save (best effort: the next save removes what
-    is left)."""
-    shutil.rmtree(temp, ignore_errors=True)
+    workspace.remove()
 
 
 # --- reading ----------------------------------------------------------------------------------

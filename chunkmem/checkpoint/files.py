@@ -1,19 +1,24 @@
-"""Checkpoint files on disk: atomic writes, checksums and the manifest beside each file.
+"""Checkpoint files on disk: atomic pairs of a file and its manifest, checksums, safe reads.
 
-A file is written to a temporary name next to its target (``.<name>.tmp-<host>-<pid>``), hashed
-while it is written, flushed to disk and renamed over the target, so a reader sees the old file or
-the whole new one. A failed write removes its temporary file; one left by a killed save is removed
-by the next save to the same target.
+A save writes the file and its manifest into a workspace chunkmem owns beside the target
+(:mod:`~chunkmem.checkpoint.workspace`: a random name, a marker, a lock held while the save runs),
+flushes both to disk, then renames the manifest into place, then the file. The new manifest also
+describes the file it replaces (``previous``), so a reader between the two renames, or a save
+killed between them, finds the old file verified; before them the old pair is untouched, after
+them the new pair is whole. A failed write removes its workspace; a killed save's is removed by
+the next save to the same target, and nothing else beside the target is ever touched.
 
 Beside each checkpoint file ``<name>`` chunkmem writes ``<name>.chunkmem.json`` (a
 :class:`Manifest`): what kind of state the file holds, its size and SHA-256, the step it was saved
-at, and a fingerprint of the model. The checkpoint file itself stays a plain ``torch.save`` file
-that plain PyTorch loads; the manifest is what lets a load refuse a corrupted, truncated, swapped
-or mismatched file before anything is written.
+at, and a fingerprint of the model, sealed by a checksum over all of it. The checkpoint file
+itself stays a plain ``torch.save`` file that plain PyTorch loads; the manifest is what lets a load
+refuse a corrupted, truncated, swapped or mismatched file before anything is written. Reads use
+``torch.load(weights_only=True)`` and check the same inode they load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -21,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +39,7 @@ from ..errors import (
     CheckpointUnverifiedError,
     CheckpointWriteError,
 )
+from .workspace import Workspace, remove_dead_workspaces
 
 log = logging.getLogger("chunkmem")
 
@@ -49,14 +54,11 @@ __all__ = [
     "digest_of",
     "fingerprint",
     "fsync_directory",
-    "left_by_a_killed_save",
     "manifest_path",
     "plain_name",
     "read_checkpoint",
     "read_manifest",
-    "remove_stale_temps",
     "seal",
-    "temp_name",
     "unverified",
     "write_checkpoint",
 ]
@@ -119,7 +121,15 @@ class Manifest(BaseModel):
     """For a model file, every state-dict entry; for an optimizer file, its parameters in param
     group order (what the file's integer parameter ids stand for)."""
 
+    previous: Manifest | None = None
+    """The manifest of the file this one replaced, while the save that replaces it runs: a save
+    renames its manifest into place first, then its file, so a reader in between (or after a kill
+    in between) finds the previous file, described here."""
+
     _file_is_a_name = field_validator("file")(_confined)
+
+
+Manifest.model_rebuild()
 
 
 def _canonical(manifest: BaseModel) -> bytes:
@@ -180,50 +190,6 @@ class _HashingWriter(io.RawIOBase):
         return FileDigest(size=self.size, sha256=self._hash.hexdigest())
 
 
-_HOST = socket.gethostname().replace("-", "_")
-
-
-def temp_name(target: Path) -> Path:
-    """Where this process writes ``target`` before renaming it into place."""
-    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def left_by_a_killed_save(candidate: Path, prefix: str) -> bool:
-    """Whether ``candidate`` (named ``<prefix><host>-<pid>``) was left by a save that is gone: one
-    of this host whose process no longer runs, or one of another host (one target has one writer)."""
-    host, _, pid = candidate.name.rpartition("-")
-    host = host.removeprefix(prefix)
-    return not (host == _HOST and pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))))
-
-
-def remove_stale_temps(target: Path) -> list[Path]:
-    """Remove temporary files (or, for a sharded checkpoint, directories) a killed save to
-    ``target`` left behind (see :func:`left_by_a_killed_save`). Returns what was removed."""
-    removed: list[Path] = []
-    if not target.parent.is_dir():
-        return removed
-    prefix = f".{target.name}.tmp-"
-    for candidate in target.parent.glob(f"{prefix}*"):
-        if not left_by_a_killed_save(candidate, prefix):
-            continue
-        if candidate.is_dir() and not candidate.is_symlink():
-            shutil.rmtree(candidate, ignore_errors=True)
-        else:
-            candidate.unlink(missing_ok=True)
-        removed.append(candidate)
-    return removed
-
-
 def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -265,34 +231,52 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(obj: Any, target: Path) -> FileDigest:
+def _write_into(obj: Any, path: Path) -> FileDigest:
+    """``torch.save`` into ``path`` (a workspace entry), durably; its size and SHA-256."""
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        writer.flush()
+        os.fsync(f.fileno())
+    return writer.digest()
+
+
+def _workspace(target: Path, obj: Any) -> Workspace:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(target)
+        remove_dead_workspaces(target)
+        return Workspace(target)
     except OSError as error:
         raise _write_error(target, obj, error) from error
-    tmp = temp_name(target)
-    try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            writer.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        fsync_directory(target.parent)
-    except (OSError, RuntimeError) as error:
-        raise _write_error(target, obj, error) from error
-    finally:
-        tmp.unlink(missing_ok=True)
-    return writer.digest()
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to ``path`` so that readers see either the old file or the whole new one.
     Raises :class:`CheckpointWriteError` (an ``OSError``) naming the file when the write fails."""
     target = Path(path)
-    _atomic_write(obj, target)
+    workspace = _workspace(target, obj)
+    try:
+        _write_into(obj, workspace / "data")
+        os.replace(workspace / "data", target)
+        fsync_directory(target.parent)
+    except (OSError, RuntimeError) as error:
+        raise _write_error(target, obj, error) from error
+    finally:
+        workspace.remove()
     return target
+
+
+def _current_manifest(target: Path) -> Manifest | None:
+    """The manifest now beside ``target`` (without its own ``previous``), to describe the file a
+    save replaces. Not checked against the file: a pair that does not match now is refused in the
+    window as it is now, and hashing the old file would cost a full read per save."""
+    try:
+        manifest = read_manifest(target)
+    except CheckpointCorruptedError:
+        return None
+    if manifest is None:
+        return None
+    return manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
 
 
 def write_checkpoint(
@@ -304,31 +288,37 @@ def write_checkpoint(
     world_size: int,
     tensors: Sequence[TensorEntry],
 ) -> Manifest:
-    """Write ``obj`` atomically, then its manifest (also atomically)."""
+    """Write ``obj`` and its manifest so that a reader, or a save killed at any point, finds the
+    old pair or the new one: both are written into a workspace, then the manifest (which also
+    describes the file it replaces, as ``previous``) is renamed into place, then the file."""
     target = Path(path)
-    digest = _atomic_write(obj, target)
-    manifest = seal(
-        Manifest(
-            kind=kind,
-            file=target.name,
-            digest=digest,
-            step=step,
-            model_fingerprint=model_fingerprint,
-            world_size=world_size,
-            tensors=[(name, tuple(shape), dtype) for name, shape, dtype in tensors],
-        )
-    )
     side = manifest_path(target)
-    remove_stale_temps(side)
-    tmp = temp_name(side)
+    workspace = _workspace(target, obj)
     try:
-        tmp.write_text(manifest.model_dump_json(indent=1))
-        os.replace(tmp, side)
-        fsync_directory(side.parent)
-    except OSError as error:
-        raise _write_error(side, None, error) from error
+        digest = _write_into(obj, workspace / "data")
+        manifest = seal(
+            Manifest(
+                kind=kind,
+                file=target.name,
+                digest=digest,
+                step=step,
+                model_fingerprint=model_fingerprint,
+                world_size=world_size,
+                tensors=[(name, tuple(shape), dtype) for name, shape, dtype in tensors],
+                previous=_current_manifest(target),
+            )
+        )
+        with open(workspace / "manifest", "w") as f:
+            f.write(manifest.model_dump_json(indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(workspace / "manifest", side)
+        os.replace(workspace / "data", target)
+        fsync_directory(target.parent)
+    except (OSError, RuntimeError) as error:
+        raise _write_error(target, obj, error) from error
     finally:
-        tmp.unlink(missing_ok=True)
+        workspace.remove()
     return manifest
 
 
@@ -354,14 +344,19 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest | None:
     return manifest
 
 
-def digest_of(path: Path) -> FileDigest:
-    """Size and SHA-256 of the file at ``path``, read through one reused block (hashing a large
-    checkpoint holds a megabyte, not a fresh buffer per read)."""
+def digest_of(path: Path | io.BufferedReader) -> FileDigest:
+    """Size and SHA-256 of the file at ``path`` (or of an open file, from its start), read through
+    one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer per read)."""
     digest = hashlib.sha256()
     size = 0
     block = bytearray(_READ_BLOCK)
     view = memoryview(block)
-    with open(path, "rb", buffering=0) as f:
+    with contextlib.ExitStack() as stack:
+        if isinstance(path, io.BufferedReader):
+            f = path.raw
+            f.seek(0)
+        else:
+            f = stack.enter_context(open(path, "rb", buffering=0))
         while count := f.readinto(block):
             digest.update(view[:count])
             size += count
@@ -379,8 +374,9 @@ def unverified(target: Path, manifest_name: str, verify: bool) -> None:
     log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
 
 
-def check_file(path: Path, manifest: Manifest, kind: Kind) -> None:
-    """Refuse a file whose manifest names another kind, size or checksum."""
+def check_file(path: Path, manifest: Manifest, kind: Kind, actual: FileDigest) -> None:
+    """Refuse a file (whose size and checksum are ``actual``) that its manifest says is of another
+    kind, name, size or checksum."""
     if manifest.kind != kind:
         raise CheckpointMismatchError(
             f"{path} holds a {manifest.kind} state (written by {_SAVE_WITH[manifest.kind].split(' / ')[0]}), not "
@@ -391,7 +387,6 @@ def check_file(path: Path, manifest: Manifest, kind: Kind) -> None:
             f"the manifest beside {path} describes the file '{manifest.file}': the files were renamed or swapped. "
             f"Rename them back together (a file and its {MANIFEST_SUFFIX} keep the same base name)."
         )
-    actual = digest_of(path)
     if actual.size != manifest.digest.size:
         what = "truncated" if actual.size < manifest.digest.size else "longer than saved"
         raise CheckpointCorruptedError(
@@ -407,32 +402,74 @@ def check_file(path: Path, manifest: Manifest, kind: Kind) -> None:
         )
 
 
-def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = True) -> tuple[Any, Manifest | None]:
-    """Verify ``path`` against its manifest, then load it (memory-mapped where the format allows: a
-    rank reads only the slices it uses). A file without a manifest is refused unless ``verify`` is
-    false (a file from plain PyTorch or elsewhere), and then logged as unverified."""
-    target = Path(path)
-    if not target.is_file():
-        raise CheckpointCorruptedError(
-            f"checkpoint file {target} does not exist or is not a file"
-            + (" (it is a directory)" if target.is_dir() else "")
-        )
-    manifest = read_manifest(target)
-    if manifest is not None:
-        check_file(target, manifest, kind)
-    else:
-        unverified(target, manifest_path(target).name, verify)
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _load(target: Path) -> Any:
     try:
         try:
-            obj = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(target, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as error:
             if "mmap" not in str(error):
                 raise
-            obj = torch.load(target, map_location="cpu", weights_only=True)
+            return torch.load(target, map_location="cpu", weights_only=True)
     except Exception as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointCorruptedError(
             f"cannot read checkpoint file {target} ({type(error).__name__}: {first}); it is truncated, damaged "
             "or not a torch.save file. Load an intact copy or an earlier checkpoint."
         ) from error
-    return obj, manifest
+
+
+_ATTEMPTS = 8
+"""Reads of a file that another process replaces meanwhile, before giving up."""
+
+
+def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = True) -> tuple[Any, Manifest | None]:
+    """Verify ``path`` against its manifest, then load it (memory-mapped where the format allows: a
+    rank reads only the slices it uses). A file without a manifest is refused unless ``verify`` is
+    false (a file from plain PyTorch or elsewhere), and then logged as unverified. A save that
+    replaces the file meanwhile is not damage: the file checked is the one loaded (the same inode,
+    held open throughout), or the read starts again."""
+    target = Path(path)
+    for _ in range(_ATTEMPTS):
+        try:
+            held = open(target, "rb")  # noqa: SIM115 (closed below; keeps the inode while it is read)
+        except FileNotFoundError:
+            held = None
+        except IsADirectoryError:
+            held = None
+        if held is None or not target.is_file():
+            raise CheckpointCorruptedError(
+                f"checkpoint file {target} does not exist or is not a file"
+                + (" (it is a directory)" if target.is_dir() else "")
+            )
+        with held:
+            pinned = os.fstat(held.fileno())
+            identity = (pinned.st_dev, pinned.st_ino)
+            manifest = read_manifest(target)
+            if manifest is None:
+                unverified(target, manifest_path(target).name, verify)
+                obj = _load(target)
+                if _identity(target) == identity:
+                    return obj, None
+                continue
+            actual = digest_of(held)
+            chosen = manifest
+            if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:
+                chosen = manifest.previous  # a save is between renaming its manifest and its file
+            if actual != chosen.digest and _identity(target) != identity:
+                continue  # replaced while it was read: read the new one
+            check_file(target, chosen, kind, actual)
+            obj = _load(target)
+            if _identity(target) == identity:
+                return obj, chosen
+    raise CheckpointCorruptedError(
+        f"checkpoint file {target} was replaced {_ATTEMPTS} times while it was being read: another process keeps "
+        "saving to it. Load it when that save is done, or load a copy."
+    )

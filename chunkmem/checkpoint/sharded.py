@@ -26,6 +26,8 @@ Loading (a collective):
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,17 +50,18 @@ from .dcp_reader import read_metadata
 from .directory import (
     DCP_METADATA,
     MANIFEST_NAME,
+    WRITE_INTO,
     DirectoryManifest,
     ShardedKind,
     check_kind,
-    discard,
     inside,
     install,
-    make_temp_directory,
+    make_workspace,
     read_directory_manifest,
     verify_files,
 )
 from .files import FileDigest, TensorEntry, digest_of, unverified
+from .workspace import Workspace, interrupted_saves
 
 __all__ = ["Reading", "SaveRequest", "load_directory", "save_directory"]
 
@@ -129,19 +132,20 @@ def save_directory(
     checkpoint directory ``target``, atomically. A collective: every rank calls it."""
     what = f"saving a sharded {request.kind} checkpoint"
     subject = str(target)
-    temp: Path | None = None  # rank 0's, until it is installed or removed
+    workspace: Workspace | None = None  # rank 0's, until it is installed or removed
 
     def prepare() -> None:
-        nonlocal temp
+        nonlocal workspace
         if comm.rank == 0:
             try:
-                temp = make_temp_directory(target, request.kind)
+                workspace = make_workspace(target, request.kind)
             except OSError as error:
                 raise _write_error(target, error) from error
 
     try:
         agree(comm, what, prepare, CheckpointWriteError, subject)
-        shared = target.parent / comm.all_gather_object(temp.name if temp is not None else None)[0]
+        name = comm.all_gather_object(workspace.path.name if workspace is not None else None)[0]
+        shared = target.parent / name / WRITE_INTO
         entries: dict[str, SaveEntry] = {}
 
         def ready() -> None:
@@ -171,15 +175,15 @@ def save_directory(
         everyone: list[dict[str, FileDigest]] = comm.all_gather_object(written.digests)
 
         def finish() -> None:
-            assert temp is not None, "rank 0 created the temporary directory"
+            assert workspace is not None, "rank 0 created the workspace"
             files: dict[str, FileDigest] = {}
             for digests in everyone:
                 files.update(digests)
             try:
-                files[DCP_METADATA] = digest_of(temp / DCP_METADATA)
+                files[DCP_METADATA] = digest_of(shared / DCP_METADATA)
                 referenced = {info.relative_path for info in (written.metadata.storage_data or {}).values()}
                 for name in sorted(referenced | set(files)):
-                    path = temp / name
+                    path = shared / name
                     if name not in files or not path.is_file() or path.stat().st_size != files[name].size:
                         raise CheckpointWriteError(
                             f"rank 0 does not see {path} as it was written (a file of the sharded checkpoint "
@@ -193,23 +197,23 @@ def save_directory(
                     world_size=comm.world_size,
                     tensors=[(name, tuple(shape), dtype) for name, shape, dtype in request.tensors],
                 )
-                install(temp, target, manifest)
+                install(workspace, target, manifest)
             except OSError as error:
                 raise _write_error(target, error) from error
 
         on_first_rank(comm, f"{what} (finishing)", finish, CheckpointWriteError, subject)
-        temp = None
+        workspace = None
     except ChunkmemError:
         # Raised on every rank at the same step: rank 0 removes what was written, and no rank
         # returns before it has (a caller may look at the directory at once).
-        if temp is not None:
-            discard(temp)
-            temp = None
+        if workspace is not None:
+            workspace.remove()
+            workspace = None
         _settle(comm)
         raise
     finally:
-        if temp is not None:
-            discard(temp)
+        if workspace is not None:
+            workspace.remove()
 
 
 def _settle(comm: Communicator) -> None:
@@ -234,10 +238,10 @@ def _open(
     comm: Communicator, target: Path, kind: ShardedKind, verify: bool
 ) -> tuple[DirectoryManifest | None, Metadata]:
     if not target.is_dir():
-        interrupted = sorted(target.parent.glob(f".{target.name}.old-*")) if target.parent.is_dir() else []
+        interrupted = interrupted_saves(target)
         hint = (
             f"; a save to it was interrupted and left the previous checkpoint at {interrupted[0]} (the next save to "
-            f"{target.name} puts it back, or rename it yourself)"
+            f"{target.name} puts it back, or move it yourself)"
             if interrupted
             else ""
         )
@@ -292,9 +296,7 @@ def load_directory(
         manifest, metadata = _open(comm, target, kind, verify)
         return manifest, plan(manifest, metadata)
 
-    manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
-
-    def read() -> T | None:
+    def read(reading: Reading[T]) -> T | None:
         def run() -> bool:
             dcp_load(comm, target, reading.targets, what)
             return True
@@ -303,6 +305,64 @@ def load_directory(
             return None
         return reading.finish()
 
-    staged = agree(comm, f"{what} (reading)", read, CheckpointCorruptedError, str(target))
-    assert staged is not None, "a rank that saw another rank fail raised in the agreement"
-    return staged, manifest
+    for _ in range(_ATTEMPTS):
+        with _Pinned(target) as pinned:
+            try:
+                manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
+                staged = agree(
+                    comm, f"{what} (reading)", functools.partial(read, reading), CheckpointCorruptedError, str(target)
+                )
+            except ChunkmemError:
+                if _replaced_on_any_rank(comm, pinned):
+                    continue  # a save swapped the directory while it was read: not damage
+                raise
+            if _replaced_on_any_rank(comm, pinned):
+                continue
+        assert staged is not None, "a rank that saw another rank fail raised in the agreement"
+        return staged, manifest
+    raise CheckpointCorruptedError(
+        f"checkpoint directory {target} was replaced {_ATTEMPTS} times while it was being read: another job keeps "
+        "saving to it. Load it when that save is done, or load a copy."
+    )
+
+
+_ATTEMPTS = 8
+"""Reads of a directory that a save replaces meanwhile, before giving up."""
+
+
+class _Pinned:
+    """Holds the directory at a path open (its inode cannot be reused), to tell afterwards whether
+    the path still names it: a save swaps a new directory in with a rename."""
+
+    def __init__(self, target: Path) -> None:
+        self._target = target
+        self._fd: int | None = None
+
+    def __enter__(self) -> _Pinned:
+        with contextlib.suppress(OSError):
+            self._fd = os.open(self._target, os.O_RDONLY | os.O_DIRECTORY)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def replaced(self) -> bool:
+        try:
+            now = os.stat(self._target)
+        except OSError:
+            return self._fd is not None
+        if self._fd is None:
+            return True
+        held = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def _replaced_on_any_rank(comm: Communicator, pinned: _Pinned) -> bool:
+    """Whether any rank's directory was replaced since it was pinned (a collective: then every
+    rank reads again, so no two ranks load different saves)."""
+    replaced = pinned.replaced()
+    if comm.world_size == 1:
+        return replaced
+    return any(comm.all_gather_object(replaced))

@@ -1,0 +1,40 @@
+"""Saves that die or keep running in another process, leaving their workspaces beside a target."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+_START = """
+import os, sys
+from pathlib import Path
+from chunkmem.checkpoint.workspace import PREVIOUS, Workspace
+target = Path({target!r})
+workspace = Workspace(target)
+(workspace / "checkpoint").mkdir()
+(workspace / "checkpoint" / "partial").write_bytes(b"half a checkpoint")
+if {move_previous!r}:
+    os.rename(target, workspace / PREVIOUS)
+print(workspace.path, flush=True)
+"""
+
+
+def dead_workspace(target: Path, move_previous: bool = False) -> Path:
+    """The workspace of a save to ``target`` killed mid-write (after moving the previous
+    checkpoint into it, with ``move_previous``): its process exited, so its lock is free."""
+    script = _START.format(target=str(target), move_previous=move_previous) + "os._exit(9)\n"
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert done.stdout.strip(), done.stderr
+    return Path(done.stdout.strip())
+
+
+def live_workspace(target: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A save to ``target`` still writing in another process (kill it when done)."""
+    script = _START.format(target=str(target), move_previous=False) + "sys.stdin.read()\n"
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    return process, Path(process.stdout.readline().strip())
