@@ -65,7 +65,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def _config(name_or_path: str, positions: int) -> Any:
-    from transformers import CONFIG_MAPPING, AutoConfig
+    from transformers import CONFIG_MAPPING
 
     if name_or_path in SHAPES:
         fields = dict(SHAPES[name_or_path])
@@ -76,7 +76,18 @@ def _config(name_or_path: str, positions: int) -> Any:
     path = Path(name_or_path)
     if not path.exists():
         raise SystemExit(f"--hf-config: {name_or_path} is neither a shipped shape ({', '.join(SHAPES)}) nor a path")
-    return AutoConfig.from_pretrained(path if path.is_dir() else path.parent)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--hf-config: cannot read {file} as a transformers config.json ({error})") from None
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise SystemExit(
+            f"--hf-config: {file} has model_type {model_type!r}, which this transformers does not know; give a "
+            f"config.json with a known model_type, or a shipped shape ({', '.join(SHAPES)})"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(fields)
 
 
 def build_meta_model(name_or_path: str, positions: int) -> torch.nn.Module:
@@ -85,8 +96,12 @@ def build_meta_model(name_or_path: str, positions: int) -> torch.nn.Module:
 
     config = _config(name_or_path, positions)
     config.loss_type = "ForCausalLM"  # what transformers would pick, without its warning
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        first = str(error).strip().splitlines()[0]
+        raise SystemExit(f"--hf-config: {name_or_path} ({config.model_type}) has no causal LM: {first}") from None
 
 
 def _batch(text: str) -> tuple[int, int]:
@@ -94,11 +109,29 @@ def _batch(text: str) -> tuple[int, int]:
         batch, sequence = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--batch takes BATCHxSEQUENCE such as 1x2048, got {text!r}") from None
+    if batch < 1 or sequence < 1:
+        raise argparse.ArgumentTypeError(f"--batch takes a batch and a sequence length of at least 1, got {text!r}")
     return batch, sequence
 
 
+def _at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def _bytes(text: str) -> int:
-    return int(TypeAdapter(ByteSize).validate_python(text))
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 1.5e9 (bytes), got {text!r}") from None
 
 
 def _bandwidth(text: str) -> float:
@@ -111,11 +144,17 @@ def main(argv: list[str] | None = None) -> Plan:
     parser.add_argument("--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB")
     parser.add_argument("--device-memory", type=_bytes, default=None, help="what each rank may use of its device")
     parser.add_argument("--batch", type=_batch, default=(1, 2048), help="per-rank micro-batch, BATCHxSEQUENCE")
-    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--world-size", type=_at_least(1), default=1)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
-    parser.add_argument("--policy", choices=["auto", "static", "offload"], default="auto")
-    parser.add_argument("--max-prefetch", type=int, default=2)
-    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument(
+        "--policy",
+        choices=["auto", "static", "offload"],
+        default="auto",
+        help="auto: AutoPlacementConfig; static: StaticPlacementConfig, everything on the device; offload: "
+        "StaticPlacementConfig with masters and optimizer state in host memory (offload fractions 1)",
+    )
+    parser.add_argument("--max-prefetch", type=_at_least(0), default=2)
+    parser.add_argument("--chunk-size", type=_at_least(1), default=None)
     parser.add_argument("--bandwidth", type=_bandwidth, default=25e9, help="host-device bytes/s, e.g. 25GB/s")
     parser.add_argument("--host-budget", type=_bytes, default=None, help="chunk bytes in host memory, e.g. 16GiB")
     parser.add_argument(

@@ -6,6 +6,7 @@ decides; ``chunkmem`` executes what the policy decides.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +46,17 @@ def _byte_count(value: Any) -> Any:
         raise ValueError(f"must be {_BUDGET_FORM}, not a bool")
     if isinstance(value, int | float) and value <= 0:
         raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be zero or negative)")
+    bare = value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            bare = float(value)
+    if isinstance(bare, float) and not bare.is_integer():
+        raise ValueError(
+            f"must be {_BUDGET_FORM}, got {value!r}: a number without a unit counts bytes, so it must be whole "
+            f"(for {bare:g} gibibytes write '{bare:g}GiB')"
+        )
+    if isinstance(bare, float):
+        return int(bare)  # a whole number of bytes, written as a float or a string ("2e9")
     if isinstance(value, str):
         if value.strip().startswith("-"):
             raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be negative)")
@@ -178,16 +190,47 @@ def load_placement_config(
     except OSError as error:
         raise ValueError(f"cannot read placement config file {path}: {error}") from error
     if suffix == ".json":
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys(path))
         if not isinstance(data, Mapping):
             raise ValueError(f"placement config file {path} must hold a mapping, got {type(data).__name__}")
         return _validate(dict(data), f"placement config file {path}")
-    import yaml
-
-    data = yaml.safe_load(text)
+    data = _load_yaml(text, path)
     if not isinstance(data, Mapping):
         raise ValueError(f"placement config file {path} must hold a mapping, got {type(data).__name__}")
     return _validate(dict(data), f"placement config file {path}")
+
+
+def _unique_keys(path: Path) -> Any:
+    """A JSON ``object_pairs_hook`` that refuses a key given twice (json keeps the last silently)."""
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"placement config file {path} gives the key {key!r} twice; keep one")
+            seen[key] = value
+        return seen
+
+    return build
+
+
+def _load_yaml(text: str, path: Path) -> Any:
+    """``yaml.safe_load``, refusing a key given twice in a mapping (YAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+            if repeated:
+                line = node.start_mark.line + 1
+                raise ValueError(
+                    f"placement config file {path} gives the key(s) {repeated} twice in the mapping at line {line}; "
+                    "keep one"
+                )
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader: builds plain data only
 
 
 def _validate(data: dict[str, Any], where: str) -> StaticPlacementConfig | AutoPlacementConfig:

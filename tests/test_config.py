@@ -192,6 +192,8 @@ def test_device_budget_garbage_refused(cls: type[pydantic.BaseModel], value: obj
         ("1 KiB", 1024),
         ("1.5GiB", 3 * GiB // 2),
         (str(12345), 12345),
+        (2e9, 2_000_000_000),
+        ("2e9", 2_000_000_000),
     ],
 )
 def test_device_budget_parses(cls: type[pydantic.BaseModel], value: object, expected: int) -> None:
@@ -384,3 +386,27 @@ def test_bools_are_not_numbers(cls: type, field: str) -> None:
     with pytest.raises(pydantic.ValidationError) as error:
         cls(**{field: True})
     assert error.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES)
+@pytest.mark.parametrize("value", [1.5, "1.5", 0.25])
+def test_a_fractional_byte_count_is_refused_with_the_unit(cls: type[pydantic.BaseModel], value: object) -> None:
+    """``1.5`` used to be refused as "could not parse value and unit", and ``"1.5"`` became 1 byte."""
+    with pytest.raises(pydantic.ValidationError, match=r"counts bytes, so it must be whole.*GiB'") as exc:
+        cls(device_budget=value)
+    _assert_names_field(exc, "device_budget")
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("dup.yaml", "policy: static\npolicy: auto\n"),
+        ("dup.yml", "policy: auto\ndevice_budget: 1GiB\nmax_prefetch: 1\ndevice_budget: 2GiB\n"),
+        ("dup.json", '{"policy": "static", "policy": "auto"}'),
+    ],
+)
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path: Path, name: str, content: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"twice"):
+        load_placement_config(path)

@@ -6,6 +6,7 @@ real run accepts."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -213,3 +214,32 @@ def test_disk_and_host_figures_equal_a_run_with_the_disk_tier(placement: str, tm
     assert predicted.disk_seconds_per_step == pytest.approx(2 * predicted.disk_read_bytes_per_step / 2e9)
     if DISK_PLACEMENTS[placement].host_budget is not None:
         assert predicted.peak_host_bytes <= DISK_PLACEMENTS[placement].host_budget
+
+
+def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**small, "n_layer": 6}))  # the directory's, not asked for
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    result = plan_cli.main(["--hf-config", str(tmp_path / "small.json"), "--batch", "1x16", "--json"])
+    capsys.readouterr()
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**small)).parameters())
+    assert result.parameters == expected  # the file given, not the directory's config.json
+    (tmp_path / "odd.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    refusals = {
+        "unknown model_type": (["--hf-config", str(tmp_path / "odd.json")], "model_type 'no-such-model'"),
+        "batch 0": (["--hf-config", "gpt2", "--batch", "0x16"], "at least 1"),
+        "world size 0": (["--hf-config", "gpt2", "--world-size", "0"], "must be at least 1"),
+        "budget": (["--hf-config", "gpt2", "--device-budget", "lots"], "24GiB"),
+    }
+    for name, (argv, message) in refusals.items():
+        with pytest.raises(SystemExit) as exit_:
+            plan_cli.main(argv)
+        err = capsys.readouterr().err + str(exit_.value.code)  # argparse prints; ours carry the text
+        assert message in err, (name, err)
