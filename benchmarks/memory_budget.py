@@ -203,29 +203,65 @@ class Driver:
         row.fetches_per_step = first.get("fetches_per_step")
 
     def measure(self, rounds: list[int]) -> None:
-        """Warmup step, then ``rounds`` (steps per round), all rows interleaved or one at a time."""
-        if self.args.schedule == "sequential":
+        """Warmup step, then ``rounds`` (steps per round), all rows interleaved or one at a time,
+        with a progress bar (steps done of all steps) on stderr."""
+        progress = _progress(len(self.rows) * (1 + sum(rounds)))
+
+        def steps(row: Row, count: int, timed: bool) -> None:
+            progress.set_postfix_str(row.key)
+            self.steps(row, count, timed=timed)
+            progress.update(count)
+
+        try:
+            if self.args.schedule == "sequential":
+                for row in self.rows:
+                    self.build(row)
+                    steps(row, 1, timed=False)
+                    for count in rounds:
+                        steps(row, count, timed=True)
+                    self.finish(row)
+                return
             for row in self.rows:
                 self.build(row)
-                self.steps(row, 1, timed=False)
-                for count in rounds:
-                    self.steps(row, count, timed=True)
+            for row in self.rows:
+                steps(row, 1, timed=False)
+            by_key = {row.key: row for row in self.rows}
+            for index, count in enumerate(rounds):
+                for key in rotated(list(by_key), index):
+                    steps(by_key[key], count, timed=True)
+            for row in self.rows:
                 self.finish(row)
-            return
-        for row in self.rows:
-            self.build(row)
-        for row in self.rows:
-            self.steps(row, 1, timed=False)
-        by_key = {row.key: row for row in self.rows}
-        for index, count in enumerate(rounds):
-            for key in rotated(list(by_key), index):
-                self.steps(by_key[key], count, timed=True)
-        for row in self.rows:
-            self.finish(row)
+        finally:
+            progress.close()
 
     def close(self) -> None:
         if self.ranks is not None:
             self.ranks.close()
+
+
+class _NoBar:
+    """What the progress bar does without tqdm: a line per row and round."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.label = total, 0, ""
+
+    def set_postfix_str(self, label: str) -> None:
+        self.label = label
+
+    def update(self, count: int) -> None:
+        self.done += count
+        print(f"  {self.done}/{self.total} steps ({self.label})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(total)
+    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
 def split_rounds(measured_steps: int, rounds: int) -> list[int]:
@@ -342,22 +378,41 @@ def plot(rows: list[Row], path: Path, title: str) -> Path | None:
     for row in rows:
         if row.state == "ok" and row.budget_frac is not None:
             series.setdefault(f"{row.policy}, prefetch {row.max_prefetch}", []).append(row)
-    for label, points in series.items():
+    plain = next((r for r in rows if r.key == "plain"), None)
+    baseline = plain.step_ms if plain is not None and plain.step_ms else None
+    # Series often coincide (equal bytes under both policies): distinct markers and dashes, hollow
+    # markers and a slight width difference keep every one visible where they overlap.
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))), ("P", (0, (1, 1)))]
+    for index, (label, points) in enumerate(series.items()):
         points = sorted(points, key=lambda r: r.budget_frac or 0.0)
         xs = [100 * (r.budget_frac or 0.0) for r in points]
-        axes[0].plot(xs, [(r.peak_device_bytes or 0) / 2**20 for r in points], marker="o", label=label)
-        axes[1].plot(xs, [(r.h2d_per_step or 0) / 2**20 for r in points], marker="o", label=label)
-        axes[2].plot(xs, [r.step_ms for r in points], marker="o", label=label)
+        marker, dashes = styles[index % len(styles)]
+        style = {
+            "marker": marker,
+            "linestyle": dashes,
+            "fillstyle": "none",
+            "markersize": 9 - index % 4,
+            "linewidth": 2.2 - 0.3 * (index % 4),
+            "label": label,
+        }
+        axes[0].plot(xs, [(r.peak_device_bytes or 0) / 2**20 for r in points], **style)
+        axes[1].plot(xs, [(r.h2d_per_step or 0) / 2**20 for r in points], **style)
+        times = [r.step_ms for r in points]
+        if baseline is not None:
+            times = [None if t is None else t / baseline for t in times]
+        axes[2].plot(xs, times, **style)
     budgets = sorted({(r.budget_frac, r.budget) for r in rows if r.budget is not None and r.budget_frac is not None})
-    axes[0].plot([100 * f for f, _ in budgets], [b / 2**20 for _, b in budgets], "k--", label="budget")
-    plain = next((r for r in rows if r.key == "plain"), None)
-    if plain is not None and plain.step_ms is not None:
-        axes[2].axhline(plain.step_ms, color="k", linestyle=":", label=f"plain PyTorch ({plain.policy})")
+    budget_xs, budget_ys = [100 * f for f, _ in budgets], [b / 2**20 for _, b in budgets]
+    axes[0].plot(budget_xs, budget_ys, color="0.6", linewidth=4, label="budget", zorder=0)
+    if baseline is not None:
+        axes[2].axhline(1.0, color="k", linestyle=":", label=f"plain PyTorch ({plain.policy}) = 1")
     elif plain is not None:
         axes[2].text(0.02, 0.95, f"plain PyTorch: {plain.state}", transform=axes[2].transAxes, va="top")
-    for ax, ylabel in zip(axes, ["peak device MiB", "H2D MiB per step", "step time ms (median)"], strict=True):
+    time_label = "step time / plain PyTorch's (median)" if baseline is not None else "step time ms (median)"
+    for ax, ylabel in zip(axes, ["peak device MiB", "H2D MiB per step", time_label], strict=True):
         ax.set_xlabel("device budget, % of model data")
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)  # from zero: noise between rows does not read as a trend
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[2].legend(fontsize=8)
