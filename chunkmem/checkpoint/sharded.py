@@ -312,7 +312,9 @@ def load_directory(
                 staged = agree(
                     comm, f"{what} (reading)", functools.partial(read, reading), CheckpointCorruptedError, str(target)
                 )
-            except ChunkmemError:
+            except CheckpointError:
+                # The agreement raised the same class on every rank, so every rank is here. (A
+                # departure between ranks is another class: it must not wait for a collective.)
                 if _replaced_on_any_rank(comm, pinned):
                     continue  # a save swapped the directory while it was read: not damage
                 raise
