@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -250,19 +250,30 @@ def _workspace(target: Path, obj: Any) -> Workspace:
         raise _write_error(target, obj, error) from error
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` so that readers see either the old file or the whole new one.
-    Raises :class:`CheckpointWriteError` (an ``OSError``) naming the file when the write fails."""
-    target = Path(path)
+def _replace_through_workspace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path, Path]]]) -> None:
+    """Let ``fill`` write into a fresh workspace of ``target`` and say what to rename where, then
+    rename in that order and flush the directory. Failures name ``target``; the workspace goes."""
     workspace = _workspace(target, obj)
     try:
-        _write_into(obj, workspace / "data")
-        os.replace(workspace / "data", target)
+        for source, destination in fill(workspace):
+            os.replace(source, destination)
         fsync_directory(target.parent)
     except (OSError, RuntimeError) as error:
         raise _write_error(target, obj, error) from error
     finally:
         workspace.remove()
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to ``path`` so that readers see either the old file or the whole new one.
+    Raises :class:`CheckpointWriteError` (an ``OSError``) naming the file when the write fails."""
+    target = Path(path)
+
+    def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
+        _write_into(obj, workspace / "data")
+        return [(workspace / "data", target)]
+
+    _replace_through_workspace(target, obj, fill)
     return target
 
 
@@ -293,14 +304,14 @@ def write_checkpoint(
     describes the file it replaces, as ``previous``) is renamed into place, then the file."""
     target = Path(path)
     side = manifest_path(target)
-    workspace = _workspace(target, obj)
-    try:
-        digest = _write_into(obj, workspace / "data")
+    written: list[Manifest] = []
+
+    def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         manifest = seal(
             Manifest(
                 kind=kind,
                 file=target.name,
-                digest=digest,
+                digest=_write_into(obj, workspace / "data"),
                 step=step,
                 model_fingerprint=model_fingerprint,
                 world_size=world_size,
@@ -312,14 +323,11 @@ def write_checkpoint(
             f.write(manifest.model_dump_json(indent=1))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(workspace / "manifest", side)
-        os.replace(workspace / "data", target)
-        fsync_directory(target.parent)
-    except (OSError, RuntimeError) as error:
-        raise _write_error(target, obj, error) from error
-    finally:
-        workspace.remove()
-    return manifest
+        written.append(manifest)
+        return [(workspace / "manifest", side), (workspace / "data", target)]
+
+    _replace_through_workspace(target, obj, fill)
+    return written[0]
 
 
 # --- reading ----------------------------------------------------------------------------------
