@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import (
     CheckpointCorruptedError,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointUnverifiedError,
     CheckpointWriteError,
@@ -434,8 +436,8 @@ def _load(target: Path) -> Any:
         ) from error
 
 
-_ATTEMPTS = 8
-"""Reads of a file that another process replaces meanwhile, before giving up."""
+_KEEP_READING = 120.0
+"""Seconds a load reads a file again while saves keep replacing it, before giving up."""
 
 
 def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = True) -> tuple[Any, Manifest | None]:
@@ -445,7 +447,10 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
     replaces the file meanwhile is not damage: the file checked is the one loaded (the same inode,
     held open throughout), or the read starts again."""
     target = Path(path)
-    for _ in range(_ATTEMPTS):
+    deadline = time.monotonic() + _KEEP_READING
+    attempts = 0
+    while time.monotonic() < deadline or attempts == 0:
+        attempts += 1
         try:
             held = open(target, "rb")  # noqa: SIM115 (closed below; keeps the inode while it is read)
         except FileNotFoundError:
@@ -477,7 +482,7 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
             obj = _load(target)
             if _identity(target) == identity:
                 return obj, chosen
-    raise CheckpointCorruptedError(
-        f"checkpoint file {target} was replaced {_ATTEMPTS} times while it was being read: another process keeps "
-        "saving to it. Load it when that save is done, or load a copy."
+    raise CheckpointError(
+        f"checkpoint file {target} was replaced by a save during each of {attempts} reads in {_KEEP_READING:.0f} s: "
+        "another process keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
     )

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,7 +306,10 @@ def load_directory(
             return None
         return reading.finish()
 
-    for _ in range(_ATTEMPTS):
+    deadline = time.monotonic() + _KEEP_READING
+    attempts = 0
+    while True:
+        attempts += 1
         with _Pinned(target) as pinned:
             try:
                 manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
@@ -315,21 +319,31 @@ def load_directory(
             except CheckpointError:
                 # The agreement raised the same class on every rank, so every rank is here. (A
                 # departure between ranks is another class: it must not wait for a collective.)
-                if _replaced_on_any_rank(comm, pinned):
+                replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
+                if replaced and not expired:
                     continue  # a save swapped the directory while it was read: not damage
-                raise
-            if _replaced_on_any_rank(comm, pinned):
+                if not replaced:
+                    raise
+                raise _busy(target, attempts) from None
+            replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
+            if replaced and not expired:
                 continue
+            if replaced:
+                raise _busy(target, attempts)
         assert staged is not None, "a rank that saw another rank fail raised in the agreement"
         return staged, manifest
-    raise CheckpointCorruptedError(
-        f"checkpoint directory {target} was replaced {_ATTEMPTS} times while it was being read: another job keeps "
-        "saving to it. Load it when that save is done, or load a copy."
+
+
+_KEEP_READING = 120.0
+"""Seconds a load reads a directory again while saves keep replacing it, before giving up."""
+
+
+def _busy(target: Path, attempts: int) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint directory {target} was replaced by a save during each of {attempts} reads in "
+        f"{_KEEP_READING:.0f} s: another job keeps saving to it. Nothing was loaded; load it when those saves "
+        "stop, or load a copy."
     )
-
-
-_ATTEMPTS = 8
-"""Reads of a directory that a save replaces meanwhile, before giving up."""
 
 
 class _Pinned:
@@ -361,10 +375,11 @@ class _Pinned:
         return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
 
-def _replaced_on_any_rank(comm: Communicator, pinned: _Pinned) -> bool:
-    """Whether any rank's directory was replaced since it was pinned (a collective: then every
-    rank reads again, so no two ranks load different saves)."""
-    replaced = pinned.replaced()
+def _replaced_on_any_rank(comm: Communicator, pinned: _Pinned, deadline: float) -> tuple[bool, bool]:
+    """Whether any rank's directory was replaced since it was pinned, and whether any rank is past
+    ``deadline`` (a collective: the ranks read again together, so no two load different saves)."""
+    mine = (pinned.replaced(), time.monotonic() > deadline)
     if comm.world_size == 1:
-        return replaced
-    return any(comm.all_gather_object(replaced))
+        return mine
+    everyone = comm.all_gather_object(mine)
+    return any(r for r, _ in everyone), any(e for _, e in everyone)
