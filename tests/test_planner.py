@@ -48,9 +48,9 @@ PLACEMENTS: dict[str, Any] = {
 }
 
 
-def _measured(rank: int, world_size: int, placement: Any, precision: str, arch: str) -> list[dict[str, int]]:
-    model = (gpt2 if arch == "gpt2" else llama)(n_layer=3)
-    booster = Booster(ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK))
+def _count_steps(rank: int, world_size: int, model: Any, plugin: ChunkPlugin) -> tuple[list[dict[str, int]], Any]:
+    """Three training steps of ``model`` boosted with ``plugin``: each step's counters, and the ledger."""
+    booster = Booster(plugin)
     chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
     ledger = chunked.runtime.manager.ledger
     steps = []
@@ -63,7 +63,13 @@ def _measured(rank: int, world_size: int, placement: Any, precision: str, arch: 
         optimizer.zero_grad()
         counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
         steps.append(vars(counters))
-    return steps
+    return steps, ledger
+
+
+def _measured(rank: int, world_size: int, placement: Any, precision: str, arch: str) -> list[dict[str, int]]:
+    model = (gpt2 if arch == "gpt2" else llama)(n_layer=3)
+    plugin = ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK)
+    return _count_steps(rank, world_size, model, plugin)[0]
 
 
 def _predicted(world_size: int, placement: Any, precision: str, arch: str) -> Plan:
@@ -176,23 +182,9 @@ DISK_PLACEMENTS: dict[str, Any] = {
 
 
 def _measured_on_disk(rank: int, world_size: int, placement: Any, disk_dir: str) -> list[dict[str, int]]:
-    model = gpt2(n_layer=3)
     plugin = ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir)
-    booster = Booster(plugin)
-    chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
-    ledger = chunked.runtime.manager.ledger
-    steps = []
-    for ids in batches(3, batch=4):
-        local = ids.chunk(world_size)[rank]
-        before = chunked.stats()
-        ledger.reset_peak()
-        booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
-        steps.append(vars(counters))
-    steps.append({"disk": ledger.disk_bytes, "host": ledger.host_bytes})
-    return steps
+    steps, ledger = _count_steps(rank, world_size, gpt2(n_layer=3), plugin)
+    return [*steps, {"disk": ledger.disk_bytes, "host": ledger.host_bytes}]
 
 
 @pytest.mark.multirank
