@@ -5,7 +5,8 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
-from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy, make_policy
+from .factory import make_policy
+from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,

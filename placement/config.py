@@ -1,6 +1,6 @@
 """Placement configs: one frozen pydantic model per policy, discriminated by ``policy``.
 
-A config is data only. ``placement.policy.make_policy`` turns a config into the policy object that
+A config is data only. ``placement.make_policy`` turns a config into the policy object that
 decides; ``chunkmem`` executes what the policy decides.
 """
 

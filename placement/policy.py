@@ -8,7 +8,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import AutoPlacementConfig, StaticPlacementConfig
 from .snapshot import (
     BufferKind,
     ChunkSpec,
@@ -28,7 +27,6 @@ __all__ = [
     "HostBudgetTooSmallError",
     "PlacementPolicy",
     "format_bytes",
-    "make_policy",
 ]
 
 
@@ -405,16 +403,3 @@ def _victims(candidates: Sequence[ResidentChunk], trace: ComputeTrace | None, po
     if trace is None:
         return sorted(candidates, key=lambda r: (r.last_use, kind_order[r.kind], r.chunk_id))
     return sorted(candidates, key=lambda r: (-_next_use(trace, r, position), kind_order[r.kind], r.chunk_id))
-
-
-def make_policy(config: StaticPlacementConfig | AutoPlacementConfig, device_capacity: int | None) -> PlacementPolicy:
-    """The policy for a config (chosen by the config's type). ``device_capacity`` is the compute
-    device's total memory, agreed across ranks; the auto policy needs it."""
-    from .auto import AutoPolicy
-    from .static import StaticPolicy
-
-    if isinstance(config, StaticPlacementConfig):
-        return StaticPolicy(config)
-    if isinstance(config, AutoPlacementConfig):
-        return AutoPolicy(config, device_capacity)
-    raise TypeError(f"make_policy: no policy for config type {type(config).__name__}")
