@@ -29,11 +29,11 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
-from .checkpoint.agreement import agree, on_first_rank
+from .agreement import agree, on_first_rank
 from .checkpoint.files import TensorEntry
-from .checkpoint.gather import Destination, gather_full
 from .chunk import ChunkState
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
+from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
 from .runtime import ChunkRuntime
 from .shard import MASTER_DTYPE

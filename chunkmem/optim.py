@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import Location, MemoryKind
-from .checkpoint.agreement import agree
+from .agreement import agree
 from .chunk import Chunk, GradState
 from .chunk_layout import ShardPiece
 from .comm import Communicator
@@ -366,8 +366,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
         original parameters group by group), on every rank's CPU; with fp16, the loss scaler under
         ``"loss_scaler"``. A collective: call it on every rank. ``booster.save_optimizer`` writes
         the same content but gathers it on rank 0 only."""
-        from .checkpoint.gather import Destination
         from .checkpoint.optimizer_state import full_optimizer_state
+        from .gather import Destination
 
         return full_optimizer_state(self, Destination.EVERY_RANK)
 

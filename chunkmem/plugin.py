@@ -27,7 +27,7 @@ from placement import (
 from placement.policy import format_bytes
 
 from .accounting import Location
-from .checkpoint.agreement import agree
+from .agreement import agree
 from .chunk import Chunk
 from .comm import Communicator
 from .disk import DISK_BLOCK, DiskFile, PlannedDiskFile, ScratchDir, SidesFile

@@ -32,9 +32,9 @@ from chunkmem import (
     StateDictMismatchError,
     checkpoint,
 )
-from chunkmem.checkpoint import Destination
 from chunkmem.checkpoint.files import seal
 from chunkmem.checkpoint.optimizer_state import full_optimizer_state
+from chunkmem.gather import Destination
 
 
 def _trained(steps: int, seed: int = 0, **model_kwargs: Any) -> tuple[Any, Any, Any]:

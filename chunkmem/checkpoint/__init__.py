@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..agreement import agree, on_first_rank
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
-from .agreement import agree, on_first_rank
+from ..gather import Destination
 from .directory import is_sharded
 from .files import (
     Manifest,
@@ -39,7 +40,6 @@ from .files import (
     read_manifest,
     write_checkpoint,
 )
-from .gather import Destination
 from .identity import describe_difference, model_fingerprint, optimizer_entries
 from .optimizer_state import full_optimizer_state, stage_optimizer_state
 from .progress import check_pairing, current_step, record_load
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from ..runtime import ChunkRuntime
 
 __all__ = [
-    "Destination",
     "Manifest",
     "atomic_save",
     "current_step",

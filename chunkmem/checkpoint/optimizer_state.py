@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..agreement import agree
 from ..errors import StateDictMismatchError
+from ..gather import Destination, gather_full
 from ..optim import ChunkOptimizer, Piece, slice_state
 from ..optim_probe import state_keys
-from .agreement import agree
-from .gather import Destination, gather_full
 
 if TYPE_CHECKING:
     from ..tensor_state import TensorInfo

@@ -38,6 +38,7 @@ from typing import Generic, TypeVar
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..agreement import agree, on_first_rank
 from ..comm import Communicator
 from ..errors import (
     CheckpointCorruptedError,
@@ -45,7 +46,6 @@ from ..errors import (
     CheckpointWriteError,
     ChunkmemError,
 )
-from .agreement import agree, on_first_rank
 from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
 from .directory import (

@@ -1,4 +1,5 @@
-"""Every rank learns whether a save or load worked on every other rank.
+"""Every rank learns whether an action (a save, a load, a step of states on disk) worked on every
+other rank.
 
 A write that fails on rank 0 (disk full, an unwritable path) or a file that is unreadable on one
 rank must not leave the other ranks waiting in a barrier, nor let them go on with a state the
@@ -12,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from .. import errors
-from ..comm import Communicator
-from ..errors import ChunkmemError
+from . import errors
+from .comm import Communicator
+from .errors import ChunkmemError
 
 __all__ = ["agree", "on_first_rank"]
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..chunk import Chunk
+from .chunk import Chunk
 
 if TYPE_CHECKING:
-    from ..runtime import ChunkRuntime
+    from .runtime import ChunkRuntime
 
 __all__ = ["Destination", "gather_full"]
 
