@@ -9,7 +9,7 @@ no gradient, so the optimizer skips it, as plain PyTorch does.
 ``ChunkOptimizer`` is a ``torch.optim.Optimizer``: every LR scheduler accepts it, its
 ``param_groups`` are the user's optimizer's own group dicts (edits take effect at the next step), and
 ``state_dict`` / ``load_state_dict`` speak plain PyTorch's format with full parameter shapes (see
-``chunkmem.checkpoint.optimizer_state``). The optimizer object the user passed to ``boost`` keeps
+``chunkmem.optim_state``). The optimizer object the user passed to ``boost`` keeps
 doing the stepping inside it; called directly after boosting it refuses to step or to save, since
 its parameters are now the pieces.
 """
@@ -36,18 +36,20 @@ from .comm import Communicator
 from .disk import SidesFile
 from .disk_sides import DiskSides
 from .early_steps import EarlySteps, group_settings, same_settings
-from .errors import DiskTierError, NotSupportedError, UnscaledBackwardError
+from .errors import DiskTierError, NotSupportedError, StateDictMismatchError, UnscaledBackwardError
+from .gather import Destination
 from .grad_markers import clear_markers
 from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
+from .optim_state import full_optimizer_state, slice_state, stage_optimizer_state
 from .runtime import ChunkRuntime
 from .step_config import StepAfterBackward, StepDuringBackward
 from .step_runs import Run, StepRuns
 from .tensor_state import TensorInfo
 
-__all__ = ["ChunkOptimizer", "Piece", "StateSize", "check_elementwise", "optimizer_state_size", "slice_state"]
+__all__ = ["ChunkOptimizer", "Piece", "StateSize", "check_elementwise", "optimizer_state_size"]
 
 log = logging.getLogger("chunkmem")
 
@@ -72,23 +74,6 @@ class Piece:
     def param_slice(self) -> slice:
         """The elements of the flattened parameter it holds."""
         return self.part.param
-
-
-def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
-    """A parameter's full optimizer state cut down to a piece: tensors shaped like the parameter
-    are sliced (elementwise state), anything else is kept. Devices and dtypes are left to
-    ``Optimizer.load_state_dict``."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.info.shape:
-            # A view: installing copies it (runs concatenate their pieces), so a file mapped by
-            # torch.load is read one run at a time, not all at once.
-            out[key] = value.detach().reshape(-1)[piece.param_slice]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()
-        else:
-            out[key] = value
-    return out
 
 
 class _OriginalGuard:
@@ -366,9 +351,6 @@ class ChunkOptimizer(torch.optim.Optimizer):
         original parameters group by group), on every rank's CPU; with fp16, the loss scaler under
         ``"loss_scaler"``. A collective: call it on every rank. ``booster.save_optimizer`` writes
         the same content but gathers it on rank 0 only."""
-        from .checkpoint.optimizer_state import full_optimizer_state
-        from .gather import Destination
-
         return full_optimizer_state(self, Destination.EVERY_RANK)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -376,9 +358,14 @@ class ChunkOptimizer(torch.optim.Optimizer):
         or a plain PyTorch optimizer of the same class over the same model). Everything is checked
         on every rank before anything changes; a refused state leaves the optimizer as it was. A
         collective: call it on every rank."""
-        from .checkpoint.optimizer_state import load_full_optimizer_state
-
-        load_full_optimizer_state(self, state_dict, source="the state dict")
+        staged = agree(
+            self.communicator,
+            "loading the optimizer state",
+            lambda: stage_optimizer_state(self, state_dict, "the state dict"),
+            StateDictMismatchError,
+            "from the state dict",
+        )
+        staged.install(self)
 
     def load_local_state(
         self,
@@ -390,7 +377,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """Install per-piece state (keyed by ``Piece.tensor``) and, optionally, each group's
         hyperparameters and the loss scaler's state, replacing what was there. Goes through the
         optimizer's own ``load_state_dict``, which puts each value on the device and dtype its class
-        expects. The caller has validated everything (``chunkmem.checkpoint.optimizer_state``)."""
+        expects. The caller has validated everything (``chunkmem.optim_state``)."""
         self.cancel_early_steps()
         run_states, on_disk = self._runs.regroup({id(t): s for t, s in states.items()}, later=self._on_disk)
         index: dict[int, int] = {}

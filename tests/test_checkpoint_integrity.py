@@ -33,8 +33,8 @@ from chunkmem import (
     checkpoint,
 )
 from chunkmem.checkpoint.files import seal
-from chunkmem.checkpoint.optimizer_state import full_optimizer_state
 from chunkmem.gather import Destination
+from chunkmem.optim_state import full_optimizer_state
 
 
 def _trained(steps: int, seed: int = 0, **model_kwargs: Any) -> tuple[Any, Any, Any]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..agreement import agree, on_first_rank
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
 from ..gather import Destination
+from ..optim_state import full_optimizer_state, stage_optimizer_state
 from .directory import is_sharded
 from .files import (
     Manifest,
@@ -41,7 +42,6 @@ from .files import (
     write_checkpoint,
 )
 from .identity import describe_difference, model_fingerprint, optimizer_entries
-from .optimizer_state import full_optimizer_state, stage_optimizer_state
 from .progress import check_pairing, current_step, record_load
 from .sharded import SaveRequest, load_directory, save_directory
 from .sharded_model import install_model, model_entries, plan_model_load

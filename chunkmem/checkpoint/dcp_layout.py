@@ -76,6 +76,7 @@ __all__ = [
     "PieceSavePlanner",
     "Whole",
     "WholeTarget",
+    "as_meta",
     "boxes",
     "dcp_load",
     "dcp_save",
@@ -282,6 +283,14 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         assert isinstance(target, BlobTarget), f"{read_item.dest_index.fqn}: bytes read into a tensor target"
         target.value = torch.load(value, weights_only=True)
         target.loaded = True
+
+
+def as_meta(saved: Any) -> Any:
+    """A saved tensor's metadata as a tensor on the meta device: its shape and dtype, for the checks
+    a loaded state passes, whichever format it comes from. Anything else (bytes) as it is."""
+    if isinstance(saved, TensorStorageMetadata):
+        return torch.empty(tuple(saved.size), dtype=saved.properties.dtype, device="meta")
+    return saved
 
 
 # --- running DCP on the model's ranks ---------------------------------------------------------

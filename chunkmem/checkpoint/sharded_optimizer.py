@@ -18,20 +18,18 @@ dtypes, the loss scale) before anything is installed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointMismatchError, StateDictMismatchError
-from ..optim_probe import state_keys
-from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget
+from ..optim_state import StagedOptimizerState, accept, check_settings, check_state_shapes, refusal, saved_elementwise
+from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .directory import DirectoryManifest
 from .identity import describe_difference, model_fingerprint, optimizer_entries
-from .optimizer_state import StagedOptimizerState, check_scaler_state, lacking_settings, refusal
 from .progress import check_pairing
 from .sharded import Reading
 
@@ -40,8 +38,6 @@ if TYPE_CHECKING:
     from ..tensor_state import TensorInfo
 
 __all__ = ["optimizer_save_entries", "plan_optimizer_load"]
-
-log = logging.getLogger("chunkmem")
 
 
 def _value_entry(value: Any) -> SaveEntry:
@@ -71,20 +67,11 @@ def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, SaveEntry]:
     return entries
 
 
-def _elementwise(saved: Any, info: TensorInfo) -> bool:
-    """Saved state shaped like its parameter (a one-element tensor of another shape is a scalar)."""
-    return (
-        isinstance(saved, TensorStorageMetadata)
-        and len(saved.size) > 0
-        and not (saved.size.numel() == 1 and tuple(saved.size) != tuple(info.shape))
-    )
-
-
 def _target(saved: Any) -> LoadTarget:
-    if isinstance(saved, BytesStorageMetadata):
-        return BlobTarget()
-    assert isinstance(saved, TensorStorageMetadata), f"DCP stores tensors and bytes, not {type(saved).__name__}"
-    return WholeTarget(torch.empty(tuple(saved.size), dtype=saved.properties.dtype))
+    if isinstance(saved, torch.Tensor):
+        return WholeTarget(torch.empty(saved.shape, dtype=saved.dtype))
+    assert isinstance(saved, BytesStorageMetadata), f"DCP stores tensors and bytes, not {type(saved).__name__}"
+    return BlobTarget()
 
 
 def _read(target: LoadTarget) -> Any:
@@ -109,16 +96,16 @@ class _Layout:
             if head == "state":
                 parameter, _, key = rest.rpartition(".")
                 if parameter in self.infos:
-                    self.state.setdefault(parameter, {})[key] = saved
+                    self.state.setdefault(parameter, {})[key] = as_meta(saved)
                 else:
                     self.problems.append(
                         f"'state' has an entry for parameter '{parameter}', which no param group lists"
                     )
             elif head == "param_groups" and rest.partition(".")[0].isdigit():
                 position, _, setting = rest.partition(".")
-                self.groups.setdefault(int(position), {})[setting] = saved
+                self.groups.setdefault(int(position), {})[setting] = as_meta(saved)
             elif head == "loss_scaler":
-                self.scaler[rest] = saved
+                self.scaler[rest] = as_meta(saved)
             else:
                 self.problems.append(f"'{name}' is not part of an optimizer state")
         if not self.groups:
@@ -159,49 +146,36 @@ def plan_optimizer_load(
                 )
             check_pairing(runtime, "optimizer", manifest.step, source)
         layout = _Layout(optimizer, metadata, source)
-        problems = list(layout.problems)
-        dropped: list[str] = []
-        for parameter, saved_state in layout.state.items():
-            info = layout.infos[parameter][1]
-            if not info.trainable:
-                dropped.append(parameter)
-                continue
-            for key, saved in saved_state.items():
-                where = f"state '{key}' of parameter '{parameter}' (shape {tuple(info.shape)})"
-                if not _elementwise(saved, info):
-                    continue
-                if tuple(saved.size) != tuple(info.shape):
-                    problems.append(
-                        f"{where} has shape {tuple(saved.size)}: it was saved for a parameter of another shape"
-                    )
-                elif not (saved.properties.dtype.is_floating_point or saved.properties.dtype.is_complex):
-                    problems.append(f"{where} has dtype {saved.properties.dtype}, not a floating point dtype")
-        if problems:
-            raise refusal(optimizer, str(source), problems)
+        saved = [
+            (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
+            for name, state in layout.state.items()
+        ]
+        problems, dropped = check_state_shapes(optimizer, saved)
+        if layout.problems or problems:
+            raise refusal(optimizer, str(source), layout.problems + problems)
 
         targets: dict[str, LoadTarget] = {}
         for position, settings in layout.groups.items():
-            for setting, saved in settings.items():
-                targets[f"param_groups.{position}.{setting}"] = _target(saved)
-        for key, saved in layout.scaler.items():
-            targets[f"loss_scaler.{key}"] = _target(saved)
+            for setting, value in settings.items():
+                targets[f"param_groups.{position}.{setting}"] = _target(value)
+        for key, value in layout.scaler.items():
+            targets[f"loss_scaler.{key}"] = _target(value)
         staged_keys: list[tuple[Piece, str, str]] = []
         for piece in optimizer.pieces:
             parameter = piece.info.name
-            for key, saved in layout.state.get(parameter, {}).items():
+            for key, value in layout.state.get(parameter, {}).items():
                 name = f"state.{parameter}.{key}"
-                if _elementwise(saved, piece.info):
-                    staging = optimizer.state_staging(piece.chunk, piece.part.numel, saved.properties.dtype)
+                if saved_elementwise(value, piece.info):
+                    staging = optimizer.state_staging(piece.chunk, piece.part.numel, value.dtype)
                     targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
                 else:
-                    targets[name] = _target(saved)
+                    targets[name] = _target(value)
                 staged_keys.append((piece, key, name))
 
         def finish() -> StagedOptimizerState:
             problems: list[str] = []
             hyperparameters: list[dict[str, Any]] = []
-            keys_by_group: list[frozenset[str] | None] = []
-            for position, (group, infos) in enumerate(zip(optimizer.param_groups, optimizer.group_infos, strict=True)):
+            for position, infos in enumerate(optimizer.group_infos):
                 settings = {
                     setting: _read(targets[f"param_groups.{position}.{setting}"]) for setting in layout.groups[position]
                 }
@@ -211,39 +185,10 @@ def plan_optimizer_load(
                         f"param group {position} holds the parameters {list(names)[:4]}... in the checkpoint, "
                         f"{[info.name for info in infos][:4]}... here: it was saved for other param groups"
                     )
-                lacking = lacking_settings(optimizer, group, settings)
-                if lacking:
-                    problems.append(f"param group {position} lacks the settings {lacking}")
                 hyperparameters.append(settings)
-                keys_by_group.append(
-                    state_keys(optimizer.optimizer_class, {**group, **settings}) if not lacking else None
-                )
-            for parameter, saved_state in layout.state.items():
-                position, info = layout.infos[parameter]
-                keys = keys_by_group[position]
-                if info.trainable and keys is not None and set(saved_state) != keys:
-                    problems.append(
-                        f"the state of parameter '{parameter}' has the keys {sorted(saved_state)}, but "
-                        f"{optimizer.optimizer_class.__name__} with these settings keeps {sorted(keys)}: it was saved "
-                        "by another optimizer class or settings"
-                    )
             scaler_state = {key: _read(targets[f"loss_scaler.{key}"]) for key in layout.scaler} or None
-            if scaler_state is not None:
-                problem = check_scaler_state(scaler_state)
-                if problem:
-                    problems.append(problem)
-            if problems:
-                raise refusal(optimizer, str(source), problems)
-            if dropped:
-                log.warning(
-                    "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it "
-                    "is not loaded",
-                    source,
-                    len(dropped),
-                    ", ".join(dropped[:3]),
-                )
-            if scaler_state is not None and optimizer.loss_scaler is None:
-                log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+            problems += check_settings(optimizer, hyperparameters, saved, scaler_state)
+            accept(optimizer, str(source), problems, dropped, scaler_state)
             states: dict[torch.Tensor, dict[str, Any]] = {}
             for piece, key, name in staged_keys:
                 states.setdefault(piece.tensor, {})[key] = _read(targets[name])

@@ -1,4 +1,5 @@
-"""The optimizer state in plain PyTorch's format, assembled from and cut back into this rank's pieces.
+"""The optimizer state in plain PyTorch's format, assembled from and cut back into this rank's pieces,
+and the checks a saved state passes before it is installed, whichever format it was saved in.
 
 PyTorch's format (``torch.optim.Optimizer.state_dict``): ``{"state": {id: {key: value}},
 "param_groups": [{..., "params": [ids]}]}``, ids counting the original parameters group by group,
@@ -10,34 +11,42 @@ elementwise keys each chunk has, then one all-gather per chunk and state key int
 buffer (never a collective per parameter). Loading validates everything against the model (group
 sizes, ids, state shapes, the state keys the optimizer class keeps, the loss scaler) on every rank
 and agrees across ranks before anything is installed: a refused load changes nothing.
+
+The checks of shapes (:func:`check_state_shapes`, before any value is read: a sharded checkpoint
+reads into buffers of those shapes) and of settings, state keys and the loss scale
+(:func:`check_settings`) are the same for this format and for a sharded checkpoint
+(``chunkmem.checkpoint.sharded_optimizer``), which describes its saved tensors by tensors on the
+meta device.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..agreement import agree
-from ..errors import StateDictMismatchError
-from ..gather import Destination, gather_full
-from ..optim import ChunkOptimizer, Piece, slice_state
-from ..optim_probe import state_keys
+from .errors import StateDictMismatchError
+from .gather import Destination, gather_full
+from .optim_probe import state_keys
+from .tensor_state import TensorInfo
 
 if TYPE_CHECKING:
-    from ..tensor_state import TensorInfo
+    from .optim import ChunkOptimizer, Piece
 
 __all__ = [
+    "SavedState",
     "StagedOptimizerState",
-    "check_scaler_state",
+    "accept",
+    "check_settings",
+    "check_state_shapes",
     "full_optimizer_state",
-    "lacking_settings",
-    "load_full_optimizer_state",
     "refusal",
+    "saved_elementwise",
+    "slice_state",
     "stage_optimizer_state",
 ]
 
@@ -54,6 +63,23 @@ def _where(info: TensorInfo) -> _Where:
 
 def _elementwise(value: Any, piece: Piece) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape
+
+
+def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
+    """A parameter's full optimizer state cut down to a piece: tensors shaped like the parameter
+    are sliced (elementwise state), anything else is kept. Devices and dtypes are left to
+    ``Optimizer.load_state_dict``."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.info.shape:
+            # A view: installing copies it (runs concatenate their pieces), so a file mapped by
+            # torch.load is read one run at a time, not all at once.
+            out[key] = value.detach().reshape(-1)[piece.param_slice]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -165,7 +191,7 @@ def _not_an_optimizer_state(source: str, state_dict: Any) -> StateDictMismatchEr
     return StateDictMismatchError(f"{source} is not an optimizer state dict but a {type(state_dict).__name__}")
 
 
-def check_scaler_state(state: Any) -> str | None:
+def _check_scaler_state(state: Any) -> str | None:
     """What is wrong with a saved loss scaler state, or ``None``."""
     if not isinstance(state, Mapping) or set(state) != {"scale", "clean_steps"}:
         return f"'loss_scaler' must be a mapping with 'scale' and 'clean_steps', got {state!r}"
@@ -177,14 +203,98 @@ def check_scaler_state(state: Any) -> str | None:
     return None
 
 
-def lacking_settings(optimizer: ChunkOptimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any]) -> list[str]:
+def _lacking_settings(optimizer: ChunkOptimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any]) -> list[str]:
     """Settings of ``group`` that the optimizer class needs and ``saved_group`` lacks."""
     return sorted(k for k in group if k in optimizer.defaults and k not in saved_group and k not in _FILLED_BY_TORCH)
 
 
+SavedState = tuple[TensorInfo, str, Mapping[str, Any]]
+"""A parameter's saved state: the parameter, how messages name it, and its state by key (tensors
+with their values, or on the meta device; other values as saved)."""
+
+
+def saved_elementwise(value: Any, info: TensorInfo) -> bool:
+    """Whether a saved state value is elementwise: a tensor of at least one dimension, unless it
+    is a one-element tensor of another shape than the parameter's (a scalar)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and not (value.numel() == 1 and tuple(value.shape) != tuple(info.shape))
+    )
+
+
+def check_state_shapes(optimizer: ChunkOptimizer, saved: Sequence[SavedState]) -> tuple[list[str], list[str]]:
+    """What is wrong with the shapes and dtypes of the saved elementwise state, and the names of
+    the parameters whose state is not loaded (they do not require grad here)."""
+    problems: list[str] = []
+    dropped: list[str] = []
+    for info, where, entry in saved:
+        if not info.trainable:
+            dropped.append(info.name)
+            continue
+        for key, value in entry.items():
+            if not saved_elementwise(value, info):
+                continue  # scalars (a step count) are kept whole
+            if tuple(value.shape) != tuple(info.shape):
+                problems.append(
+                    f"state '{key}' of {where} has shape {tuple(value.shape)}: it was saved for a parameter of "
+                    "another shape"
+                )
+            elif not (value.is_floating_point() or value.is_complex()):
+                problems.append(f"state '{key}' of {where} has dtype {value.dtype}, not a floating point dtype")
+    return problems, dropped
+
+
+def check_settings(
+    optimizer: ChunkOptimizer,
+    settings: Sequence[Mapping[str, Any]],
+    saved: Sequence[tuple[TensorInfo, str, Collection[str]]],
+    scaler_state: Any,
+) -> list[str]:
+    """What is wrong with the saved settings of each param group (one the optimizer class needs
+    is missing), with the state keys of each parameter (not those the class keeps with these
+    settings) and with the loss scaler's state."""
+    problems: list[str] = []
+    keys_by_group: list[frozenset[str] | None] = []
+    for position, (saved_group, group) in enumerate(zip(settings, optimizer.param_groups, strict=True)):
+        lacking = _lacking_settings(optimizer, group, saved_group)
+        if lacking:
+            problems.append(f"param group {position} lacks the settings {lacking}")
+        keys_by_group.append(state_keys(optimizer.optimizer_class, {**group, **saved_group}) if not lacking else None)
+    group_of = {id(info): position for position, infos in enumerate(optimizer.group_infos) for info in infos}
+    for info, where, keys in saved:
+        expected = keys_by_group[group_of[id(info)]]
+        if info.trainable and expected is not None and set(keys) != expected:
+            problems.append(
+                f"the state of {where} has the keys {sorted(keys)}, but {optimizer.optimizer_class.__name__} with "
+                f"these settings keeps {sorted(expected)}: it was saved by another optimizer class or settings"
+            )
+    if scaler_state is not None:
+        problem = _check_scaler_state(scaler_state)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def accept(optimizer: ChunkOptimizer, source: str, problems: list[str], dropped: list[str], scaler_state: Any) -> None:
+    """Refuse a state with ``problems`` (listing them); say what a valid one leaves unused."""
+    if problems:
+        raise refusal(optimizer, source, problems)
+    if dropped:
+        log.warning(
+            "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it is "
+            "not loaded",
+            source,
+            len(dropped),
+            ", ".join(dropped[:3]),
+        )
+    if scaler_state is not None and optimizer.loss_scaler is None:
+        log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+
+
 def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> StagedOptimizerState:
-    """Check ``state_dict`` against the optimizer and the model and cut it to this rank's pieces;
-    raise :class:`StateDictMismatchError` listing every problem. Writes nothing."""
+    """Check ``state_dict`` (PyTorch's format) against the optimizer and the model and cut it to
+    this rank's pieces; raise :class:`StateDictMismatchError` listing every problem. Writes nothing."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise _not_an_optimizer_state(source, state_dict)
     saved_groups, saved = state_dict["param_groups"], state_dict["state"]
@@ -215,15 +325,7 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
                 problems.append(f"parameter id {pid!r} appears twice in 'param_groups'")
             info_of[pid] = info
             id_of[id(info)] = pid
-    current_groups = optimizer.param_groups
-    keys_by_group: list[frozenset[str] | None] = []
-    for position, (saved_group, group) in enumerate(zip(saved_groups, current_groups, strict=True)):
-        lacking = lacking_settings(optimizer, group, saved_group)
-        if lacking:
-            problems.append(f"param group {position} lacks the settings {lacking}")
-        keys_by_group.append(state_keys(optimizer.optimizer_class, {**group, **saved_group}) if not lacking else None)
-    group_of = {id(info): position for position, infos in enumerate(infos_by_group) for info in infos}
-    dropped: list[str] = []
+    entries: list[SavedState] = []
     for pid, entry in saved.items():
         info = info_of.get(pid)
         if info is None and isinstance(pid, str) and pid.isdigit():
@@ -235,44 +337,12 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
         if not isinstance(entry, Mapping):
             problems.append(f"the state of {where} is a {type(entry).__name__}, not a mapping")
             continue
-        if not info.trainable:
-            dropped.append(info.name)
-            continue
-        for key, value in entry.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue  # scalars (a step count) are kept whole
-            if value.numel() == 1 and tuple(value.shape) != tuple(info.shape):
-                continue
-            if tuple(value.shape) != tuple(info.shape):
-                problems.append(
-                    f"state '{key}' of {where} has shape {tuple(value.shape)}: it was saved for a parameter of "
-                    "another shape"
-                )
-            elif not (value.is_floating_point() or value.is_complex()):
-                problems.append(f"state '{key}' of {where} has dtype {value.dtype}, not a floating point dtype")
-        keys = keys_by_group[group_of[id(info)]]
-        if keys is not None and set(entry) != keys:
-            problems.append(
-                f"the state of {where} has the keys {sorted(entry)}, but {optimizer.optimizer_class.__name__} with "
-                f"these settings keeps {sorted(keys)}: it was saved by another optimizer class or settings"
-            )
+        entries.append((info, where, entry))
+    shape_problems, dropped = check_state_shapes(optimizer, entries)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_groups]
     scaler_state = state_dict.get("loss_scaler")
-    if scaler_state is not None:
-        problem = check_scaler_state(scaler_state)
-        if problem:
-            problems.append(problem)
-    if problems:
-        raise refusal(optimizer, source, problems)
-    if dropped:
-        log.warning(
-            "chunkmem: %s has optimizer state for %d parameter(s) that do not require grad here (%s...); it is "
-            "not loaded",
-            source,
-            len(dropped),
-            ", ".join(dropped[:3]),
-        )
-    if scaler_state is not None and optimizer.loss_scaler is None:
-        log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+    problems += shape_problems + check_settings(optimizer, hyper, entries, scaler_state)
+    accept(optimizer, source, problems, dropped, scaler_state)
     states: dict[torch.Tensor, dict[str, Any]] = {}
     for piece in optimizer.pieces:
         pid = id_of[id(piece.info)]
@@ -285,18 +355,4 @@ def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: st
         for info in group
         if saved.get(id_of[id(info)], saved.get(str(id_of[id(info)])))
     ]
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_groups]
     return StagedOptimizerState(states, hyper, dict(scaler_state) if scaler_state is not None else None, stateful)
-
-
-def load_full_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> None:
-    """Validate on every rank, agree, then install (``ChunkOptimizer.load_state_dict``)."""
-    comm = optimizer.communicator
-    staged = agree(
-        comm,
-        "loading the optimizer state",
-        lambda: stage_optimizer_state(optimizer, state_dict, source),
-        StateDictMismatchError,
-        f"from {source}",
-    )
-    staged.install(optimizer)
