@@ -22,7 +22,6 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,29 +29,17 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
 from .agreement import agree, on_first_rank
-from .checkpoint.files import TensorEntry
-from .chunk import ChunkState
+from .chunk import Chunk, ChunkState
+from .chunk_layout import ShardPiece
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
+from .model_state import StagedModelLoad, check_model_state
 from .runtime import ChunkRuntime
 from .shard import MASTER_DTYPE
 from .stats import Stats
-from .tensor_state import TensorInfo
 
-__all__ = ["ChunkedModel", "StagedModelLoad"]
-
-_MAX_LISTED = 12
-
-
-@dataclass(frozen=True)
-class StagedModelLoad:
-    """A validated model state, ready to write: what goes into each parameter and buffer."""
-
-    params: list[tuple[TensorInfo, torch.Tensor]]
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    missing: list[str]
-    unexpected: list[str]
+__all__ = ["ChunkedModel"]
 
 
 def _compile_refused() -> NotSupportedError:
@@ -64,12 +51,13 @@ def _compile_refused() -> NotSupportedError:
     )
 
 
-def _castable(value: torch.dtype, target: torch.dtype) -> bool:
-    """What a copy may convert without losing the kind of number (floats into an integer buffer,
-    complex into real, anything into bool or bool into numbers are refused)."""
-    if (value == torch.bool) != (target == torch.bool) or value.is_complex != target.is_complex:
-        return False
-    return target.is_floating_point or target.is_complex or not value.is_floating_point
+def _holding_values(value: Any) -> torch.Tensor | str:
+    """A state dict's entry, or what it is instead of a tensor with values."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if value.device.type == "meta":
+        return "is on the meta device: it holds no values"
+    return value
 
 
 def _refuse_placeholder_state(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -209,16 +197,16 @@ class ChunkedModel(torch.nn.Module):
         raise self._refuse_conversion(f"a conversion of every parameter ({getattr(fn, '__name__', 'fn')})")
 
     # --- full state -------------------------------------------------------------------------
-    def state_spec(self) -> list[TensorEntry]:
-        """Name, shape and dtype of every ``state_dict`` entry (parameters as fp32 masters,
-        buffers in their original dtype), without gathering anything."""
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every ``state_dict`` entry (parameters as fp32 masters, buffers in
+        their original dtype), without gathering anything."""
         manager = self._runtime.manager
-        out: list[TensorEntry] = []
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             if manager.manages(tensor):
-                out.append((name, tuple(manager.info(tensor).shape), str(MASTER_DTYPE)))
+                out[name] = (tuple(manager.info(tensor).shape), MASTER_DTYPE)
             else:
-                out.append((name, tuple(tensor.shape), str(self._buffer_dtypes.get(name, tensor.dtype))))
+                out[name] = (tuple(tensor.shape), self._buffer_dtypes.get(name, tensor.dtype))
         return out
 
     def _gather_params(self, destination: Destination, what: str) -> dict[int, torch.Tensor]:
@@ -272,46 +260,23 @@ class ChunkedModel(torch.nn.Module):
                 f"{source} holds an optimizer state (keys 'state' and 'param_groups'), not a model state: load it "
                 "with booster.load_optimizer / optimizer.load_state_dict"
             )
+        saved = {name: _holding_values(value) for name, value in state_dict.items()}
+        missing, unexpected = check_model_state(model_name, self.state_shapes(), saved, strict, source)
         manager = self._runtime.manager
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        problems: list[str] = []
-        if strict and missing:
-            problems.append(f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing[:_MAX_LISTED])}")
-        if strict and unexpected:
-            problems.append(f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected[:_MAX_LISTED])}")
-        params: list[tuple[TensorInfo, torch.Tensor]] = []
+        pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
         buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, target in own.items():
             if name not in state_dict:
                 continue
-            value = state_dict[name]
-            managed = manager.manages(target)
-            shape = tuple(manager.info(target).shape) if managed else tuple(target.shape)
-            dtype = MASTER_DTYPE if managed else self._buffer_dtypes.get(name, target.dtype)
-            if not isinstance(value, torch.Tensor):
-                problems.append(f"'{name}' is a {type(value).__name__}, not a tensor")
-            elif value.device.type == "meta":
-                problems.append(f"'{name}' is on the meta device: it holds no values")
-            elif tuple(value.shape) != shape:
-                problems.append(
-                    f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from the checkpoint, "
-                    f"the shape in the current model is {shape}"
-                )
-            elif not _castable(value.dtype, dtype):
-                problems.append(f"dtype mismatch for {name}: cannot copy {value.dtype} values into {dtype}")
-            elif managed:
-                params.append((manager.info(target), value))
-            else:
-                buffers.append((target, value))
-        if problems:
-            listed = "\n\t".join(problems[:_MAX_LISTED])
-            more = f"\n\t... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-            raise StateDictMismatchError(
-                f"Error(s) in loading state_dict for {model_name} from {source} (nothing was changed):"
-                f"\n\t{listed}{more}"
-            )
-        return StagedModelLoad(params, buffers, missing, unexpected)
+            if not manager.manages(target):
+                buffers.append((target, state_dict[name]))
+                continue
+            info = manager.info(target)
+            chunk = manager.chunk(info.chunk_id)
+            piece = chunk.piece(info)
+            if piece is not None:
+                pieces.append((chunk, piece, state_dict[name].reshape(-1)[piece.param]))
+        return StagedModelLoad(pieces, buffers, missing, unexpected)
 
     def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
         """Write a validated state into this rank's master shards and the buffers."""
@@ -319,16 +284,13 @@ class ChunkedModel(torch.nn.Module):
         manager = self._runtime.manager
         manager.prepare_master_writes()
         with torch.no_grad():
-            by_chunk: dict[int, list[tuple[TensorInfo, torch.Tensor]]] = {}
-            for info, value in staged.params:
-                by_chunk.setdefault(info.chunk_id, []).append((info, value))
-            for chunk_id, params in by_chunk.items():
-                chunk = manager.chunk(chunk_id)
-                with chunk.store.resident_master(write_back=True) as master:
-                    for info, value in params:
-                        piece = chunk.piece(info)
-                        if piece is not None:
-                            master[piece.shard].copy_(value.reshape(-1)[piece.param])
+            by_chunk: dict[int, list[tuple[ShardPiece, torch.Tensor]]] = {}
+            for chunk, piece, values in staged.pieces:
+                by_chunk.setdefault(chunk.chunk_id, []).append((piece, values))
+            for chunk_id, pieces in by_chunk.items():  # one chunk in memory at a time when masters are on disk
+                with manager.chunk(chunk_id).store.resident_master(write_back=True) as master:
+                    for piece, values in pieces:
+                        master[piece.shard].copy_(values)
             for target, value in staged.buffers:
                 target.copy_(value)
         # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.

@@ -41,10 +41,10 @@ from .files import (
     read_manifest,
     write_checkpoint,
 )
-from .identity import describe_difference, model_fingerprint, optimizer_entries
+from .identity import describe_difference, model_fingerprint, model_tensors, optimizer_tensors
 from .progress import check_pairing, current_step, record_load
 from .sharded import SaveRequest, load_directory, save_directory
-from .sharded_model import install_model, model_entries, plan_model_load
+from .sharded_model import model_save_entries, plan_model_load
 from .sharded_optimizer import optimizer_save_entries, plan_optimizer_load
 
 if TYPE_CHECKING:
@@ -98,13 +98,13 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
         what = "saving a sharded model checkpoint"
         runtime.enter_state_access(what)
         runtime.finish_backward()
-        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
-        save_directory(comm, target, request, lambda: model_entries(model))
+        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model_tensors(model))
+        save_directory(comm, target, request, lambda: model_save_entries(model))
         return
     state = model.full_state_dict(Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
-    spec = model.state_spec()
+    spec = model_tensors(model)
     on_first_rank(
         comm,
         "saving model checkpoint",
@@ -126,7 +126,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         staged_pieces, directory_manifest = load_directory(
             runtime.manager.comm, target, "model", plan_model_load(model, strict, target), verify
         )
-        result = install_model(model, staged_pieces)
+        result = model.apply_load(staged_pieces)
         if directory_manifest is not None:
             record_load(runtime, "model", directory_manifest.step, target)
         return result
@@ -135,7 +135,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         obj, manifest = read_checkpoint(target, "model", verify)
         if manifest is not None:
             if strict:
-                _check_model(target, manifest, runtime.manager, model.state_spec())
+                _check_model(target, manifest, runtime.manager, model_tensors(model))
             check_pairing(runtime, "model", manifest.step, target)
         return model.stage_load(obj, strict, str(target)), manifest
 
@@ -158,14 +158,14 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     if shard:
         runtime.enter_state_access("saving a sharded optimizer checkpoint")
         request = SaveRequest(
-            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
+            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_tensors(optimizer)
         )
         save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
         return
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
     step = current_step(runtime)
     fp = model_fingerprint(runtime.manager)
-    entries = optimizer_entries(optimizer)
+    entries = optimizer_tensors(optimizer)
     on_first_rank(
         comm,
         "saving optimizer checkpoint",
@@ -194,7 +194,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
     def stage() -> tuple[Any, Manifest | None]:
         obj, manifest = read_checkpoint(target, "optimizer", verify)
         if manifest is not None:
-            here = optimizer_entries(optimizer)
+            here = optimizer_tensors(optimizer)
             if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer file {target} was saved for an optimizer over other parameters "

@@ -9,9 +9,10 @@ from .files import TensorEntry, fingerprint
 
 if TYPE_CHECKING:
     from ..manager import ChunkManager
+    from ..model import ChunkedModel
     from ..optim import ChunkOptimizer
 
-__all__ = ["describe_difference", "model_fingerprint", "optimizer_entries"]
+__all__ = ["describe_difference", "model_fingerprint", "model_tensors", "optimizer_tensors"]
 
 
 def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
@@ -23,7 +24,13 @@ def model_fingerprint(manager: ChunkManager) -> str:
     return fingerprint(_parameter_entries(manager))
 
 
-def optimizer_entries(optimizer: ChunkOptimizer) -> list[TensorEntry]:
+def model_tensors(model: ChunkedModel) -> list[TensorEntry]:
+    """Every ``state_dict`` entry of the model (parameters as fp32 masters, buffers in their
+    original dtype), in its order."""
+    return [(name, shape, str(dtype)) for name, (shape, dtype) in model.state_shapes().items()]
+
+
+def optimizer_tensors(optimizer: ChunkOptimizer) -> list[TensorEntry]:
     """The optimizer's parameters in param group order (what a PyTorch-format state counts)."""
     return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
 

@@ -11,37 +11,35 @@ rank's shards, whatever layout saved them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..chunk import Chunk
 from ..chunk_layout import ShardPiece
-from ..errors import CheckpointMismatchError, StateDictMismatchError
+from ..errors import CheckpointMismatchError
+from ..model_state import StagedModelLoad, check_model_state
 from ..shard import MASTER_DTYPE
-from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget
+from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .directory import DirectoryManifest
-from .identity import describe_difference, model_fingerprint
+from .identity import describe_difference, model_fingerprint, model_tensors
 from .progress import check_pairing
 from .sharded import Reading
 
 if TYPE_CHECKING:
     from ..model import ChunkedModel
 
-__all__ = ["StagedShardedModel", "install_model", "model_entries", "plan_model_load"]
-
-_MAX_LISTED = 12
+__all__ = ["model_save_entries", "plan_model_load"]
 
 
 def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """Each state-dict buffer (name, the tensor, its original dtype)."""
     manager = model.runtime.manager
-    dtypes = {name: dtype for name, _, dtype in model.state_spec()}
+    shapes = model.state_shapes()
     return [
-        (name, tensor, getattr(torch, dtypes[name].removeprefix("torch.")))
+        (name, tensor, shapes[name][1])
         for name, tensor in model.module.state_dict(keep_vars=True).items()
         if not manager.manages(tensor)
     ]
@@ -57,7 +55,7 @@ def _aliases(model: ChunkedModel) -> set[str]:
     }
 
 
-def model_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
+def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
     """What this rank saves: its piece of each parameter (views of the master shards), and, on
     rank 0, the buffers and any parameter without elements."""
     manager = model.runtime.manager
@@ -77,120 +75,49 @@ def model_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
     return entries
 
 
-@dataclass(frozen=True)
-class StagedShardedModel:
-    """This rank's pieces and the buffers, read and checked, ready to install."""
-
-    pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]]
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    missing: list[str]
-    unexpected: list[str]
-
-
-def _castable(value: torch.dtype, target: torch.dtype) -> bool:
-    """The conversions ``ChunkedModel.load_state_dict`` accepts (no floats into integers, no
-    complex into real, nothing into or out of bool)."""
-    if (value == torch.bool) != (target == torch.bool) or value.is_complex != target.is_complex:
-        return False
-    return target.is_floating_point or target.is_complex or not value.is_floating_point
-
-
-def _problem(name: str, saved: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
-    if not isinstance(saved, TensorStorageMetadata):
-        return f"'{name}' is not a tensor in the checkpoint"
-    if tuple(saved.size) != shape:
-        return (
-            f"size mismatch for {name}: copying a param with shape {tuple(saved.size)} from the checkpoint, the shape "
-            f"in the current model is {shape}"
-        )
-    if not _castable(saved.properties.dtype, dtype):
-        return f"dtype mismatch for {name}: cannot copy {saved.properties.dtype} values into {dtype}"
-    return None
-
-
 def plan_model_load(
     model: ChunkedModel, strict: bool, source: Path
-) -> Callable[[DirectoryManifest | None, Metadata], Reading[StagedShardedModel]]:
+) -> Callable[[DirectoryManifest | None, Metadata], Reading[StagedModelLoad]]:
     """The ``plan`` for ``load_directory``: check the directory against the model (every key,
     shape and dtype, listing every problem) and stage this rank's pieces and the buffers."""
 
-    def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedShardedModel]:
+    def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedModelLoad]:
         runtime = model.runtime
         manager = runtime.manager
         if manifest is not None:
             if strict and manifest.model_fingerprint != model_fingerprint(manager):
+                difference = describe_difference(manifest.tensors, model_tensors(model))
                 raise CheckpointMismatchError(
-                    f"{source} was saved for another model "
-                    f"({describe_difference(manifest.tensors, model.state_spec())}). Load a checkpoint of this model, "
-                    "or boost the model the checkpoint was saved from."
+                    f"{source} was saved for another model ({difference}). Load a checkpoint of this model, or boost "
+                    "the model the checkpoint was saved from."
                 )
             check_pairing(runtime, "model", manifest.step, source)
-        saved = metadata.state_dict_metadata
-        params = {info.name: info for info in manager.infos}
-        buffers = {name: (tensor, dtype) for name, tensor, dtype in _buffers(model)}
-        missing = [name for name in [*params, *buffers] if name not in saved]
         aliases = _aliases(model)
-        unexpected = [name for name in saved if name not in params and name not in buffers and name not in aliases]
-        problems: list[str] = []
-        if strict and missing:
-            problems.append(f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing[:_MAX_LISTED])}")
-        if strict and unexpected:
-            problems.append(f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected[:_MAX_LISTED])}")
+        expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
+        saved = {
+            name: as_meta(entry) if isinstance(entry, TensorStorageMetadata) else "is not a tensor in the checkpoint"
+            for name, entry in metadata.state_dict_metadata.items()
+        }
+        missing, unexpected = check_model_state(
+            type(model.module).__name__, expected, saved, strict, str(source), not_unexpected=aliases
+        )
         targets: dict[str, LoadTarget] = {}
         pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
-        for name, info in params.items():
-            if name not in saved:
-                continue
-            problem = _problem(name, saved[name], tuple(info.shape), MASTER_DTYPE)
-            if problem:
-                problems.append(problem)
-                continue
+        for info in manager.infos:
             chunk = manager.chunk(info.chunk_id)
             piece = chunk.piece(info)
-            if piece is not None:
+            if info.name in saved and piece is not None:
                 staging = chunk.store.staging_for_master(piece.numel)
-                targets[name] = FlatRange(staging, tuple(info.shape), piece.param.start)
+                targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)
                 pieces.append((chunk, piece, staging))
-        loaded_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, (tensor, dtype) in buffers.items():
-            if name not in saved:
-                continue
-            problem = _problem(name, saved[name], tuple(tensor.shape), dtype)
-            if problem:
-                problems.append(problem)
-                continue
-            entry = saved[name]
-            assert isinstance(entry, TensorStorageMetadata), "checked above"
-            staging = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-            targets[name] = WholeTarget(staging)
-            loaded_buffers.append((tensor, staging))
-        if problems:
-            listed = "\n\t".join(problems[:_MAX_LISTED])
-            more = f"\n\t... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-            raise StateDictMismatchError(
-                f"Error(s) in loading state_dict for {type(model.module).__name__} from {source} (nothing was "
-                f"changed):\n\t{listed}{more}"
-            )
-        staged = StagedShardedModel(pieces, loaded_buffers, missing, unexpected)
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor, _ in _buffers(model):
+            value = saved.get(name)
+            if isinstance(value, torch.Tensor):
+                staging = torch.empty(value.shape, dtype=value.dtype)
+                targets[name] = WholeTarget(staging)
+                buffers.append((tensor, staging))
+        staged = StagedModelLoad(pieces, buffers, missing, unexpected)
         return Reading(targets, lambda: staged)
 
     return plan
-
-
-def install_model(model: ChunkedModel, staged: StagedShardedModel) -> Any:
-    """Write the staged pieces into this rank's master shards, then the buffers (and refresh the
-    chunks) the way ``ChunkedModel.load_state_dict`` does."""
-    from ..model import StagedModelLoad
-
-    model.runtime.cancel_early_steps()
-    model.runtime.manager.prepare_master_writes()
-    by_chunk: dict[int, list[tuple[Chunk, ShardPiece, torch.Tensor]]] = {}
-    for entry in staged.pieces:
-        by_chunk.setdefault(entry[0].chunk_id, []).append(entry)
-    with torch.no_grad():
-        for pieces in by_chunk.values():  # one chunk in memory at a time when masters are on disk
-            with pieces[0][0].store.resident_master(write_back=True) as master:
-                for _, piece, values in pieces:
-                    master[piece.shard].copy_(values)
-    rest = StagedModelLoad([], staged.buffers, staged.missing, staged.unexpected)
-    return model.apply_load(rest)

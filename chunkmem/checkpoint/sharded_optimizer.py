@@ -29,7 +29,7 @@ from ..errors import CheckpointMismatchError, StateDictMismatchError
 from ..optim_state import StagedOptimizerState, accept, check_settings, check_state_shapes, refusal, saved_elementwise
 from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .directory import DirectoryManifest
-from .identity import describe_difference, model_fingerprint, optimizer_entries
+from .identity import describe_difference, model_fingerprint, optimizer_tensors
 from .progress import check_pairing
 from .sharded import Reading
 
@@ -137,7 +137,7 @@ def plan_optimizer_load(
     def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedOptimizerState]:
         runtime = optimizer.runtime
         if manifest is not None:
-            here = optimizer_entries(optimizer)
+            here = optimizer_tensors(optimizer)
             if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer checkpoint {source} was saved for an optimizer over other parameters "
