@@ -35,6 +35,7 @@ from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchEr
 from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
 from .model_state import StagedModelLoad, check_model_state
+from .progress import TrainingProgress
 from .runtime import ChunkRuntime
 from .shard import MASTER_DTYPE
 from .stats import Stats
@@ -91,6 +92,7 @@ class ChunkedModel(torch.nn.Module):
         self._buffer_dtypes = dict(buffer_dtypes)
         self._markers = GradientMarkers((info.name, info.param) for info in runtime.manager.infos)
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
+        self._progress = TrainingProgress()
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
         weakref.finalize(module, runtime.detach)
@@ -106,6 +108,12 @@ class ChunkedModel(torch.nn.Module):
     @property
     def runtime(self) -> ChunkRuntime:
         return self._runtime
+
+    @property
+    def progress(self) -> TrainingProgress:
+        """The step of the model's state (its optimizer advances it) and the checkpoints loaded
+        since the last step."""
+        return self._progress
 
     @property
     def compute_device(self) -> torch.device:

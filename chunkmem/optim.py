@@ -44,6 +44,7 @@ from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
 from .optim_state import full_optimizer_state, slice_state, stage_optimizer_state
+from .progress import TrainingProgress
 from .runtime import ChunkRuntime
 from .step_config import StepAfterBackward, StepDuringBackward
 from .step_runs import Run, StepRuns
@@ -117,6 +118,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         runtime: ChunkRuntime,
+        progress: TrainingProgress,
         scaler: DynamicLossScaler | None,
         state_size: StateSize | None = None,
         host_step: StepAfterBackward | StepDuringBackward | None = None,
@@ -127,6 +129,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._built = False
         self._optim = optimizer
         self._runtime = runtime
+        self._progress = progress
         self._scaler = scaler
         self._unscaled = False
         self._found_inf = False
@@ -220,6 +223,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
     @property
     def runtime(self) -> ChunkRuntime:
         return self._runtime
+
+    @property
+    def progress(self) -> TrainingProgress:
+        """The model's training progress, which each step advances."""
+        return self._progress
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -339,6 +347,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             self._account_state()
             self._runtime.check_budget(f"{type(self._optim).__name__}.step creating its state")
             stats.optimizer_steps += 1
+        self._progress.advance()
         if self._scaler is not None:
             self._scaler.update(self._found_inf)
         self._unscaled = False

@@ -284,12 +284,15 @@ class ChunkPlugin:
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
         on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]
+        boosted = ChunkedModel(model, runtime, dtype, buffer_dtypes)
         wrapped_optim = (
-            ChunkOptimizer(optimizer, runtime, scaler, state, host_step, (disk, on_disk) if disk else None)
+            ChunkOptimizer(
+                optimizer, runtime, boosted.progress, scaler, state, host_step, (disk, on_disk) if disk else None
+            )
             if optimizer is not None
             else None
         )
-        return ChunkedModel(model, runtime, dtype, buffer_dtypes), wrapped_optim
+        return boosted, wrapped_optim
 
     def _open_disk(self, layout: Layout, specs: list[ChunkSpec], comm: Communicator, stats: Stats) -> SidesFile | None:
         """The disk tier's file for this rank, when the layout puts optimizer sides on disk:

@@ -149,6 +149,23 @@ def test_files_from_different_steps_are_refused(tmp_path: Path) -> None:
     assert checkpoint.read_manifest(tmp_path / "step5.pt").step == 5
 
 
+def test_each_boosted_model_keeps_its_own_step(tmp_path: Path) -> None:
+    """The step belongs to a boosted model and its optimizer: two models trained in one process
+    save their own step counts, and a load moves only the step of the model it loads into."""
+    first, first_optimizer, first_booster = _trained(3)
+    second, second_optimizer, second_booster = _trained(1, seed=6)
+    first_booster.save_model(first, tmp_path / "first.pt")
+    second_booster.save_optimizer(second_optimizer, tmp_path / "second.pt")
+    assert checkpoint.read_manifest(tmp_path / "first.pt").step == 3
+    assert checkpoint.read_manifest(tmp_path / "second.pt").step == 1
+    second_booster.load_model(second, tmp_path / "first.pt")
+    train_chunked(second, second_optimizer, second_booster, batches(1, seed=3))
+    second_booster.save_optimizer(second_optimizer, tmp_path / "second.pt")
+    first_booster.save_optimizer(first_optimizer, tmp_path / "first_optim.pt")
+    assert checkpoint.read_manifest(tmp_path / "second.pt").step == 4
+    assert checkpoint.read_manifest(tmp_path / "first_optim.pt").step == 3
+
+
 def test_a_file_of_the_wrong_kind_is_named(tmp_path: Path) -> None:
     chunked, optimizer, booster = _trained(1)
     _save_all(chunked, optimizer, booster, tmp_path)

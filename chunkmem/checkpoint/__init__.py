@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..agreement import agree, on_first_rank
 from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
 from ..gather import Destination
+from ..optim import ChunkOptimizer
 from ..optim_state import full_optimizer_state, stage_optimizer_state
 from .directory import is_sharded
 from .files import (
@@ -42,7 +43,6 @@ from .files import (
     write_checkpoint,
 )
 from .identity import describe_difference, model_fingerprint, model_tensors, optimizer_tensors
-from .progress import check_pairing, current_step, record_load
 from .sharded import SaveRequest, load_directory, save_directory
 from .sharded_model import model_save_entries, plan_model_load
 from .sharded_optimizer import optimizer_save_entries, plan_optimizer_load
@@ -51,13 +51,10 @@ if TYPE_CHECKING:
     from ..comm import Communicator
     from ..manager import ChunkManager
     from ..model import ChunkedModel
-    from ..optim import ChunkOptimizer
-    from ..runtime import ChunkRuntime
 
 __all__ = [
     "Manifest",
     "atomic_save",
-    "current_step",
     "load_lr_scheduler",
     "load_model",
     "load_optimizer",
@@ -98,11 +95,11 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
         what = "saving a sharded model checkpoint"
         runtime.enter_state_access(what)
         runtime.finish_backward()
-        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model_tensors(model))
+        request = SaveRequest("model", model.progress.step, model_fingerprint(runtime.manager), model_tensors(model))
         save_directory(comm, target, request, lambda: model_save_entries(model))
         return
     state = model.full_state_dict(Destination.FIRST_RANK)
-    step = current_step(runtime)
+    step = model.progress.step
     fp = model_fingerprint(runtime.manager)
     spec = model_tensors(model)
     on_first_rank(
@@ -128,7 +125,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         )
         result = model.apply_load(staged_pieces)
         if directory_manifest is not None:
-            record_load(runtime, "model", directory_manifest.step, target)
+            model.progress.loaded("model", directory_manifest.step, target)
         return result
 
     def stage() -> tuple[Any, Manifest | None]:
@@ -136,13 +133,13 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         if manifest is not None:
             if strict:
                 _check_model(target, manifest, runtime.manager, model_tensors(model))
-            check_pairing(runtime, "model", manifest.step, target)
+            model.progress.check_pairing("model", manifest.step, target)
         return model.stage_load(obj, strict, str(target)), manifest
 
     staged, manifest = agree(runtime.manager.comm, "loading model checkpoint", stage, CheckpointError, str(target))
     result = model.apply_load(staged)
     if manifest is not None:
-        record_load(runtime, "model", manifest.step, target)
+        model.progress.loaded("model", manifest.step, target)
     return result
 
 
@@ -158,12 +155,12 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     if shard:
         runtime.enter_state_access("saving a sharded optimizer checkpoint")
         request = SaveRequest(
-            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_tensors(optimizer)
+            "optimizer", optimizer.progress.step, model_fingerprint(runtime.manager), optimizer_tensors(optimizer)
         )
         save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
         return
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
-    step = current_step(runtime)
+    step = optimizer.progress.step
     fp = model_fingerprint(runtime.manager)
     entries = optimizer_tensors(optimizer)
     on_first_rank(
@@ -188,7 +185,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
         )
         staged_state.install(optimizer)
         if directory_manifest is not None:
-            record_load(runtime, "optimizer", directory_manifest.step, target)
+            optimizer.progress.loaded("optimizer", directory_manifest.step, target)
         return
 
     def stage() -> tuple[Any, Manifest | None]:
@@ -200,22 +197,20 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
                     f"optimizer file {target} was saved for an optimizer over other parameters "
                     f"({describe_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
                 )
-            check_pairing(runtime, "optimizer", manifest.step, target)
+            optimizer.progress.check_pairing("optimizer", manifest.step, target)
         return stage_optimizer_state(optimizer, obj, str(target)), manifest
 
     staged, manifest = agree(runtime.manager.comm, "loading optimizer checkpoint", stage, CheckpointError, str(target))
     staged.install(optimizer)
     if manifest is not None:
-        record_load(runtime, "optimizer", manifest.step, target)
+        optimizer.progress.loaded("optimizer", manifest.step, target)
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
-def _runtime_of(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkRuntime | None:
-    from ..optim import ChunkOptimizer
-
+def _boosted(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkOptimizer | None:
     for candidate in (optimizer, getattr(scheduler, "optimizer", None)):
         if isinstance(candidate, ChunkOptimizer):
-            return candidate.runtime
+            return candidate
     return None
 
 
@@ -225,7 +220,7 @@ def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: C
     comm: Communicator = runtime.manager.comm
     target = Path(path)
     state = scheduler.state_dict()
-    step = current_step(runtime)
+    step = optimizer.progress.step
     fp = model_fingerprint(runtime.manager)
     on_first_rank(
         comm,
@@ -262,20 +257,20 @@ def load_lr_scheduler(
     anything changes; a scheduler whose own ``load_state_dict`` fails is restored. With the boosted
     optimizer known (``optimizer``, or the one the scheduler was built on) every rank agrees and
     the step is checked against the model and optimizer loaded with it."""
-    runtime = _runtime_of(scheduler, optimizer)
+    boosted = _boosted(scheduler, optimizer)
     target = Path(path)
 
     def stage() -> tuple[Mapping[str, Any], Manifest | None]:
         obj, manifest = read_checkpoint(target, "lr_scheduler", verify)
-        if manifest is not None and runtime is not None:
-            check_pairing(runtime, "lr_scheduler", manifest.step, target)
+        if manifest is not None and boosted is not None:
+            boosted.progress.check_pairing("lr_scheduler", manifest.step, target)
         return _stage_scheduler(scheduler, obj, str(target)), manifest
 
-    if runtime is None:
+    if boosted is None:
         staged, manifest = stage()
     else:
         staged, manifest = agree(
-            runtime.manager.comm, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
+            boosted.communicator, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
         )
     snapshot = copy.deepcopy(scheduler.state_dict())
     try:
@@ -286,5 +281,5 @@ def load_lr_scheduler(
             f"{type(scheduler).__name__}.load_state_dict refused {target} ({type(error).__name__}: {error}); the "
             "scheduler was restored to its state before the load"
         ) from error
-    if manifest is not None and runtime is not None:
-        record_load(runtime, "lr_scheduler", manifest.step, target)
+    if manifest is not None and boosted is not None:
+        boosted.progress.loaded("lr_scheduler", manifest.step, target)

@@ -25,7 +25,6 @@ from ..shard import MASTER_DTYPE
 from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .directory import DirectoryManifest
 from .identity import describe_difference, model_fingerprint, model_tensors
-from .progress import check_pairing
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -91,7 +90,7 @@ def plan_model_load(
                     f"{source} was saved for another model ({difference}). Load a checkpoint of this model, or boost "
                     "the model the checkpoint was saved from."
                 )
-            check_pairing(runtime, "model", manifest.step, source)
+            model.progress.check_pairing("model", manifest.step, source)
         aliases = _aliases(model)
         expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
         saved = {

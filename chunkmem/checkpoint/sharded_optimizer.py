@@ -30,7 +30,6 @@ from ..optim_state import StagedOptimizerState, accept, check_settings, check_st
 from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .directory import DirectoryManifest
 from .identity import describe_difference, model_fingerprint, optimizer_tensors
-from .progress import check_pairing
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -144,7 +143,7 @@ def plan_optimizer_load(
                     f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this "
                     "model."
                 )
-            check_pairing(runtime, "optimizer", manifest.step, source)
+            optimizer.progress.check_pairing("optimizer", manifest.step, source)
         layout = _Layout(optimizer, metadata, source)
         saved = [
             (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
