@@ -22,8 +22,7 @@ from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 
 from chunkmem import CheckpointCorruptedError, CheckpointUnverifiedError
 from chunkmem.checkpoint.dcp_reader import read_metadata
-from chunkmem.checkpoint.directory import DirectoryManifest
-from chunkmem.checkpoint.files import Manifest, seal
+from chunkmem.checkpoint.manifest import Manifest, seal
 
 
 class _Payload:
@@ -61,7 +60,7 @@ def _forge_in_directory(directory: Path, name: str, data: bytes) -> None:
     side = directory / "chunkmem.json"
     manifest = json.loads(side.read_text())
     manifest["files"][name] = _digest(data)
-    side.write_text(seal(DirectoryManifest.model_validate(manifest)).model_dump_json())
+    side.write_text(seal(Manifest.model_validate(manifest)).model_dump_json())
 
 
 def _torch_saved(obj: Any) -> bytes:
@@ -203,7 +202,7 @@ def test_manifest_and_metadata_paths_stay_inside_the_checkpoint(tmp_path: Path, 
     manifest["files"][entry] = _digest(secret.read_bytes())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a forged manifest skips validation: pydantic warns on dumping it
-        side.write_text(seal(DirectoryManifest.model_construct(**manifest)).model_dump_json())
+        side.write_text(seal(Manifest.model_construct(**manifest)).model_dump_json())
     with pytest.raises(CheckpointCorruptedError) as caught:
         booster.load_model(chunked, directory)
     message = str(caught.value)

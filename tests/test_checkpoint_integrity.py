@@ -32,7 +32,7 @@ from chunkmem import (
     StateDictMismatchError,
     checkpoint,
 )
-from chunkmem.checkpoint.files import seal
+from chunkmem.checkpoint.manifest import seal
 from chunkmem.gather import Destination
 from chunkmem.optim_state import full_optimizer_state
 
@@ -147,6 +147,72 @@ def test_files_from_different_steps_are_refused(tmp_path: Path) -> None:
     train_chunked(other, other_optimizer, other_booster, batches(2, seed=3))
     other_booster.save_model(other, tmp_path / "step5.pt")
     assert checkpoint.read_manifest(tmp_path / "step5.pt").step == 5
+
+
+# Manifests as chunkmem wrote them before file and directory manifests became one type, checksums
+# included (a file's, with the manifest of the file it replaced; a directory's).
+_TENSORS = [["w", [2, 3], "torch.float32"], ["b", [3], "torch.float32"]]
+_FILE_MANIFEST = {
+    "format": "chunkmem-checkpoint",
+    "version": 2,
+    "checksum": "04a43aaab96c57d712450e83390a03a1a64cf8434f181164dd8d35b884ce9d97",
+    "kind": "optimizer",
+    "file": "optim.pt",
+    "digest": {"size": 20, "sha256": "b" * 64},
+    "step": 3,
+    "model_fingerprint": "f" * 64,
+    "world_size": 2,
+    "tensors": _TENSORS,
+    "previous": {
+        "format": "chunkmem-checkpoint",
+        "version": 2,
+        "checksum": None,
+        "kind": "model",
+        "file": "model.pt",
+        "digest": {"size": 10, "sha256": "a" * 64},
+        "step": 2,
+        "model_fingerprint": "f" * 64,
+        "world_size": 2,
+        "tensors": _TENSORS[:1],
+        "previous": None,
+    },
+}
+_DIRECTORY_MANIFEST = {
+    "format": "chunkmem-sharded-checkpoint",
+    "version": 2,
+    "checksum": "31e8b42bcd3991410195de3383c96d3f58470343193fb2685e48800eb8421eb3",
+    "layout": "torch.distributed.checkpoint",
+    "kind": "model",
+    "files": {".metadata": {"size": 10, "sha256": "a" * 64}, "__0_0.distcp": {"size": 20, "sha256": "b" * 64}},
+    "step": 4,
+    "model_fingerprint": "e" * 64,
+    "world_size": 4,
+    "tensors": _TENSORS[:1],
+}
+
+
+def test_manifests_written_before_keep_loading_and_are_written_the_same_way(tmp_path: Path) -> None:
+    """Old manifests read and verify as they are, and the same fields are written the same way
+    (the checksum covers every field, so it holds only if nothing about them changed)."""
+    (tmp_path / "optim.pt.chunkmem.json").write_text(json.dumps(_FILE_MANIFEST, indent=1))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "chunkmem.json").write_text(json.dumps(_DIRECTORY_MANIFEST, indent=1))
+    file_manifest = checkpoint.read_manifest(tmp_path / "optim.pt")
+    directory_manifest = checkpoint.read_manifest(tmp_path / "model", directory=True)
+    assert file_manifest is not None and directory_manifest is not None  # their seals hold
+    assert file_manifest.step == 3 and file_manifest.previous is not None and file_manifest.previous.step == 2
+    assert directory_manifest.step == 4 and sorted(directory_manifest.files or {}) == [".metadata", "__0_0.distcp"]
+    for manifest, literal in ((file_manifest, _FILE_MANIFEST), (directory_manifest, _DIRECTORY_MANIFEST)):
+        written = json.loads(manifest.model_dump_json())
+        assert written == literal and list(written) == list(literal)
+        assert seal(manifest.model_copy(update={"checksum": None})).checksum == manifest.checksum
+    # Each format reads only its own kind of manifest.
+    (tmp_path / "model" / "chunkmem.json").write_text(json.dumps(_FILE_MANIFEST))
+    with pytest.raises(CheckpointCorruptedError, match="is damaged"):
+        checkpoint.read_manifest(tmp_path / "model", directory=True)
+    (tmp_path / "optim.pt.chunkmem.json").write_text(json.dumps(_DIRECTORY_MANIFEST))
+    with pytest.raises(CheckpointCorruptedError, match="is damaged"):
+        checkpoint.read_manifest(tmp_path / "optim.pt")
 
 
 def test_each_boosted_model_keeps_its_own_step(tmp_path: Path) -> None:

@@ -25,7 +25,13 @@ from state_helpers import assert_identical, raw_state
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from chunkmem import CheckpointCorruptedError, CheckpointMismatchError, CheckpointWriteError, ChunkmemError
+from chunkmem import (
+    CheckpointCorruptedError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ChunkmemError,
+    StateDictMismatchError,
+)
 from chunkmem.checkpoint import directory, sharded
 from placement import StaticPlacementConfig
 
@@ -204,6 +210,36 @@ def test_fp16_loss_scale_and_frozen_parameters_round_trip(tmp_path: Path) -> Non
     assert fresh_optimizer.loss_scale == optimizer.loss_scale == 2.0**15
     assert_identical(fresh.state_dict(), chunked.state_dict(), "model")
     assert_identical(fresh_optimizer.state_dict(), optimizer.state_dict(), "optimizer")
+
+
+def test_both_formats_refuse_a_mismatched_state_with_the_same_checks(tmp_path: Path) -> None:
+    """A file and a directory go through one set of checks per kind of state: an SGD state loaded
+    into AdamW names the settings AdamW lacks in it, an optimizer state and a model of another
+    width name the tensor of another shape, from either format, and nothing changes."""
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    wide = lambda m: torch.optim.AdamW(m.parameters())  # noqa: E731
+    for name, make, model_kwargs in (("sgd", sgd, {}), ("wide", wide, {"n_embd": 32})):
+        saved, saved_optimizer, saved_booster = boost(
+            gpt2(n_layer=1, **model_kwargs), make, precision="fp32", chunk_size=8_000
+        )
+        train_chunked(saved, saved_optimizer, saved_booster, batches(1))
+        for suffix, shard in ((".pt", False), ("", True)):
+            saved_booster.save_optimizer(saved_optimizer, tmp_path / f"{name}-optim{suffix}", shard=shard)
+            saved_booster.save_model(saved, tmp_path / f"{name}-model{suffix}", shard=shard)
+    chunked, optimizer, booster = boost(gpt2(n_layer=1), wide, precision="fp32", chunk_size=8_000)
+    train_chunked(chunked, optimizer, booster, batches(1))
+    before = raw_state(chunked, optimizer)
+    for suffix in (".pt", ""):
+        with pytest.raises(StateDictMismatchError, match=r"lacks the settings \['amsgrad', 'betas', 'eps'\]"):
+            booster.load_optimizer(optimizer, tmp_path / f"sgd-optim{suffix}")
+        # Without their manifests (which would refuse another model first), the states' own checks.
+        for path in (tmp_path / f"wide-optim{suffix}", tmp_path / f"wide-model{suffix}"):
+            (path / "chunkmem.json" if path.is_dir() else path.with_name(path.name + ".chunkmem.json")).unlink()
+        with pytest.raises(StateDictMismatchError, match=r"state 'exp_avg' of parameter 'transformer.wte.weight' "):
+            booster.load_optimizer(optimizer, tmp_path / f"wide-optim{suffix}", verify=False)
+        with pytest.raises(StateDictMismatchError, match=r"size mismatch for transformer.wte.weight: copying a param"):
+            booster.load_model(chunked, tmp_path / f"wide-model{suffix}", verify=False)
+        assert_identical(raw_state(chunked, optimizer), before, suffix or "directory")
 
 
 # --- refusals and failures on two ranks -----------------------------------------------------------

@@ -8,7 +8,8 @@
 * Beside each file, a manifest (``<file>.chunkmem.json``) records its checksum, the step and a
   fingerprint of the model. Loading verifies them and refuses a corrupted, truncated or swapped
   file, a file saved for another model, or model and optimizer files from different steps, with a
-  message naming the file and the fix. A file without a manifest (from plain PyTorch) loads unverified.
+  message naming the file and the fix. A file without a manifest (from plain PyTorch) loads only with
+  ``verify=False``, and is logged as unverified.
 * Loads are transactional: every rank reads and checks its file, the ranks agree, and only then is
   anything written. A refused load leaves model, optimizer and scheduler exactly as they were.
 * Sharded checkpoints (``shard=True``) are directories written with ``torch.distributed.checkpoint``:
@@ -16,41 +17,42 @@
   holding every file's checksum, the step and the model's fingerprint; the directory replaces the
   previous one atomically. A load recognises a directory and reads it at any world size, chunk size
   or placement, with the same verification and the same transaction (see ``sharded``).
+
+The verbs here say what each kind of state is (how it is gathered or listed in pieces, checked,
+staged and installed); :mod:`.pipeline` does the rest, the same for every kind and both formats.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..agreement import agree, on_first_rank
-from ..errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError, StateDictMismatchError
+from ..errors import StateDictMismatchError
 from ..gather import Destination
 from ..optim import ChunkOptimizer
 from ..optim_state import full_optimizer_state, stage_optimizer_state
-from .directory import is_sharded
-from .files import (
-    Manifest,
-    TensorEntry,
-    atomic_save,
-    manifest_path,
-    read_checkpoint,
-    read_manifest,
-    write_checkpoint,
+from .files import atomic_save
+from .identity import (
+    check_saved_for_model,
+    check_saved_for_optimizer,
+    model_fingerprint,
+    model_tensors,
+    optimizer_tensors,
 )
-from .identity import describe_difference, model_fingerprint, model_tensors, optimizer_tensors
-from .sharded import SaveRequest, load_directory, save_directory
-from .sharded_model import model_save_entries, plan_model_load
-from .sharded_optimizer import optimizer_save_entries, plan_optimizer_load
+from .manifest import Manifest, manifest_path, read_manifest
+from .pipeline import load, save
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
-    from ..manager import ChunkManager
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from ..model import ChunkedModel
+    from ..model_state import StagedModelLoad
+    from ..optim_state import StagedOptimizerState
+    from .dcp_layout import SaveEntry
+    from .sharded import Reading
 
 __all__ = [
     "Manifest",
@@ -66,48 +68,40 @@ __all__ = [
     "save_optimizer",
 ]
 
-log = logging.getLogger("chunkmem")
 
-
-def _check_model(path: Path, manifest: Manifest, manager: ChunkManager, here: list[TensorEntry]) -> None:
-    if manifest.model_fingerprint != model_fingerprint(manager):
-        raise CheckpointMismatchError(
-            f"{path} was saved for another model ({describe_difference(manifest.tensors, here)}). Load a checkpoint of "
-            "this model, or boost the model the checkpoint was saved from."
-        )
-
-
-# --- model ------------------------------------------------------------------------------------
 def _check_shard(shard: object) -> None:
     if not isinstance(shard, bool):
         raise TypeError(f"shard must be True (a directory, each rank writing its pieces) or False, got {shard!r}")
 
 
+# The sharded format's modules import torch.distributed.checkpoint: they are imported by the
+# functions that need them, so that DCP loads only when a sharded checkpoint is saved or loaded.
+
+
+# --- model ------------------------------------------------------------------------------------
 def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
     """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
     chunk and written there, with its manifest; with ``shard=True``, a directory to which every
     rank writes its own pieces (nothing is gathered). A collective: every rank calls it."""
     _check_shard(shard)
     runtime = model.runtime
-    comm = runtime.manager.comm
-    target = Path(path)
+
+    def pieces() -> Mapping[str, SaveEntry]:
+        from .sharded_model import model_save_entries
+
+        return model_save_entries(model)
+
     if shard:
-        what = "saving a sharded model checkpoint"
-        runtime.enter_state_access(what)
+        runtime.enter_state_access("saving a sharded model checkpoint")
         runtime.finish_backward()
-        request = SaveRequest("model", model.progress.step, model_fingerprint(runtime.manager), model_tensors(model))
-        save_directory(comm, target, request, lambda: model_save_entries(model))
-        return
-    state = model.full_state_dict(Destination.FIRST_RANK)
-    step = model.progress.step
-    fp = model_fingerprint(runtime.manager)
-    spec = model_tensors(model)
-    on_first_rank(
-        comm,
-        "saving model checkpoint",
-        lambda: write_checkpoint(state, target, "model", step, fp, comm.world_size, spec),
-        CheckpointWriteError,
-        str(target),
+    save(
+        "model",
+        Path(path),
+        runtime.manager,
+        model.progress,
+        model_tensors(model),
+        lambda: model.full_state_dict(Destination.FIRST_RANK),
+        pieces if shard else None,
     )
 
 
@@ -116,31 +110,29 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
     (only the slices it holds are read), the ranks agree, then every rank writes. A directory is a
     sharded checkpoint: each rank reads the parts of the saved pieces that fall in its own. A
     checkpoint without chunkmem's manifest loads only with ``verify=False``. A collective."""
-    runtime = model.runtime
     target = Path(path)
-    runtime.finish_backward()
-    if is_sharded(target):
-        staged_pieces, directory_manifest = load_directory(
-            runtime.manager.comm, target, "model", plan_model_load(model, strict, target), verify
-        )
-        result = model.apply_load(staged_pieces)
-        if directory_manifest is not None:
-            model.progress.loaded("model", directory_manifest.step, target)
-        return result
+    model.runtime.finish_backward()
 
-    def stage() -> tuple[Any, Manifest | None]:
-        obj, manifest = read_checkpoint(target, "model", verify)
-        if manifest is not None:
-            if strict:
-                _check_model(target, manifest, runtime.manager, model_tensors(model))
-            model.progress.check_pairing("model", manifest.step, target)
-        return model.stage_load(obj, strict, str(target)), manifest
+    def saved_for(manifest: Manifest) -> None:
+        if strict:
+            check_saved_for_model(manifest, model, target)
 
-    staged, manifest = agree(runtime.manager.comm, "loading model checkpoint", stage, CheckpointError, str(target))
-    result = model.apply_load(staged)
-    if manifest is not None:
-        model.progress.loaded("model", manifest.step, target)
-    return result
+    def plan(metadata: Metadata) -> Reading[StagedModelLoad]:
+        from .sharded_model import plan_model_load
+
+        return plan_model_load(model, strict, target, metadata)
+
+    return load(
+        "model",
+        target,
+        verify,
+        model.runtime.manager.comm,
+        model.progress,
+        saved_for,
+        lambda contents: model.stage_load(contents, strict, str(target)),
+        model.apply_load,
+        plan,
+    )
 
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -149,26 +141,22 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     chunk by chunk and written there, with its manifest; with ``shard=True``, a directory to which
     every rank writes the state of its own pieces. A collective."""
     _check_shard(shard)
-    runtime = optimizer.runtime
-    comm = runtime.manager.comm
-    target = Path(path)
+
+    def pieces() -> Mapping[str, SaveEntry]:
+        from .sharded_optimizer import optimizer_save_entries
+
+        return optimizer_save_entries(optimizer)
+
     if shard:
-        runtime.enter_state_access("saving a sharded optimizer checkpoint")
-        request = SaveRequest(
-            "optimizer", optimizer.progress.step, model_fingerprint(runtime.manager), optimizer_tensors(optimizer)
-        )
-        save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
-        return
-    state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
-    step = optimizer.progress.step
-    fp = model_fingerprint(runtime.manager)
-    entries = optimizer_tensors(optimizer)
-    on_first_rank(
-        comm,
-        "saving optimizer checkpoint",
-        lambda: write_checkpoint(state, target, "optimizer", step, fp, comm.world_size, entries),
-        CheckpointWriteError,
-        str(target),
+        optimizer.runtime.enter_state_access("saving a sharded optimizer checkpoint")
+    save(
+        "optimizer",
+        Path(path),
+        optimizer.runtime.manager,
+        optimizer.progress,
+        optimizer_tensors(optimizer),
+        lambda: full_optimizer_state(optimizer, Destination.FIRST_RANK),
+        pieces if shard else None,
     )
 
 
@@ -177,58 +165,30 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
     ``verify=False``), cut down to this rank's pieces; verified and agreed on every rank before
     anything changes. A directory is a sharded checkpoint (``save_optimizer(..., shard=True)``). A
     collective."""
-    runtime = optimizer.runtime
     target = Path(path)
-    if is_sharded(target):
-        staged_state, directory_manifest = load_directory(
-            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target), verify
-        )
-        staged_state.install(optimizer)
-        if directory_manifest is not None:
-            optimizer.progress.loaded("optimizer", directory_manifest.step, target)
-        return
 
-    def stage() -> tuple[Any, Manifest | None]:
-        obj, manifest = read_checkpoint(target, "optimizer", verify)
-        if manifest is not None:
-            here = optimizer_tensors(optimizer)
-            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
-                raise CheckpointMismatchError(
-                    f"optimizer file {target} was saved for an optimizer over other parameters "
-                    f"({describe_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
-                )
-            optimizer.progress.check_pairing("optimizer", manifest.step, target)
-        return stage_optimizer_state(optimizer, obj, str(target)), manifest
+    def plan(metadata: Metadata) -> Reading[StagedOptimizerState]:
+        from .sharded_optimizer import plan_optimizer_load
 
-    staged, manifest = agree(runtime.manager.comm, "loading optimizer checkpoint", stage, CheckpointError, str(target))
-    staged.install(optimizer)
-    if manifest is not None:
-        optimizer.progress.loaded("optimizer", manifest.step, target)
+        return plan_optimizer_load(optimizer, target, metadata)
+
+    load(
+        "optimizer",
+        target,
+        verify,
+        optimizer.communicator,
+        optimizer.progress,
+        lambda manifest: check_saved_for_optimizer(manifest, optimizer, target),
+        lambda contents: stage_optimizer_state(optimizer, contents, str(target)),
+        lambda staged: staged.install(optimizer),
+        plan,
+    )
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
-def _boosted(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkOptimizer | None:
-    for candidate in (optimizer, getattr(scheduler, "optimizer", None)):
-        if isinstance(candidate, ChunkOptimizer):
-            return candidate
-    return None
-
-
 def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
     """Write a scheduler's state dict with its manifest (every rank calls it; rank 0 writes)."""
-    runtime = optimizer.runtime
-    comm: Communicator = runtime.manager.comm
-    target = Path(path)
-    state = scheduler.state_dict()
-    step = optimizer.progress.step
-    fp = model_fingerprint(runtime.manager)
-    on_first_rank(
-        comm,
-        "saving LR scheduler checkpoint",
-        lambda: write_checkpoint(state, target, "lr_scheduler", step, fp, comm.world_size, []),
-        CheckpointWriteError,
-        str(target),
-    )
+    save("lr_scheduler", Path(path), optimizer.runtime.manager, optimizer.progress, [], scheduler.state_dict)
 
 
 def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]:
@@ -249,29 +209,8 @@ def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]
     return obj
 
 
-def load_lr_scheduler(
-    scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None, verify: bool = True
-) -> None:
-    """Load a scheduler state written by ``save_lr_scheduler`` (or plain PyTorch, with
-    ``verify=False``). Checked before
-    anything changes; a scheduler whose own ``load_state_dict`` fails is restored. With the boosted
-    optimizer known (``optimizer``, or the one the scheduler was built on) every rank agrees and
-    the step is checked against the model and optimizer loaded with it."""
-    boosted = _boosted(scheduler, optimizer)
-    target = Path(path)
-
-    def stage() -> tuple[Mapping[str, Any], Manifest | None]:
-        obj, manifest = read_checkpoint(target, "lr_scheduler", verify)
-        if manifest is not None and boosted is not None:
-            boosted.progress.check_pairing("lr_scheduler", manifest.step, target)
-        return _stage_scheduler(scheduler, obj, str(target)), manifest
-
-    if boosted is None:
-        staged, manifest = stage()
-    else:
-        staged, manifest = agree(
-            boosted.communicator, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
-        )
+def _install_scheduler(scheduler: Any, staged: Mapping[str, Any], target: Path) -> None:
+    """Load ``staged``; a scheduler whose own ``load_state_dict`` refuses it is restored."""
     snapshot = copy.deepcopy(scheduler.state_dict())
     try:
         scheduler.load_state_dict(dict(staged))
@@ -281,5 +220,26 @@ def load_lr_scheduler(
             f"{type(scheduler).__name__}.load_state_dict refused {target} ({type(error).__name__}: {error}); the "
             "scheduler was restored to its state before the load"
         ) from error
-    if manifest is not None and boosted is not None:
-        boosted.progress.loaded("lr_scheduler", manifest.step, target)
+
+
+def load_lr_scheduler(
+    scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer | None = None, verify: bool = True
+) -> None:
+    """Load a scheduler state written by ``save_lr_scheduler`` (or plain PyTorch, with
+    ``verify=False``). Checked before anything changes; a scheduler whose own ``load_state_dict``
+    fails is restored. With the boosted optimizer known (``optimizer``, or the one the scheduler
+    was built on) every rank agrees and the step is checked against the model and optimizer loaded
+    with it."""
+    candidates = (optimizer, getattr(scheduler, "optimizer", None))
+    boosted = next((c for c in candidates if isinstance(c, ChunkOptimizer)), None)
+    target = Path(path)
+    load(
+        "lr_scheduler",
+        target,
+        verify,
+        boosted.communicator if boosted is not None else None,
+        boosted.progress if boosted is not None else None,
+        lambda manifest: None,
+        lambda contents: _stage_scheduler(scheduler, contents, str(target)),
+        lambda staged: _install_scheduler(scheduler, staged, target),
+    )

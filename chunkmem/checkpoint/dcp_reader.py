@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptedError
+from .workspace import first_line
 
 __all__ = ["SafeFileSystemReader", "read_metadata"]
 
@@ -97,12 +98,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             except CheckpointCorruptedError:
                 raise
             except Exception as error:
-                text = str(error).strip()
-                first = text.splitlines()[0] if text else type(error).__name__
                 raise CheckpointCorruptedError(
-                    f"cannot read checkpoint file {Path(self.path) / name} ({type(error).__name__}: {first}). Nothing "
-                    "from it was run. It is damaged or was not written by torch.distributed.checkpoint; load an "
-                    "intact copy or an earlier checkpoint."
+                    f"cannot read checkpoint file {Path(self.path) / name} ({type(error).__name__}: "
+                    f"{first_line(error)}). Nothing from it was run. It is damaged or was not written by "
+                    "torch.distributed.checkpoint; load an intact copy or an earlier checkpoint."
                 ) from error
         done: Future[None] = Future()
         done.set_result(None)

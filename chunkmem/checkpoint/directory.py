@@ -1,12 +1,10 @@
-"""Sharded checkpoint directories on disk: the manifest, atomic replacement, verification.
+"""Sharded checkpoint directories on disk: atomic replacement and verification.
 
 A sharded checkpoint is a directory written by ``torch.distributed.checkpoint`` (DCP: one data
-file per saving rank and DCP's ``.metadata``) plus ``chunkmem.json`` (a
-:class:`DirectoryManifest`): what kind of state it holds, the size and SHA-256 of every other file
-in it, the step it was saved at and a fingerprint of the model. Loading verifies the files (the
-ranks share the work) before DCP reads anything, so a corrupted, truncated or swapped file, a
-directory of another model, or a model and optimizer from different steps are refused as for
-single files.
+file per saving rank and DCP's ``.metadata``) plus its manifest, ``chunkmem.json`` (see
+:mod:`~chunkmem.checkpoint.manifest`), which records the size and SHA-256 of every other file in
+it. Loading verifies the files (the ranks share the work) before DCP reads anything, so a
+corrupted, truncated or swapped file is refused as for single files.
 
 Saving is atomic at the directory level. The ranks write into ``checkpoint/`` of a workspace rank 0
 creates beside the target (:class:`~chunkmem.checkpoint.workspace.Workspace`: a random name, a
@@ -28,103 +26,30 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointWriteError
-from .files import (
-    FileDigest,
-    TensorEntry,
-    check_seal,
-    digest_of,
+from ..errors import CheckpointCorruptedError, CheckpointWriteError
+from .manifest import MANIFEST_NAME, Kind, Manifest, check_digest, digest_of, plain_name, read_manifest
+from .workspace import (
+    PREVIOUS,
+    Workspace,
     fsync_directory,
-    plain_name,
-    seal,
+    interrupted_saves,
+    remove_dead_workspaces,
+    write_durably,
 )
-from .workspace import PREVIOUS, Workspace, interrupted_saves, remove_dead_workspaces
 
 __all__ = [
     "DCP_METADATA",
-    "MANIFEST_NAME",
     "WRITE_INTO",
-    "DirectoryManifest",
-    "ShardedKind",
-    "check_kind",
     "check_replaceable",
     "inside",
     "install",
     "is_sharded",
     "make_workspace",
-    "read_directory_manifest",
     "verify_files",
 ]
 
-MANIFEST_NAME = "chunkmem.json"
 DCP_METADATA = ".metadata"
-ShardedKind = Literal["model", "optimizer"]
-_LOAD_WITH = {"model": "load_model", "optimizer": "load_optimizer"}
-_SAVE_WITH = {"model": "save_model", "optimizer": "save_optimizer"}
-
-
-class DirectoryManifest(BaseModel):
-    """What ``<directory>/chunkmem.json`` records about a sharded checkpoint directory."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    format: Literal["chunkmem-sharded-checkpoint"] = "chunkmem-sharded-checkpoint"
-    version: Literal[1, 2] = 2
-    """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
-    checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    """SHA-256 of every other field: an edited step, digest or file list is refused."""
-    layout: Literal["torch.distributed.checkpoint"] = "torch.distributed.checkpoint"
-    """How the state is stored: a DCP checkpoint of the module's (optimizer's) state dict."""
-    kind: ShardedKind
-    """Which save wrote it: a model or an optimizer state."""
-    files: dict[str, FileDigest]
-    """Size and SHA-256 of every other file of the directory, by name."""
-    step: int = Field(ge=0)
-    """Optimizer steps (``step()`` calls, skipped fp16 steps included) behind the saved state."""
-    model_fingerprint: str
-    """SHA-256 of the model's parameters (names, shapes, fp32) in registration order."""
-    world_size: int = Field(ge=1)
-    """World size of the run that saved it (informative: directories load at any world size)."""
-    tensors: list[TensorEntry]
-    """For a model, every state-dict entry; for an optimizer, its parameters in param group order."""
-
-    @field_validator("files")
-    @classmethod
-    def _names_inside(cls, files: dict[str, FileDigest]) -> dict[str, FileDigest]:
-        outside = [name for name in files if not plain_name(name)]
-        if outside:
-            raise ValueError(f"{outside[:3]} are not file names inside the directory (no '/', '..' or absolute paths)")
-        return files
-
-
-def read_directory_manifest(directory: Path) -> DirectoryManifest | None:
-    """The manifest of ``directory``, or ``None`` when it has none (a DCP checkpoint written
-    without chunkmem)."""
-    side = directory / MANIFEST_NAME
-    try:
-        text = side.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as error:
-        raise CheckpointCorruptedError(
-            f"cannot read the manifest {side} of checkpoint directory {directory}: {error}"
-        ) from error
-    try:
-        manifest = DirectoryManifest.model_validate_json(text)
-    except ValidationError as error:
-        raise CheckpointCorruptedError(
-            f"the manifest {side} of checkpoint directory {directory} is damaged ({error.error_count()} problem(s): "
-            f"{error.errors()[0]['msg']}). Restore it from the same checkpoint, or delete it and load {directory} "
-            "with verify=False."
-        ) from error
-    check_seal(manifest, side, f"checkpoint directory {directory}")
-    return manifest
-
-
 # --- writing ----------------------------------------------------------------------------------
 WRITE_INTO = "checkpoint"
 """The entry of a save's workspace that the ranks write the new directory into."""
@@ -138,7 +63,7 @@ def is_sharded(target: Path) -> bool:
     return not target.exists() and bool(interrupted_saves(target))
 
 
-def check_replaceable(target: Path, kind: ShardedKind) -> None:
+def check_replaceable(target: Path, kind: Kind) -> None:
     """Refuse a target that is a file, or a directory that is not empty and not exactly a chunkmem
     checkpoint of the same kind (a save replaces the whole directory, so it never deletes what an
     earlier save of this kind did not write: another kind's checkpoint, files put there since)."""
@@ -159,12 +84,12 @@ def check_replaceable(target: Path, kind: ShardedKind) -> None:
             "or empty it."
         )
     try:
-        manifest = read_directory_manifest(target)
+        manifest = read_manifest(target, directory=True)
     except CheckpointCorruptedError as error:
         raise CheckpointWriteError(
             f"cannot replace the checkpoint at {target}: {error}. Remove the directory to save there."
         ) from error
-    assert manifest is not None, f"{MANIFEST_NAME} is present"
+    assert manifest is not None and manifest.files is not None, f"{MANIFEST_NAME} is present"
     if manifest.kind != kind:
         raise CheckpointWriteError(
             f"cannot write a sharded {kind} checkpoint at {target}: it holds a {manifest.kind} checkpoint, which this "
@@ -178,7 +103,7 @@ def check_replaceable(target: Path, kind: ShardedKind) -> None:
         )
 
 
-def make_workspace(target: Path, kind: ShardedKind) -> Workspace:
+def make_workspace(target: Path, kind: Kind) -> Workspace:
     """On the first rank: clean up after killed saves to ``target``, check that it may be replaced
     by a ``kind`` checkpoint, and create the workspace whose ``checkpoint/`` the ranks write into."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -207,15 +132,12 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(second))
 
 
-def install(workspace: Workspace, target: Path, manifest: DirectoryManifest) -> None:
+def install(workspace: Workspace, target: Path, manifest: Manifest) -> None:
     """On the first rank: write the manifest into the new directory (durably), then put it in
     place of ``target`` atomically and delete the previous checkpoint with the workspace."""
     check_replaceable(target, manifest.kind)
     new = workspace / WRITE_INTO
-    with open(new / MANIFEST_NAME, "w") as f:
-        f.write(seal(manifest).model_dump_json(indent=1))
-        f.flush()
-        os.fsync(f.fileno())
+    write_durably(new / MANIFEST_NAME, manifest.model_dump_json(indent=1))
     fsync_directory(new)
     if not target.exists():
         os.rename(new, target)
@@ -230,15 +152,7 @@ def install(workspace: Workspace, target: Path, manifest: DirectoryManifest) -> 
     workspace.remove()
 
 
-# --- reading ----------------------------------------------------------------------------------
-def check_kind(directory: Path, manifest: DirectoryManifest, kind: ShardedKind) -> None:
-    if manifest.kind != kind:
-        raise CheckpointMismatchError(
-            f"{directory} holds a {manifest.kind} state (written by {_SAVE_WITH[manifest.kind]}), not a {kind} state; "
-            f"load it with {_LOAD_WITH[manifest.kind]}"
-        )
-
-
+# --- reading ---------------------------------------------------------------------------------
 def inside(directory: Path, name: str) -> Path:
     """``directory / name``, refused when it leads out of ``directory`` (a path or a link)."""
     path = directory / name
@@ -251,41 +165,25 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
-def _verify_file(directory: Path, name: str, expected: FileDigest) -> None:
-    path = inside(directory, name)
-    try:
-        actual = digest_of(path)
-    except FileNotFoundError:
-        raise CheckpointCorruptedError(
-            f"checkpoint file {path} is missing: the manifest of {directory} lists it. The directory was damaged or "
-            "partly copied; load an intact copy or an earlier checkpoint."
-        ) from None
-    except OSError as error:
-        raise CheckpointCorruptedError(f"cannot read checkpoint file {path}: {error}") from error
-    if actual.size != expected.size:
-        what = "truncated" if actual.size < expected.size else "longer than saved"
-        raise CheckpointCorruptedError(
-            f"checkpoint file {path} is {what}: {actual.size} bytes, the manifest of {directory} says {expected.size}. "
-            "It was damaged after saving or the copy was interrupted; load an intact copy or an earlier checkpoint."
-        )
-    if actual.sha256 != expected.sha256:
-        raise CheckpointCorruptedError(
-            f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
-            f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
-            f"you replaced files on purpose, delete {directory / MANIFEST_NAME} and load the directory with "
-            "verify=False."
-        )
-
-
-def verify_files(directory: Path, manifest: DirectoryManifest, rank: int, world_size: int) -> None:
+def verify_files(directory: Path, manifest: Manifest, rank: int, world_size: int) -> None:
     """Check this rank's share of the files against the manifest: DCP's ``.metadata`` on every
     rank (each unpickles it), the data files round robin, so that together the ranks read each
     file once."""
-    if DCP_METADATA not in manifest.files:
+    files = manifest.files or {}
+    if DCP_METADATA not in files:
         raise CheckpointCorruptedError(
             f"the manifest of {directory} lists no {DCP_METADATA}: it is not a DCP checkpoint"
         )
-    _verify_file(directory, DCP_METADATA, manifest.files[DCP_METADATA])
-    data = sorted(name for name in manifest.files if name != DCP_METADATA)
-    for name in data[rank::world_size]:
-        _verify_file(directory, name, manifest.files[name])
+    data = sorted(name for name in files if name != DCP_METADATA)
+    for name in [DCP_METADATA, *data[rank::world_size]]:
+        path = inside(directory, name)
+        try:
+            actual = digest_of(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptedError(
+                f"checkpoint file {path} is missing: the manifest of {directory} lists it. The directory was damaged "
+                "or partly copied; load an intact copy or an earlier checkpoint."
+            ) from None
+        except OSError as error:
+            raise CheckpointCorruptedError(f"cannot read checkpoint file {path}: {error}") from error
+        check_digest(path, actual, files[name], directory / MANIFEST_NAME, directory)

@@ -1,27 +1,38 @@
-"""What a checkpoint was saved for: the model's fingerprint, the tensors a manifest lists, and a
-readable account of how two such lists differ (for the message that refuses a mismatched load)."""
+"""What a checkpoint was saved for: the model's fingerprint and the tensors a manifest lists, the
+checks that a manifest describes a checkpoint of this model (or optimizer), whichever format it
+is in, and a readable account of how two tensor lists differ for the message that refuses one."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .files import TensorEntry, fingerprint
+from ..errors import CheckpointMismatchError
+from .manifest import Manifest, TensorEntry
 
 if TYPE_CHECKING:
     from ..manager import ChunkManager
     from ..model import ChunkedModel
     from ..optim import ChunkOptimizer
 
-__all__ = ["describe_difference", "model_fingerprint", "model_tensors", "optimizer_tensors"]
-
-
-def _parameter_entries(manager: ChunkManager) -> list[TensorEntry]:
-    return [(info.name, tuple(info.shape), "torch.float32") for info in manager.infos]
+__all__ = [
+    "check_saved_for_model",
+    "check_saved_for_optimizer",
+    "describe_difference",
+    "model_fingerprint",
+    "model_tensors",
+    "optimizer_tensors",
+]
 
 
 def model_fingerprint(manager: ChunkManager) -> str:
-    """Hash of the model's parameters (names, shapes, fp32) in registration order."""
-    return fingerprint(_parameter_entries(manager))
+    """Hash of the model's parameters (names, shapes, fp32) in registration order: equal for the
+    same model structure."""
+    entries = [[info.name, list(info.shape), "torch.float32"] for info in manager.infos]
+    text = json.dumps(entries, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def model_tensors(model: ChunkedModel) -> list[TensorEntry]:
@@ -57,3 +68,22 @@ def describe_difference(saved: list[TensorEntry], here: list[TensorEntry]) -> st
     if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
         parts.append("the same tensors in another order")
     return "; ".join(parts) or "the same tensors"
+
+
+def check_saved_for_model(manifest: Manifest, model: ChunkedModel, target: Path) -> None:
+    """Refuse a model checkpoint of another model."""
+    if manifest.model_fingerprint != model_fingerprint(model.runtime.manager):
+        raise CheckpointMismatchError(
+            f"{target} was saved for another model ({describe_difference(manifest.tensors, model_tensors(model))}). "
+            "Load a checkpoint of this model, or boost the model the checkpoint was saved from."
+        )
+
+
+def check_saved_for_optimizer(manifest: Manifest, optimizer: ChunkOptimizer, target: Path) -> None:
+    """Refuse an optimizer checkpoint of another model, or over other parameters."""
+    here = optimizer_tensors(optimizer)
+    if manifest.model_fingerprint != model_fingerprint(optimizer.runtime.manager) or manifest.tensors != here:
+        raise CheckpointMismatchError(
+            f"optimizer checkpoint {target} was saved for an optimizer over other parameters "
+            f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this model."
+        )

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,58 +39,37 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..agreement import agree, on_first_rank
 from ..comm import Communicator
-from ..errors import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    CheckpointWriteError,
-    ChunkmemError,
-)
+from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
 from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
-from .directory import (
-    DCP_METADATA,
+from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
+from .manifest import (
     MANIFEST_NAME,
-    WRITE_INTO,
-    DirectoryManifest,
-    ShardedKind,
+    FileDigest,
+    Kind,
+    Manifest,
+    Record,
     check_kind,
-    inside,
-    install,
-    make_workspace,
-    read_directory_manifest,
-    verify_files,
+    digest_of,
+    read_manifest,
+    unverified,
 )
-from .files import FileDigest, TensorEntry, digest_of, unverified
-from .workspace import Workspace, interrupted_saves
+from .workspace import KEEP_READING, Workspace, first_line, interrupted_saves, kept_replacing, write_error
 
-__all__ = ["Reading", "SaveRequest", "load_directory", "save_directory"]
+__all__ = ["Reading", "load_directory", "save_directory"]
 
 T = TypeVar("T")
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _write_error(target: Path, error: BaseException) -> ChunkmemError:
-    if isinstance(error, ChunkmemError):
-        return error
-    try:
-        free = f" ({shutil.disk_usage(target.parent).free} bytes free on its disk.)"
-    except OSError:
-        free = ""
-    return CheckpointWriteError(
-        f"could not write the sharded checkpoint {target}: {type(error).__name__}: {_first_line(error)}.{free} The "
-        f"previous checkpoint at {target}, if any, is unchanged."
-    )
+    return write_error(target, error, "the sharded checkpoint")
 
 
 def _read_error(target: Path, error: BaseException) -> ChunkmemError:
     if isinstance(error, ChunkmemError):
         return error
     return CheckpointCorruptedError(
-        f"cannot read checkpoint directory {target} ({type(error).__name__}: {_first_line(error)}); it is damaged or "
+        f"cannot read checkpoint directory {target} ({type(error).__name__}: {first_line(error)}); it is damaged or "
         "not a checkpoint of this state. Load an intact copy or an earlier checkpoint."
     )
 
@@ -110,16 +88,6 @@ def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseExcept
 
 
 # --- saving -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SaveRequest:
-    """What the manifest of a saved directory records."""
-
-    kind: ShardedKind
-    step: int
-    model_fingerprint: str
-    tensors: list[TensorEntry]
-
-
 @dataclass
 class _Written:
     metadata: Metadata
@@ -127,11 +95,11 @@ class _Written:
 
 
 def save_directory(
-    comm: Communicator, target: Path, request: SaveRequest, build: Callable[[], Mapping[str, SaveEntry]]
+    comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, SaveEntry]]
 ) -> None:
     """Save what ``build`` lists on each rank (its pieces, and what it saves once) as the DCP
     checkpoint directory ``target``, atomically. A collective: every rank calls it."""
-    what = f"saving a sharded {request.kind} checkpoint"
+    what = f"saving a sharded {record.kind} checkpoint"
     subject = str(target)
     workspace: Workspace | None = None  # rank 0's, until it is installed or removed
 
@@ -139,7 +107,7 @@ def save_directory(
         nonlocal workspace
         if comm.rank == 0:
             try:
-                workspace = make_workspace(target, request.kind)
+                workspace = make_workspace(target, record.kind)
             except OSError as error:
                 raise _write_error(target, error) from error
 
@@ -190,15 +158,7 @@ def save_directory(
                             f"rank 0 does not see {path} as it was written (a file of the sharded checkpoint "
                             f"{target}): every rank must save to the same directory, on a filesystem all ranks share"
                         )
-                manifest = DirectoryManifest(
-                    kind=request.kind,
-                    files=files,
-                    step=request.step,
-                    model_fingerprint=request.model_fingerprint,
-                    world_size=comm.world_size,
-                    tensors=[(name, tuple(shape), dtype) for name, shape, dtype in request.tensors],
-                )
-                install(workspace, target, manifest)
+                install(workspace, target, record.manifest(format="chunkmem-sharded-checkpoint", files=files))
             except OSError as error:
                 raise _write_error(target, error) from error
 
@@ -235,9 +195,7 @@ class Reading(Generic[T]):
         self.finish = finish
 
 
-def _open(
-    comm: Communicator, target: Path, kind: ShardedKind, verify: bool
-) -> tuple[DirectoryManifest | None, Metadata]:
+def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[Manifest | None, Metadata]:
     if not target.is_dir():
         interrupted = interrupted_saves(target)
         hint = (
@@ -247,7 +205,7 @@ def _open(
             else ""
         )
         raise CheckpointCorruptedError(f"checkpoint directory {target} does not exist{hint}")
-    manifest = read_directory_manifest(target)
+    manifest = read_manifest(target, directory=True)
     if manifest is None and not (target / DCP_METADATA).is_file():
         raise CheckpointCorruptedError(
             f"{target} is not a checkpoint directory: it has neither chunkmem's {MANIFEST_NAME} nor DCP's "
@@ -264,14 +222,14 @@ def _open(
         raise
     except Exception as error:
         raise CheckpointCorruptedError(
-            f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {_first_line(error)}): the directory is not "
+            f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {first_line(error)}): the directory is not "
             "a DCP checkpoint or it is damaged. Load an intact copy or an earlier checkpoint."
         ) from error
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
     for name in sorted(referenced):
         inside(target, name)  # DCP would open it: nothing outside the directory
     if manifest is not None:
-        unlisted = sorted(referenced - set(manifest.files))
+        unlisted = sorted(referenced - set(manifest.files or {}))
         if unlisted:
             raise CheckpointCorruptedError(
                 f"{target / DCP_METADATA} refers to files its manifest does not list ({unlisted[:3]}): the files of "
@@ -283,17 +241,17 @@ def _open(
 def load_directory(
     comm: Communicator,
     target: Path,
-    kind: ShardedKind,
-    plan: Callable[[DirectoryManifest | None, Metadata], Reading[T]],
+    kind: Kind,
+    plan: Callable[[Manifest | None, Metadata], Reading[T]],
     verify: bool = True,
-) -> tuple[T, DirectoryManifest | None]:
+) -> tuple[T, Manifest | None]:
     """Verify ``target``, let ``plan`` check the saved keys and shapes and say what this rank
     reads, read it, and return what ``Reading.finish`` staged, with the manifest (``None`` for a
     DCP checkpoint written without chunkmem, refused unless ``verify`` is false). Nothing is
     installed. A collective: every rank calls it."""
     what = f"loading a sharded {kind} checkpoint"
 
-    def open_and_plan() -> tuple[DirectoryManifest | None, Reading[T]]:
+    def open_and_plan() -> tuple[Manifest | None, Reading[T]]:
         manifest, metadata = _open(comm, target, kind, verify)
         return manifest, plan(manifest, metadata)
 
@@ -306,7 +264,7 @@ def load_directory(
             return None
         return reading.finish()
 
-    deadline = time.monotonic() + _KEEP_READING
+    deadline = time.monotonic() + KEEP_READING
     attempts = 0
     while True:
         attempts += 1
@@ -324,26 +282,14 @@ def load_directory(
                     continue  # a save swapped the directory while it was read: not damage
                 if not replaced:
                     raise
-                raise _busy(target, attempts) from None
+                raise kept_replacing(f"checkpoint directory {target}", attempts) from None
             replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
             if replaced and not expired:
                 continue
             if replaced:
-                raise _busy(target, attempts)
+                raise kept_replacing(f"checkpoint directory {target}", attempts)
         assert staged is not None, "a rank that saw another rank fail raised in the agreement"
         return staged, manifest
-
-
-_KEEP_READING = 120.0
-"""Seconds a load reads a directory again while saves keep replacing it, before giving up."""
-
-
-def _busy(target: Path, attempts: int) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint directory {target} was replaced by a save during each of {attempts} reads in "
-        f"{_KEEP_READING:.0f} s: another job keeps saving to it. Nothing was loaded; load it when those saves "
-        "stop, or load a copy."
-    )
 
 
 class _Pinned:

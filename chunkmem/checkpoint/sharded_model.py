@@ -10,7 +10,6 @@ rank's shards, whatever layout saved them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,12 +18,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..chunk import Chunk
 from ..chunk_layout import ShardPiece
-from ..errors import CheckpointMismatchError
 from ..model_state import StagedModelLoad, check_model_state
 from ..shard import MASTER_DTYPE
 from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
-from .directory import DirectoryManifest
-from .identity import describe_difference, model_fingerprint, model_tensors
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -74,49 +70,34 @@ def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
     return entries
 
 
-def plan_model_load(
-    model: ChunkedModel, strict: bool, source: Path
-) -> Callable[[DirectoryManifest | None, Metadata], Reading[StagedModelLoad]]:
-    """The ``plan`` for ``load_directory``: check the directory against the model (every key,
-    shape and dtype, listing every problem) and stage this rank's pieces and the buffers."""
-
-    def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedModelLoad]:
-        runtime = model.runtime
-        manager = runtime.manager
-        if manifest is not None:
-            if strict and manifest.model_fingerprint != model_fingerprint(manager):
-                difference = describe_difference(manifest.tensors, model_tensors(model))
-                raise CheckpointMismatchError(
-                    f"{source} was saved for another model ({difference}). Load a checkpoint of this model, or boost "
-                    "the model the checkpoint was saved from."
-                )
-            model.progress.check_pairing("model", manifest.step, source)
-        aliases = _aliases(model)
-        expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
-        saved = {
-            name: as_meta(entry) if isinstance(entry, TensorStorageMetadata) else "is not a tensor in the checkpoint"
-            for name, entry in metadata.state_dict_metadata.items()
-        }
-        missing, unexpected = check_model_state(
-            type(model.module).__name__, expected, saved, strict, str(source), not_unexpected=aliases
-        )
-        targets: dict[str, LoadTarget] = {}
-        pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
-        for info in manager.infos:
-            chunk = manager.chunk(info.chunk_id)
-            piece = chunk.piece(info)
-            if info.name in saved and piece is not None:
-                staging = chunk.store.staging_for_master(piece.numel)
-                targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)
-                pieces.append((chunk, piece, staging))
-        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor, _ in _buffers(model):
-            value = saved.get(name)
-            if isinstance(value, torch.Tensor):
-                staging = torch.empty(value.shape, dtype=value.dtype)
-                targets[name] = WholeTarget(staging)
-                buffers.append((tensor, staging))
-        staged = StagedModelLoad(pieces, buffers, missing, unexpected)
-        return Reading(targets, lambda: staged)
-
-    return plan
+def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: Metadata) -> Reading[StagedModelLoad]:
+    """What this rank reads of a directory (``metadata``, DCP's): every key, shape and dtype
+    checked against the model (every problem listed), then this rank's pieces and the buffers."""
+    manager = model.runtime.manager
+    aliases = _aliases(model)
+    expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
+    saved = {
+        name: as_meta(entry) if isinstance(entry, TensorStorageMetadata) else "is not a tensor in the checkpoint"
+        for name, entry in metadata.state_dict_metadata.items()
+    }
+    missing, unexpected = check_model_state(
+        type(model.module).__name__, expected, saved, strict, str(source), not_unexpected=aliases
+    )
+    targets: dict[str, LoadTarget] = {}
+    pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
+    for info in manager.infos:
+        chunk = manager.chunk(info.chunk_id)
+        piece = chunk.piece(info)
+        if info.name in saved and piece is not None:
+            staging = chunk.store.staging_for_master(piece.numel)
+            targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)
+            pieces.append((chunk, piece, staging))
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, tensor, _ in _buffers(model):
+        value = saved.get(name)
+        if isinstance(value, torch.Tensor):
+            staging = torch.empty(value.shape, dtype=value.dtype)
+            targets[name] = WholeTarget(staging)
+            buffers.append((tensor, staging))
+    staged = StagedModelLoad(pieces, buffers, missing, unexpected)
+    return Reading(targets, lambda: staged)

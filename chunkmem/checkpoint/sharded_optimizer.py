@@ -18,18 +18,15 @@ dtypes, the loss scale) before anything is installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..errors import CheckpointMismatchError, StateDictMismatchError
+from ..errors import StateDictMismatchError
 from ..optim_state import StagedOptimizerState, accept, check_settings, check_state_shapes, refusal, saved_elementwise
 from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
-from .directory import DirectoryManifest
-from .identity import describe_difference, model_fingerprint, optimizer_tensors
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -126,75 +123,59 @@ class _Layout:
             )
 
 
-def plan_optimizer_load(
-    optimizer: ChunkOptimizer, source: Path
-) -> Callable[[DirectoryManifest | None, Metadata], Reading[StagedOptimizerState]]:
-    """The ``plan`` for ``load_directory``: check the saved state's structure against the
-    optimizer, stage this rank's pieces of it and the hyperparameters; ``finish`` checks the
-    values read (parameters of each group, settings, state keys, loss scale)."""
+def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metadata) -> Reading[StagedOptimizerState]:
+    """What this rank reads of a directory (``metadata``, DCP's): the saved state's structure and
+    shapes checked against the optimizer, then this rank's pieces of it and the hyperparameters;
+    ``finish`` checks the values read (parameters of each group, settings, state keys, loss scale)."""
+    layout = _Layout(optimizer, metadata, source)
+    saved = [
+        (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
+        for name, state in layout.state.items()
+    ]
+    problems, dropped = check_state_shapes(optimizer, saved)
+    if layout.problems or problems:
+        raise refusal(optimizer, str(source), layout.problems + problems)
 
-    def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedOptimizerState]:
-        runtime = optimizer.runtime
-        if manifest is not None:
-            here = optimizer_tensors(optimizer)
-            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
-                raise CheckpointMismatchError(
-                    f"optimizer checkpoint {source} was saved for an optimizer over other parameters "
-                    f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this "
-                    "model."
+    targets: dict[str, LoadTarget] = {}
+    for position, settings in layout.groups.items():
+        for setting, value in settings.items():
+            targets[f"param_groups.{position}.{setting}"] = _target(value)
+    for key, value in layout.scaler.items():
+        targets[f"loss_scaler.{key}"] = _target(value)
+    staged_keys: list[tuple[Piece, str, str]] = []
+    for piece in optimizer.pieces:
+        parameter = piece.info.name
+        for key, value in layout.state.get(parameter, {}).items():
+            name = f"state.{parameter}.{key}"
+            if saved_elementwise(value, piece.info):
+                staging = optimizer.state_staging(piece.chunk, piece.part.numel, value.dtype)
+                targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
+            else:
+                targets[name] = _target(value)
+            staged_keys.append((piece, key, name))
+
+    def finish() -> StagedOptimizerState:
+        problems: list[str] = []
+        hyperparameters: list[dict[str, Any]] = []
+        for position, infos in enumerate(optimizer.group_infos):
+            settings = {
+                setting: _read(targets[f"param_groups.{position}.{setting}"]) for setting in layout.groups[position]
+            }
+            names = settings.pop("params")
+            if list(names) != [info.name for info in infos]:
+                problems.append(
+                    f"param group {position} holds the parameters {list(names)[:4]}... in the checkpoint, "
+                    f"{[info.name for info in infos][:4]}... here: it was saved for other param groups"
                 )
-            optimizer.progress.check_pairing("optimizer", manifest.step, source)
-        layout = _Layout(optimizer, metadata, source)
-        saved = [
-            (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
-            for name, state in layout.state.items()
-        ]
-        problems, dropped = check_state_shapes(optimizer, saved)
-        if layout.problems or problems:
-            raise refusal(optimizer, str(source), layout.problems + problems)
+            hyperparameters.append(settings)
+        scaler_state = {key: _read(targets[f"loss_scaler.{key}"]) for key in layout.scaler} or None
+        problems += check_settings(optimizer, hyperparameters, saved, scaler_state)
+        accept(optimizer, str(source), problems, dropped, scaler_state)
+        states: dict[torch.Tensor, dict[str, Any]] = {}
+        for piece, key, name in staged_keys:
+            states.setdefault(piece.tensor, {})[key] = _read(targets[name])
+        # Which parameters have state is read from the checkpoint's layout, the same on every rank.
+        stateful = [layout.infos[parameter][1] for parameter in layout.state if parameter not in dropped]
+        return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
 
-        targets: dict[str, LoadTarget] = {}
-        for position, settings in layout.groups.items():
-            for setting, value in settings.items():
-                targets[f"param_groups.{position}.{setting}"] = _target(value)
-        for key, value in layout.scaler.items():
-            targets[f"loss_scaler.{key}"] = _target(value)
-        staged_keys: list[tuple[Piece, str, str]] = []
-        for piece in optimizer.pieces:
-            parameter = piece.info.name
-            for key, value in layout.state.get(parameter, {}).items():
-                name = f"state.{parameter}.{key}"
-                if saved_elementwise(value, piece.info):
-                    staging = optimizer.state_staging(piece.chunk, piece.part.numel, value.dtype)
-                    targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
-                else:
-                    targets[name] = _target(value)
-                staged_keys.append((piece, key, name))
-
-        def finish() -> StagedOptimizerState:
-            problems: list[str] = []
-            hyperparameters: list[dict[str, Any]] = []
-            for position, infos in enumerate(optimizer.group_infos):
-                settings = {
-                    setting: _read(targets[f"param_groups.{position}.{setting}"]) for setting in layout.groups[position]
-                }
-                names = settings.pop("params")
-                if list(names) != [info.name for info in infos]:
-                    problems.append(
-                        f"param group {position} holds the parameters {list(names)[:4]}... in the checkpoint, "
-                        f"{[info.name for info in infos][:4]}... here: it was saved for other param groups"
-                    )
-                hyperparameters.append(settings)
-            scaler_state = {key: _read(targets[f"loss_scaler.{key}"]) for key in layout.scaler} or None
-            problems += check_settings(optimizer, hyperparameters, saved, scaler_state)
-            accept(optimizer, str(source), problems, dropped, scaler_state)
-            states: dict[torch.Tensor, dict[str, Any]] = {}
-            for piece, key, name in staged_keys:
-                states.setdefault(piece.tensor, {})[key] = _read(targets[name])
-            # Which parameters have state is read from the checkpoint's layout, the same on every rank.
-            stateful = [layout.infos[parameter][1] for parameter in layout.state if parameter not in dropped]
-            return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
-
-        return Reading(targets, finish)
-
-    return plan
+    return Reading(targets, finish)

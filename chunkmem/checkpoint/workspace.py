@@ -1,4 +1,5 @@
-"""Where a save writes before its result replaces the target: a directory chunkmem owns.
+"""Where a save writes before its result replaces the target (a directory chunkmem owns), how what it
+wrote is made durable, and what a failed write says.
 
 A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/`` (a random token),
 which holds a marker file naming the target and the token. The saving process holds an exclusive
@@ -10,11 +11,15 @@ checkpoint, whatever its name, is never removed, renamed or overwritten.
 A workspace also keeps the previous checkpoint while a save swaps the new one in without an atomic
 exchange (``previous`` inside it): a save killed between its two renames leaves the previous
 checkpoint there, and the next save or load to the same target puts it back.
+
+A write that fails is named by :func:`write_error`, whatever the format: what could not be written
+and why, the space left on its disk, and that the previous checkpoint at the target is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -24,7 +29,21 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PREVIOUS", "Workspace", "interrupted_saves", "remove_dead_workspaces", "restore_interrupted"]
+from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
+
+__all__ = [
+    "KEEP_READING",
+    "PREVIOUS",
+    "Workspace",
+    "first_line",
+    "fsync_directory",
+    "interrupted_saves",
+    "kept_replacing",
+    "remove_dead_workspaces",
+    "restore_interrupted",
+    "write_durably",
+    "write_error",
+]
 
 _INFIX = ".chunkmem-tmp-"
 _MARKER = ".chunkmem-workspace"
@@ -134,3 +153,61 @@ def remove_dead_workspaces(target: Path) -> list[Path]:
                 shutil.rmtree(workspace, ignore_errors=True)
                 removed.append(workspace)
     return removed
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` (files created or renamed in it) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to the new file ``path`` and flush it to disk."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def write_error(target: Path, error: BaseException, what: str, need: int | None = None) -> ChunkmemError:
+    """The error for a write of ``what`` (``"checkpoint file"``, ``"the sharded checkpoint"``) to
+    ``target`` that failed with ``error``, with the space left on its disk (against the ``need``
+    bytes of what was written, when known). chunkmem's own errors are raised as they are."""
+    if isinstance(error, ChunkmemError):
+        return error
+    try:
+        free: int | None = shutil.disk_usage(target.parent).free
+    except OSError:
+        free = None
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    hint = ""
+    if free is not None and need is not None and (full or free < need):
+        hint = (
+            f" The disk holding it has {free} bytes free and the file needs about {need}: free space or save elsewhere."
+        )
+    elif free is not None:
+        hint = f" ({free} bytes free on its disk.)"
+    return CheckpointWriteError(
+        f"could not write {what} {target}: {type(error).__name__}: {first_line(error)}.{hint} The previous "
+        f"checkpoint at {target}, if any, is unchanged."
+    )
+
+
+KEEP_READING = 120.0
+"""Seconds a load reads a checkpoint again while saves keep replacing it, before giving up."""
+
+
+def kept_replacing(what: str, attempts: int) -> CheckpointError:
+    """The error for a load of ``what`` that saves replaced during each of its ``attempts``."""
+    return CheckpointError(
+        f"{what} was replaced by a save during each of {attempts} reads in {KEEP_READING:.0f} s: another process "
+        "keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
+    )

@@ -1,0 +1,283 @@
+"""What chunkmem records about a checkpoint, and the checks a load makes of it.
+
+Beside a checkpoint file ``<name>`` chunkmem writes ``<name>.chunkmem.json``; inside a sharded
+checkpoint directory, ``chunkmem.json``. Both are a :class:`Manifest`: what kind of state the
+checkpoint holds, the size and SHA-256 of its file (or of every other file of the directory), the
+step it was saved at and a fingerprint of the model, sealed by a checksum over all of it. The
+checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
+manifest is what lets a load refuse a corrupted, truncated, swapped or mismatched checkpoint before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointUnverifiedError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MANIFEST_SUFFIX",
+    "FileDigest",
+    "Kind",
+    "Manifest",
+    "Record",
+    "TensorEntry",
+    "check_digest",
+    "check_kind",
+    "digest_of",
+    "manifest_path",
+    "plain_name",
+    "read_manifest",
+    "seal",
+    "unverified",
+]
+
+log = logging.getLogger("chunkmem")
+
+MANIFEST_SUFFIX = ".chunkmem.json"
+"""Beside a checkpoint file: ``<file>.chunkmem.json``."""
+MANIFEST_NAME = "chunkmem.json"
+"""Inside a sharded checkpoint directory."""
+Kind = Literal["model", "optimizer", "lr_scheduler"]
+TensorEntry = tuple[str, tuple[int, ...], str]
+"""A named tensor's name, shape and dtype (``"torch.float32"``)."""
+_FILE = "chunkmem-checkpoint"
+_DIRECTORY = "chunkmem-sharded-checkpoint"
+_OWN_FIELDS = {_FILE: frozenset({"file", "digest", "previous"}), _DIRECTORY: frozenset({"layout", "files"})}
+_SAVE_WITH = {
+    "model": ("save_model", "load_model"),
+    "optimizer": ("save_optimizer", "load_optimizer"),
+    "lr_scheduler": ("save_lr_scheduler", "load_lr_scheduler"),
+}
+_READ_BLOCK = 1 << 20
+
+
+class FileDigest(BaseModel):
+    """Size and SHA-256 of a file as written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def plain_name(name: str) -> bool:
+    """Whether ``name`` names an entry of a directory itself: not a path, ``.`` or ``..``."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+class Manifest(BaseModel):
+    """What chunkmem records about a checkpoint, a single file's (``format``
+    ``chunkmem-checkpoint``) or a sharded directory's (``chunkmem-sharded-checkpoint``). The
+    fields marked "a file's" or "a directory's" belong to that format only: the other format's
+    manifest neither has them nor writes them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["chunkmem-checkpoint", "chunkmem-sharded-checkpoint"] = _FILE
+    version: Literal[1, 2] = 2
+    """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
+    checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    """SHA-256 of every other field (:func:`seal`): an edited step, digest or file list is refused."""
+    layout: Literal["torch.distributed.checkpoint"] = "torch.distributed.checkpoint"
+    """A directory's: a DCP checkpoint of the module's (optimizer's) state dict."""
+    kind: Kind
+    """Which save wrote it: a model, an optimizer or an LR scheduler state (a directory: not a scheduler)."""
+    file: str | None = None
+    """A file's: its name (in the same directory)."""
+    digest: FileDigest | None = None
+    """A file's: its size and SHA-256."""
+    files: dict[str, FileDigest] | None = None
+    """A directory's: size and SHA-256 of every other file of the directory, by name."""
+    step: int = Field(ge=0)
+    """Optimizer steps (``step()`` calls, skipped fp16 steps included) behind the saved state."""
+    model_fingerprint: str
+    """SHA-256 of the model's parameters (names, shapes, fp32) in registration order."""
+    world_size: int = Field(ge=1)
+    """World size of the run that saved it (informative: checkpoints load at any world size)."""
+    tensors: list[TensorEntry]
+    """For a model, every state-dict entry; for an optimizer, its parameters in param group order
+    (what a file's integer parameter ids stand for)."""
+    previous: Manifest | None = None
+    """A file's: the manifest of the file this one replaced, while the save that replaces it runs:
+    a save renames its manifest into place first, then its file, so a reader in between (or after a
+    kill in between) finds the previous file, described here."""
+
+    @field_validator("file")
+    @classmethod
+    def _file_is_a_name(cls, name: str | None) -> str | None:
+        if name is not None and not plain_name(name):
+            raise ValueError(f"{name!r} is not a file name inside the checkpoint (no '/', '..' or absolute paths)")
+        return name
+
+    @field_validator("files")
+    @classmethod
+    def _names_inside(cls, files: dict[str, FileDigest] | None) -> dict[str, FileDigest] | None:
+        outside = [name for name in files or {} if not plain_name(name)]
+        if outside:
+            raise ValueError(f"{outside[:3]} are not file names inside the directory (no '/', '..' or absolute paths)")
+        return files
+
+    @model_validator(mode="after")
+    def _one_format(self) -> Manifest:
+        other = (_OWN_FIELDS[_DIRECTORY] if self.format == _FILE else _OWN_FIELDS[_FILE]) & self.model_fields_set
+        if other:
+            raise ValueError(f"a {self.format} manifest has no {sorted(other)}")
+        if self.format == _FILE and (self.file is None or self.digest is None):
+            raise ValueError("a checkpoint file's manifest needs its 'file' and 'digest'")
+        if self.format == _DIRECTORY and (self.files is None or self.kind == "lr_scheduler"):
+            raise ValueError("a directory's manifest needs its 'files' and holds a model or an optimizer state")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _only_its_format(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        other = _OWN_FIELDS[_DIRECTORY] if self.format == _FILE else _OWN_FIELDS[_FILE]
+        return {name: value for name, value in fields.items() if name not in other}
+
+
+Manifest.model_rebuild()
+
+
+@dataclass(frozen=True)
+class Record:
+    """What every manifest records about the saved state, whichever format stores it."""
+
+    kind: Kind
+    step: int
+    model_fingerprint: str
+    world_size: int
+    tensors: list[TensorEntry]
+
+    def manifest(self, **storage: Any) -> Manifest:
+        """The sealed manifest of this state stored as ``storage`` says (a file's ``file``,
+        ``digest`` and ``previous``; a directory's ``format`` and ``files``)."""
+        tensors = [(name, tuple(shape), dtype) for name, shape, dtype in self.tensors]
+        fields = {"step": self.step, "model_fingerprint": self.model_fingerprint, "world_size": self.world_size}
+        return seal(Manifest(kind=self.kind, tensors=tensors, **fields, **storage))
+
+
+def _canonical(manifest: Manifest) -> bytes:
+    fields = manifest.model_dump(mode="json", exclude={"checksum"})
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: Manifest) -> Manifest:
+    """``manifest`` with its ``checksum`` over every other field."""
+    return manifest.model_copy(update={"checksum": hashlib.sha256(_canonical(manifest)).hexdigest()})
+
+
+def manifest_path(path: str | os.PathLike[str]) -> Path:
+    """Where the manifest of the checkpoint file ``path`` is."""
+    target = Path(path)
+    return target.with_name(target.name + MANIFEST_SUFFIX)
+
+
+def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Manifest | None:
+    """The manifest of the checkpoint file ``path`` (beside it), or with ``directory`` of the
+    sharded checkpoint ``path`` (inside it); ``None`` when there is none (a file or DCP checkpoint
+    written without chunkmem). A damaged, edited or unreadable manifest is refused."""
+    target = Path(path)
+    side, what, form = (
+        (target / MANIFEST_NAME, f"checkpoint directory {target}", _DIRECTORY)
+        if directory
+        else (manifest_path(target), f"checkpoint file {target}", _FILE)
+    )
+    try:
+        text = side.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise CheckpointCorruptedError(f"cannot read the manifest {side} of {what}: {error}") from error
+    try:
+        manifest: Manifest | None = Manifest.model_validate_json(text)
+        problem = f"1 problem(s): it is a {manifest.format} manifest" if manifest.format != form else ""
+    except ValidationError as error:
+        manifest, problem = None, f"{error.error_count()} problem(s): {error.errors()[0]['msg']}"
+    if manifest is None or problem:
+        raise CheckpointCorruptedError(
+            f"the manifest {side} of {what} is damaged ({problem}). Restore it from the same checkpoint, or delete it "
+            f"and load {target} with verify=False."
+        )
+    if manifest.version != 1 and manifest.checksum != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise CheckpointCorruptedError(
+            f"the manifest {side} of {what} was changed after it was written: its checksum does not match its "
+            "fields (step, digests, model). Restore it from the same checkpoint, or load an earlier checkpoint."
+        )
+    return manifest
+
+
+def unverified(target: Path, manifest_name: str, verify: bool) -> None:
+    """A checkpoint without its manifest: refused, or with ``verify=False`` logged as unverified."""
+    if verify:
+        raise CheckpointUnverifiedError(
+            f"{target} has no manifest ({manifest_name}), so chunkmem cannot check that it is intact and saved for "
+            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
+            f"logged as unverified); if chunkmem saved it, copy {manifest_name} with it."
+        )
+    log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
+
+
+def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
+    """Refuse a checkpoint that another kind of save wrote."""
+    if manifest.kind != kind:
+        save, load = _SAVE_WITH[manifest.kind]
+        raise CheckpointMismatchError(
+            f"{target} holds a {manifest.kind} state (written by {save}), not a {kind} state; load it with {load}"
+        )
+
+
+def digest_of(path: Path | io.BufferedReader) -> FileDigest:
+    """Size and SHA-256 of the file at ``path`` (or of an open file, from its start), read through
+    one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer per read)."""
+    digest = hashlib.sha256()
+    size = 0
+    block = bytearray(_READ_BLOCK)
+    view = memoryview(block)
+    with contextlib.ExitStack() as stack:
+        if isinstance(path, io.BufferedReader):
+            f = path.raw
+            f.seek(0)
+        else:
+            f = stack.enter_context(open(path, "rb", buffering=0))
+        while count := f.readinto(block):
+            digest.update(view[:count])
+            size += count
+    return FileDigest(size=size, sha256=digest.hexdigest())
+
+
+def check_digest(path: Path, actual: FileDigest, expected: FileDigest, side: Path, subject: Path) -> None:
+    """Refuse the file ``path`` when its size or SHA-256 (``actual``) is not what the manifest
+    ``side`` recorded; ``subject`` is what to load unverified instead (the file, or its directory)."""
+    if actual.size != expected.size:
+        what = "truncated" if actual.size < expected.size else "longer than saved"
+        raise CheckpointCorruptedError(
+            f"checkpoint file {path} is {what}: {actual.size} bytes, its manifest {side} says {expected.size}. It was "
+            "damaged after saving or its save or copy was interrupted; load an intact copy or an earlier checkpoint."
+        )
+    if actual.sha256 != expected.sha256:
+        raise CheckpointCorruptedError(
+            f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
+            f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
+            f"you replaced it on purpose, delete {side} and load {subject} with verify=False."
+        )
