@@ -38,7 +38,7 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -235,18 +235,13 @@ class BlobTarget:
 LoadTarget = FlatRange | WholeTarget | BlobTarget
 
 
-@dataclass
-class _Destinations:
-    views: dict[tuple[str, Shape], torch.Tensor] = field(default_factory=dict)
-
-
 class PieceLoadPlanner(DefaultLoadPlanner):
     """Reads the overlap of the saved chunks with each :data:`LoadTarget` into it."""
 
     def __init__(self, targets: Mapping[str, LoadTarget]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._targets = dict(targets)
-        self._destinations = _Destinations()
+        self._views: dict[tuple[str, Shape], torch.Tensor] = {}
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None, "DCP sets the metadata before planning"
@@ -271,12 +266,12 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             else:
                 local = [(box, target.box_view(box)) for box in target.boxes()]
             for box, view in local:
-                self._destinations.views[(fqn, box.offsets)] = view
+                self._views[(fqn, box.offsets)] = view
             requests += create_read_items_for_chunk_list(fqn, saved, [box.chunk() for box, _ in local])
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self._destinations.views[(index.fqn, tuple(index.offset or ()))]
+        return self._views[(index.fqn, tuple(index.offset or ()))]
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         target = self._targets[read_item.dest_index.fqn]

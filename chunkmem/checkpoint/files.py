@@ -197,9 +197,7 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
         attempts += 1
         try:
             held = open(target, "rb")  # noqa: SIM115 (closed below; keeps the inode while it is read)
-        except FileNotFoundError:
-            held = None
-        except IsADirectoryError:
+        except (FileNotFoundError, IsADirectoryError):
             held = None
         if held is None or not target.is_file():
             raise CheckpointCorruptedError(

@@ -35,6 +35,8 @@ from pydantic import (
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointUnverifiedError
 
 __all__ = [
+    "DCP_LAYOUT",
+    "DIRECTORY_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_SUFFIX",
     "FileDigest",
@@ -62,8 +64,12 @@ Kind = Literal["model", "optimizer", "lr_scheduler"]
 TensorEntry = tuple[str, tuple[int, ...], str]
 """A named tensor's name, shape and dtype (``"torch.float32"``)."""
 _FILE = "chunkmem-checkpoint"
-_DIRECTORY = "chunkmem-sharded-checkpoint"
-_OWN_FIELDS = {_FILE: frozenset({"file", "digest", "previous"}), _DIRECTORY: frozenset({"layout", "files"})}
+DIRECTORY_FORMAT = "chunkmem-sharded-checkpoint"
+DCP_LAYOUT = "torch.distributed.checkpoint"
+# Each format's fields that its manifests must have, and those of the other format, which they
+# neither have nor write.
+_OWN_FIELDS = {_FILE: ("file", "digest"), DIRECTORY_FORMAT: ("layout", "files")}
+_OTHERS_FIELDS = {_FILE: frozenset({"layout", "files"}), DIRECTORY_FORMAT: frozenset({"file", "digest", "previous"})}
 _SAVE_WITH = {
     "model": ("save_model", "load_model"),
     "optimizer": ("save_optimizer", "load_optimizer"),
@@ -99,8 +105,8 @@ class Manifest(BaseModel):
     """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
     checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """SHA-256 of every other field (:func:`seal`): an edited step, digest or file list is refused."""
-    layout: Literal["torch.distributed.checkpoint"] = "torch.distributed.checkpoint"
-    """A directory's: a DCP checkpoint of the module's (optimizer's) state dict."""
+    layout: Literal["torch.distributed.checkpoint"] | None = None
+    """A directory's: how the state is stored (a DCP checkpoint of the module's or optimizer's state dict)."""
     kind: Kind
     """Which save wrote it: a model, an optimizer or an LR scheduler state (a directory: not a scheduler)."""
     file: str | None = None
@@ -140,20 +146,20 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _one_format(self) -> Manifest:
-        other = (_OWN_FIELDS[_DIRECTORY] if self.format == _FILE else _OWN_FIELDS[_FILE]) & self.model_fields_set
+        other = _OTHERS_FIELDS[self.format] & self.model_fields_set
         if other:
             raise ValueError(f"a {self.format} manifest has no {sorted(other)}")
-        if self.format == _FILE and (self.file is None or self.digest is None):
-            raise ValueError("a checkpoint file's manifest needs its 'file' and 'digest'")
-        if self.format == _DIRECTORY and (self.files is None or self.kind == "lr_scheduler"):
-            raise ValueError("a directory's manifest needs its 'files' and holds a model or an optimizer state")
+        missing = [name for name in _OWN_FIELDS[self.format] if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {self.format} manifest needs {missing}")
+        if self.format == DIRECTORY_FORMAT and self.kind == "lr_scheduler":
+            raise ValueError("a sharded checkpoint holds a model or an optimizer state, not an lr_scheduler state")
         return self
 
     @model_serializer(mode="wrap")
     def _only_its_format(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         fields: dict[str, Any] = handler(self)
-        other = _OWN_FIELDS[_DIRECTORY] if self.format == _FILE else _OWN_FIELDS[_FILE]
-        return {name: value for name, value in fields.items() if name not in other}
+        return {name: value for name, value in fields.items() if name not in _OTHERS_FIELDS[self.format]}
 
 
 Manifest.model_rebuild()
@@ -171,7 +177,7 @@ class Record:
 
     def manifest(self, **storage: Any) -> Manifest:
         """The sealed manifest of this state stored as ``storage`` says (a file's ``file``,
-        ``digest`` and ``previous``; a directory's ``format`` and ``files``)."""
+        ``digest`` and ``previous``; a directory's ``format``, ``layout`` and ``files``)."""
         tensors = [(name, tuple(shape), dtype) for name, shape, dtype in self.tensors]
         fields = {"step": self.step, "model_fingerprint": self.model_fingerprint, "world_size": self.world_size}
         return seal(Manifest(kind=self.kind, tensors=tensors, **fields, **storage))
@@ -199,7 +205,7 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
     written without chunkmem). A damaged, edited or unreadable manifest is refused."""
     target = Path(path)
     side, what, form = (
-        (target / MANIFEST_NAME, f"checkpoint directory {target}", _DIRECTORY)
+        (target / MANIFEST_NAME, f"checkpoint directory {target}", DIRECTORY_FORMAT)
         if directory
         else (manifest_path(target), f"checkpoint file {target}", _FILE)
     )

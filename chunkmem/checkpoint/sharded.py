@@ -44,6 +44,8 @@ from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
 from .manifest import (
+    DCP_LAYOUT,
+    DIRECTORY_FORMAT,
     MANIFEST_NAME,
     FileDigest,
     Kind,
@@ -158,7 +160,7 @@ def save_directory(
                             f"rank 0 does not see {path} as it was written (a file of the sharded checkpoint "
                             f"{target}): every rank must save to the same directory, on a filesystem all ranks share"
                         )
-                install(workspace, target, record.manifest(format="chunkmem-sharded-checkpoint", files=files))
+                install(workspace, target, record.manifest(format=DIRECTORY_FORMAT, layout=DCP_LAYOUT, files=files))
             except OSError as error:
                 raise _write_error(target, error) from error
 
@@ -185,14 +187,14 @@ def _settle(comm: Communicator) -> None:
 
 
 # --- loading ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class Reading(Generic[T]):
     """What one rank reads of a directory: ``targets`` (staging tensors for its pieces, and the
     small values everyone needs), and ``finish``, which checks what was read and returns the
     staged state (raising a ``StateDictMismatchError`` that lists every problem)."""
 
-    def __init__(self, targets: Mapping[str, LoadTarget], finish: Callable[[], T]) -> None:
-        self.targets = dict(targets)
-        self.finish = finish
+    targets: Mapping[str, LoadTarget]
+    finish: Callable[[], T]
 
 
 def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[Manifest | None, Metadata]:
@@ -268,26 +270,24 @@ def load_directory(
     attempts = 0
     while True:
         attempts += 1
+        failure: CheckpointError | None = None
         with _Pinned(target) as pinned:
             try:
                 manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
                 staged = agree(
                     comm, f"{what} (reading)", functools.partial(read, reading), CheckpointCorruptedError, str(target)
                 )
-            except CheckpointError:
+            except CheckpointError as error:
                 # The agreement raised the same class on every rank, so every rank is here. (A
                 # departure between ranks is another class: it must not wait for a collective.)
-                replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
-                if replaced and not expired:
-                    continue  # a save swapped the directory while it was read: not damage
-                if not replaced:
-                    raise
-                raise kept_replacing(f"checkpoint directory {target}", attempts) from None
+                failure = error
             replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
-            if replaced and not expired:
-                continue
-            if replaced:
-                raise kept_replacing(f"checkpoint directory {target}", attempts)
+        if replaced and not expired:
+            continue  # a save swapped the directory while it was read: not damage
+        if replaced:
+            raise kept_replacing(f"checkpoint directory {target}", attempts) from None
+        if failure is not None:
+            raise failure
         assert staged is not None, "a rank that saw another rank fail raised in the agreement"
         return staged, manifest
 
