@@ -157,7 +157,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._guard = _OriginalGuard(optimizer)
         self._runs = StepRuns(lambda: self._optim.state)
         self._early: EarlySteps | None = None
-        self._kernels = HostKernels(type(optimizer))
+        self._kernels = HostKernels(type(optimizer), runtime.manager.comm.device)
         existing = dict(optimizer.state)
         resharded: dict[torch.Tensor, dict[str, Any]] = {}
         for group in optimizer.param_groups:

@@ -53,7 +53,9 @@ def _accumulate(rank: int, world_size: int, kind: str, factor: float, micro: int
         booster.backward(lm_loss(chunked, parts[-1]) / micro, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
+    # Micro-batch gradients summed against the whole batch's round differently; AdamW turns that,
+    # in an element whose gradient is near zero, into up to a few percent of its lr (1e-3) a step.
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=5e-5))
     return {"peak": chunked.stats().peak_device_bytes, "budget": budget}
 
 
