@@ -11,7 +11,7 @@ import torch
 
 from .accounting import Location, MemoryLedger
 from .chunk import Chunk, ChunkState
-from .comm import Communicator, PendingGather
+from .comm import Communicator
 from .errors import UnmanageableParameter
 from .param_values import LiveValues, ParamValues
 from .search import group_key
@@ -173,14 +173,3 @@ class ChunkManager:
             master, shard = placement(chunk)
             chunk.close(master, shard, self._values, disk(chunk) if disk is not None else None)
         self._values.release()
-
-    # --- verbs the runtime uses -------------------------------------------------------------
-    def gather(self, chunk: Chunk, async_op: bool) -> PendingGather | None:
-        """Gather ``chunk`` (see ``Chunk.gather``)."""
-        return chunk.gather(async_op)
-
-    def release(self, chunk: Chunk) -> None:
-        """Release ``chunk``, waiting first for a gather still in flight."""
-        if chunk.state is ChunkState.GATHERING:
-            chunk.wait()
-        chunk.release()

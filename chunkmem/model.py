@@ -32,7 +32,6 @@ from torch.utils._pytree import tree_map
 from .checkpoint.agreement import agree, on_first_rank
 from .checkpoint.files import TensorEntry
 from .checkpoint.gather import Destination, gather_full
-from .chunk import ChunkState
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from .grad_markers import GradientMarkers, clear_markers
 from .runtime import ChunkRuntime
@@ -331,11 +330,7 @@ class ChunkedModel(torch.nn.Module):
                             master[piece.shard].copy_(value.reshape(-1)[piece.param])
             for target, value in staged.buffers:
                 target.copy_(value)
-        # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.
-        for chunk in manager.chunks:
-            chunk.store.mark_updated()
-            if chunk.state is ChunkState.GATHERED:
-                chunk.refresh()
+        self._runtime.masters_loaded()
         return _IncompatibleKeys(staged.missing, staged.unexpected)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -280,7 +280,7 @@ class ChunkPlugin:
         values.prepare_buffers(model)
         manager.close_all(placement, disk_of)
         buffer_dtypes = self._place_buffers(model, device, dtype)
-        runtime = ChunkRuntime(manager, policy, layout, stats)
+        runtime = ChunkRuntime(manager, policy, specs, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
         on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]

@@ -1,10 +1,10 @@
 """``ChunkRuntime``: the parameter-op hook bound to every managed parameter.
 
-It ties together three parts, each in its own module:
+It ties together two parts, each in its own module:
 
 * :class:`~chunkmem.iteration.IterationTracker`: iterations, passes and the compute trace;
-* :class:`~chunkmem.executor.PlanExecutor`: the policy's decisions carried out around every op;
-* :class:`~chunkmem.grad_router.GradientRouter`: gradients into flat buffers and their reductions;
+* :class:`~chunkmem.executor.PlanExecutor`: what is on the device (``placement.DeviceResidency``)
+  carried out around every op, gradients into flat buffers and their reductions;
 
 and, when the policy asks for it, measures non-model memory during an iteration. At the end of each
 synchronised backward the ranks agree (one small all-reduce) that they ran the same ops and which
@@ -28,14 +28,13 @@ import torch
 import torch.distributed as dist
 
 from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
-from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
+from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
 from placement.policy import format_bytes
 
 from .accounting import Location
 from .chunk import Chunk
 from .errors import BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from .executor import PlanExecutor
-from .grad_router import GradientRouter
 from .iteration import IterationTracker, Mode
 from .manager import ChunkManager
 from .memory import NonModelSampler
@@ -66,30 +65,31 @@ class ChunkRuntime(ParamOpHook):
         self,
         manager: ChunkManager,
         policy: PlacementPolicy,
-        layout: Layout,
+        specs: Sequence[ChunkSpec],
         stats: Stats,
     ) -> None:
         self._manager = manager
         self._policy = policy
+        self._specs = tuple(specs)
         self._stats = stats
         self._comm = manager.comm
         self._ledger = manager.ledger
         self._rank = self._comm.rank
         self._tracker = IterationTracker(self._report)
-        self._grads = GradientRouter(manager, stats)
         self._checks = self._comm.checks
         if self._checks is not None:
             self._checks.follow(self._tracker.where, lambda: self._tracker.recording)
         check = self._checks if self._checks is not None and self._checks.check_plans else None
-        self._executor = PlanExecutor(manager, policy, layout, self._grads, stats, check)
+        self._executor = PlanExecutor(manager, policy, specs, stats, check)
         self._sampler: NonModelSampler | None = None
+        residency = self._executor.residency
         self._resident = (
             self._comm.world_size == 1
-            and all(c.gather_bytes == 0 and c.grad_buffer_bytes == 0 for c in manager.chunks)
+            and all(residency.gather_bytes(c) == 0 and residency.grad_buffer_bytes(c) == 0 for c in range(len(specs)))
             and not policy.needs_profile(None)
         )
         if self._resident:
-            self._executor.gather_served()
+            self._executor.keep_served()
         self._early: EarlyStepListener | None = None
         self._stepped_last = False  # the last training iteration ended in an optimizer step
         params = [info.param for info in manager.infos]
@@ -115,7 +115,7 @@ class ChunkRuntime(ParamOpHook):
         step (see ``chunkmem.early_steps``); and before anything reads or writes masters and
         optimizer state other than that step."""
         self._early = listener
-        self._grads.on_start(self._reduction_started)
+        self._executor.on_start(self._reduction_started)
 
     def _reduction_started(self, chunk: Chunk) -> None:
         """A chunk's reduction is queued. Its gradient is final for the iteration when the
@@ -133,7 +133,7 @@ class ChunkRuntime(ParamOpHook):
         ):
             return
         if not chunk.store.receives_asynchronously:
-            self._grads.finish(chunk)  # the worker reads the shard: it must be there
+            self._executor.finish_reduction(chunk)  # the worker reads the shard: it must be there
         listener.gradient_final(chunk)
 
     def cancel_early_steps(self) -> None:
@@ -156,6 +156,15 @@ class ChunkRuntime(ParamOpHook):
     @property
     def policy(self) -> PlacementPolicy:
         return self._policy
+
+    @property
+    def specs(self) -> tuple[ChunkSpec, ...]:
+        """The chunks as the placement sees them (what the layout was decided for)."""
+        return self._specs
+
+    def record_actions(self) -> Any:
+        """A context manager collecting every residency action carried out in it (``PlanExecutor``)."""
+        return self._executor.record_actions()
 
     @property
     def trace(self) -> ComputeTrace | None:
@@ -195,7 +204,7 @@ class ChunkRuntime(ParamOpHook):
                     budget,
                     need.minimum,
                 )
-        with self._grads.no_sync():
+        with self._executor.no_sync():
             yield
 
     @property
@@ -272,8 +281,8 @@ class ChunkRuntime(ParamOpHook):
         if self._tracker.mode is not Mode.BACKWARD:
             return
         self._executor.wait_all()
-        if self._grads.can_reduce:
-            self._grads.reduce_all()
+        if self._executor.residency.can_reduce:
+            self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()
         self._tracker.end_backward()
@@ -284,8 +293,9 @@ class ChunkRuntime(ParamOpHook):
         them stale, and its optimizer state needs the room the placement reserved for it."""
         self.agree_entry("optimizer step")
         self.finish_backward()
-        if self._grads.accepting or self._grads.reducing:
-            self._grads.reduce_all()
+        residency = self._executor.residency
+        if residency.accepting or residency.reducing:
+            self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()
         self._executor.wait_all()
@@ -295,7 +305,7 @@ class ChunkRuntime(ParamOpHook):
         """Drop gradients. After a backward without an optimizer step this also ends the
         iteration (a zero_grad between a forward and its backward does not)."""
         self.cancel_early_steps()
-        self._grads.zero()
+        self._executor.zero_grads()
         if self._tracker.mode is Mode.IDLE:
             if self._end_training_iteration():
                 self._stepped_last = False
@@ -307,14 +317,13 @@ class ChunkRuntime(ParamOpHook):
         self.finish_backward()
         self._executor.wait_all()
         self._stepped_last = self._end_training_iteration() or self._stepped_last
-        for chunk in self._manager.chunks:
-            chunk.store.mark_updated()
-            if chunk.state is not chunk.state.RELEASED:
-                if self._executor.is_gathered(chunk.chunk_id):
-                    self._executor.release(chunk)
-                else:
-                    chunk.refresh()
+        self._executor.masters_changed(by_step=True)
         self.reset_states()
+
+    def masters_loaded(self) -> None:
+        """The masters were written by a load: gathered chunks are filled again (every rank
+        refreshes the same chunks, whatever it loaded)."""
+        self._executor.masters_changed(by_step=False)
 
     def reset_states(self) -> None:
         """Every parameter back to HOLD (between iterations)."""
@@ -446,7 +455,11 @@ class ChunkRuntime(ParamOpHook):
 
     def _after(self, params: Sequence[torch.Tensor], phase: Phase, target: TensorState) -> None:
         infos = [self._manager.info(p) for p in params]
-        self._executor.after_op(infos, target, self._tracker.position, phase, _in_backward(), self._tracker.trace)
+        chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
+        self._tracker.close()
+        self._executor.after_op(
+            infos, chunk_ids, target, self._tracker.position, phase, _in_backward(), self._tracker.trace
+        )
 
     # --- budget and transient buffers -------------------------------------------------------
     def check_budget(self, what: str) -> None:
@@ -468,9 +481,7 @@ class ChunkRuntime(ParamOpHook):
         if self._resident:
             self._enter_backward()
         chunk = self._manager.chunk(info.chunk_id)
-        if not chunk.has_grad_buffer:
-            self._executor.ensure_grad_buffer(chunk, self._tracker.position, self._tracker.trace)
-        self._grads.accumulate(chunk, info, grad)
+        self._executor.accumulate(chunk, info, grad, self._tracker.position, self._tracker.trace)
 
 
 def _in_backward() -> bool:

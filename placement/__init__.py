@@ -6,6 +6,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy, make_policy
+from .residency import Action, DeviceResidency, GradBuffer, Held, NoRoomError, PlanObserver, Verb
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,
@@ -25,6 +26,7 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 
 __all__ = [
     "DISK_WINDOW",
+    "Action",
     "AutoPlacementConfig",
     "AutoPolicy",
     "BudgetNeed",
@@ -34,14 +36,19 @@ __all__ = [
     "ChunkSpec",
     "ComputeTrace",
     "CursorMode",
+    "DeviceResidency",
     "Divergence",
     "FetchPlan",
+    "GradBuffer",
+    "Held",
     "HostBudgetTooSmallError",
     "Layout",
+    "NoRoomError",
     "OpSnapshot",
     "Phase",
     "PlacementConfig",
     "PlacementPolicy",
+    "PlanObserver",
     "ReleaseSnapshot",
     "Residency",
     "ResidentChunk",
@@ -51,6 +58,7 @@ __all__ = [
     "StaticPolicy",
     "TraceCursor",
     "TraceStep",
+    "Verb",
     "WorkingSet",
     "load_placement_config",
     "make_policy",

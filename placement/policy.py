@@ -125,6 +125,11 @@ class PlacementPolicy(ABC):
             raise RuntimeError(f"{type(self).__name__}: call layout() before asking for decisions")
         return self._layout
 
+    @property
+    def working_sets(self) -> tuple[WorkingSet, ...]:
+        """The working sets the layout was decided for."""
+        return self._working_sets
+
     def layout(
         self, specs: Sequence[ChunkSpec], working_sets: Sequence[WorkingSet], accumulate: bool = False
     ) -> Layout:
