@@ -150,8 +150,7 @@ class ChunkManager:
                 f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
                 "parameter subclasses (unwrap it first)"
             )
-        if not self._comm.plans_only:  # a plan keeps every tensor on the meta device
-            self._values.check(param, where)
+        self._values.check(param, where)
         if param.dtype not in SUPPORTED_DTYPES:
             raise UnmanageableParameter(
                 f"{where} has dtype {param.dtype}; chunks hold float32, bfloat16 or float16 parameters. "

@@ -150,10 +150,6 @@ class ChunkRuntime(ParamOpHook):
 
     # --- public state -----------------------------------------------------------------------
     @property
-    def manager(self) -> ChunkManager:
-        return self._manager
-
-    @property
     def policy(self) -> PlacementPolicy:
         return self._policy
 

@@ -39,7 +39,7 @@ def _gathers_per_step(rank: int, world_size: int) -> dict[str, Any]:
             after = chunked.stats()
             if step > 0:
                 counts.append(after.gathers + after.prefetches - before.gathers - before.prefetches)
-        out[name] = {"per_step": counts, "chunks": len(chunked.runtime.manager.chunks)}
+        out[name] = {"per_step": counts, "chunks": len(chunked.manager.chunks)}
     return out
 
 
@@ -93,7 +93,7 @@ def _full_offload_counts() -> dict[str, Any]:
     config = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0)
     booster = Booster(ChunkPlugin(placement=config, precision="fp32", chunk_size=CHUNK))
     chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    capacities = [chunk.capacity for chunk in chunked.runtime.manager.chunks]
+    capacities = [chunk.capacity for chunk in chunked.manager.chunks]
     steps = []
     for step, ids in enumerate(batches(4)):
         before = chunked.stats()

@@ -171,7 +171,7 @@ def test_early_steps_give_the_bits_of_stepping_after_the_backward(name: str) -> 
 def test_every_host_chunk_steps_early_from_the_second_step_and_some_before_the_backward_ends() -> None:
     steps = 6
     chunked, optimizer, booster = _boost(_mlp(), StepDuringBackward())
-    host = [c for c in chunked.runtime.manager.chunks if c.store.master_location is Location.HOST]
+    host = [c for c in chunked.manager.chunks if c.store.master_location is Location.HOST]
     assert len(host) == LAYERS
     _plain_loop(chunked, optimizer, booster, _data(steps))
     stats = chunked.stats()

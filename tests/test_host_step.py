@@ -110,7 +110,7 @@ def test_host_runs_step_fused_in_one_call_per_step_and_equal_plain_fused_bit_for
     model, ref = copies(_mlp())
     reference = make(ref.parameters(), fused=True)
     chunked, optimizer = _boost(model, make(model.parameters(), fused=True), HOST, chunk_size=2_200)
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     assert len(chunks) > 2 and all(c.store.master_location is Location.HOST for c in chunks)
     data = _data(4, 32)
     with _counting(FUSED_KERNEL[type(reference).__name__]) as calls:
@@ -186,7 +186,7 @@ def test_device_and_host_runs_never_share_a_call() -> None:
     model = _mlp(layers=8)
     placement = StaticPlacementConfig(offload_optim_frac=0.5, max_prefetch=0)
     chunked, optimizer = _boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), placement, 2_200)
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     host = {c.chunk_id for c in chunks if c.store.master_location is Location.HOST}
     assert 0 < len(host) < len(chunks)
 
@@ -216,7 +216,7 @@ def test_a_parameter_without_a_gradient_splits_its_run_and_keeps_its_own_state()
 
     reference = make(ref.parameters())
     chunked, optimizer = _boost(model, make(model.parameters()), StaticPlacementConfig(max_prefetch=0), 1_000)
-    assert len(chunked.runtime.manager.chunks) == 1
+    assert len(chunked.manager.chunks) == 1
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 1  # all six parameters, one run
     data, skips = _data(6, 16), [False, True, False, True, True, False]
     _train(chunked, optimizer, data[:3], skips[:3])

@@ -26,9 +26,7 @@ class FakeWorld(Communicator):
     """World size ``world_size`` seen from ``rank``, without a process group (no collectives)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
-        super().__init__(None, CPU)
-        self._world_size = world_size
-        self._rank = rank
+        super().__init__(None, CPU, world_size=world_size, rank=rank)
 
 
 def manager(world_size: int = 1, dtype: torch.dtype = torch.float32) -> ChunkManager:

@@ -85,7 +85,7 @@ def _save_at_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, 
     # The reference: the same state through the gathering path (state_dict), not through DCP.
     reference = {"model": chunked.state_dict(), "optim": optimizer.state_dict()}
     counted = {"all_gather": 0}
-    comm = chunked.runtime.manager.comm
+    comm = chunked.manager.comm
     original = comm.all_gather
 
     def counting(*args: Any, **kwargs: Any) -> Any:

@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from ..manager import ChunkManager
     from ..model import ChunkedModel
     from ..optim import ChunkOptimizer
-    from ..runtime import ChunkRuntime
 
 __all__ = [
     "Destination",
@@ -93,18 +92,18 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     rank writes its own pieces (nothing is gathered). A collective: every rank calls it."""
     _check_shard(shard)
     runtime = model.runtime
-    comm = runtime.manager.comm
+    comm = model.manager.comm
     target = Path(path)
     if shard:
         what = "saving a sharded model checkpoint"
         runtime.enter_state_access(what)
         runtime.finish_backward()
-        request = SaveRequest("model", current_step(runtime), model_fingerprint(runtime.manager), model.state_spec())
+        request = SaveRequest("model", current_step(runtime), model_fingerprint(model.manager), model.state_spec())
         save_directory(comm, target, request, lambda: model_entries(model))
         return
     state = model.full_state_dict(Destination.FIRST_RANK)
     step = current_step(runtime)
-    fp = model_fingerprint(runtime.manager)
+    fp = model_fingerprint(model.manager)
     spec = model.state_spec()
     on_first_rank(
         comm,
@@ -125,7 +124,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
     runtime.finish_backward()
     if is_sharded(target):
         staged_pieces, directory_manifest = load_directory(
-            runtime.manager.comm, target, "model", plan_model_load(model, strict, target), verify
+            model.manager.comm, target, "model", plan_model_load(model, strict, target), verify
         )
         result = install_model(model, staged_pieces)
         if directory_manifest is not None:
@@ -136,11 +135,11 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         obj, manifest = read_checkpoint(target, "model", verify)
         if manifest is not None:
             if strict:
-                _check_model(target, manifest, runtime.manager, model.state_spec())
+                _check_model(target, manifest, model.manager, model.state_spec())
             check_pairing(runtime, "model", manifest.step, target)
         return model.stage_load(obj, strict, str(target)), manifest
 
-    staged, manifest = agree(runtime.manager.comm, "loading model checkpoint", stage, CheckpointError, str(target))
+    staged, manifest = agree(model.manager.comm, "loading model checkpoint", stage, CheckpointError, str(target))
     result = model.apply_load(staged)
     if manifest is not None:
         record_load(runtime, "model", manifest.step, target)
@@ -154,18 +153,18 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     every rank writes the state of its own pieces. A collective."""
     _check_shard(shard)
     runtime = optimizer.runtime
-    comm = runtime.manager.comm
+    comm = optimizer.manager.comm
     target = Path(path)
     if shard:
         runtime.enter_state_access("saving a sharded optimizer checkpoint")
         request = SaveRequest(
-            "optimizer", current_step(runtime), model_fingerprint(runtime.manager), optimizer_entries(optimizer)
+            "optimizer", current_step(runtime), model_fingerprint(optimizer.manager), optimizer_entries(optimizer)
         )
         save_directory(comm, target, request, lambda: optimizer_save_entries(optimizer))
         return
     state = full_optimizer_state(optimizer, Destination.FIRST_RANK)
     step = current_step(runtime)
-    fp = model_fingerprint(runtime.manager)
+    fp = model_fingerprint(optimizer.manager)
     entries = optimizer_entries(optimizer)
     on_first_rank(
         comm,
@@ -185,7 +184,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
     target = Path(path)
     if is_sharded(target):
         staged_state, directory_manifest = load_directory(
-            runtime.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target), verify
+            optimizer.manager.comm, target, "optimizer", plan_optimizer_load(optimizer, target), verify
         )
         staged_state.install(optimizer)
         if directory_manifest is not None:
@@ -196,7 +195,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
         obj, manifest = read_checkpoint(target, "optimizer", verify)
         if manifest is not None:
             here = optimizer_entries(optimizer)
-            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
+            if manifest.model_fingerprint != model_fingerprint(optimizer.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer file {target} was saved for an optimizer over other parameters "
                     f"({describe_difference(manifest.tensors, here)}). Load the optimizer file saved with this model."
@@ -204,30 +203,32 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
             check_pairing(runtime, "optimizer", manifest.step, target)
         return stage_optimizer_state(optimizer, obj, str(target)), manifest
 
-    staged, manifest = agree(runtime.manager.comm, "loading optimizer checkpoint", stage, CheckpointError, str(target))
+    staged, manifest = agree(
+        optimizer.manager.comm, "loading optimizer checkpoint", stage, CheckpointError, str(target)
+    )
     staged.install(optimizer)
     if manifest is not None:
         record_load(runtime, "optimizer", manifest.step, target)
 
 
 # --- LR scheduler -----------------------------------------------------------------------------
-def _runtime_of(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkRuntime | None:
+def _boosted_of(scheduler: Any, optimizer: ChunkOptimizer | None) -> ChunkOptimizer | None:
     from ..optim import ChunkOptimizer
 
     for candidate in (optimizer, getattr(scheduler, "optimizer", None)):
         if isinstance(candidate, ChunkOptimizer):
-            return candidate.runtime
+            return candidate
     return None
 
 
 def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
     """Write a scheduler's state dict with its manifest (every rank calls it; rank 0 writes)."""
     runtime = optimizer.runtime
-    comm: Communicator = runtime.manager.comm
+    comm: Communicator = optimizer.manager.comm
     target = Path(path)
     state = scheduler.state_dict()
     step = current_step(runtime)
-    fp = model_fingerprint(runtime.manager)
+    fp = model_fingerprint(optimizer.manager)
     on_first_rank(
         comm,
         "saving LR scheduler checkpoint",
@@ -263,7 +264,8 @@ def load_lr_scheduler(
     anything changes; a scheduler whose own ``load_state_dict`` fails is restored. With the boosted
     optimizer known (``optimizer``, or the one the scheduler was built on) every rank agrees and
     the step is checked against the model and optimizer loaded with it."""
-    runtime = _runtime_of(scheduler, optimizer)
+    boosted = _boosted_of(scheduler, optimizer)
+    runtime = boosted.runtime if boosted is not None else None
     target = Path(path)
 
     def stage() -> tuple[Mapping[str, Any], Manifest | None]:
@@ -272,11 +274,11 @@ def load_lr_scheduler(
             check_pairing(runtime, "lr_scheduler", manifest.step, target)
         return _stage_scheduler(scheduler, obj, str(target)), manifest
 
-    if runtime is None:
+    if boosted is None:
         staged, manifest = stage()
     else:
         staged, manifest = agree(
-            runtime.manager.comm, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
+            boosted.communicator, "loading LR scheduler checkpoint", stage, CheckpointError, str(target)
         )
     snapshot = copy.deepcopy(scheduler.state_dict())
     try:

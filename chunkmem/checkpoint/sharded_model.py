@@ -38,7 +38,7 @@ _MAX_LISTED = 12
 
 def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """Each state-dict buffer (name, the tensor, its original dtype)."""
-    manager = model.runtime.manager
+    manager = model.manager
     dtypes = {name: dtype for name, _, dtype in model.state_spec()}
     return [
         (name, tensor, getattr(torch, dtypes[name].removeprefix("torch.")))
@@ -49,7 +49,7 @@ def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]
 
 def _aliases(model: ChunkedModel) -> set[str]:
     """State-dict names of parameters saved under another (their first) name."""
-    manager = model.runtime.manager
+    manager = model.manager
     return {
         name
         for name, tensor in model.module.state_dict(keep_vars=True).items()
@@ -60,7 +60,7 @@ def _aliases(model: ChunkedModel) -> set[str]:
 def model_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
     """What this rank saves: its piece of each parameter (views of the master shards), and, on
     rank 0, the buffers and any parameter without elements."""
-    manager = model.runtime.manager
+    manager = model.manager
     first = manager.comm.rank == 0
     entries: dict[str, SaveEntry] = {}
     for chunk in manager.chunks:
@@ -116,7 +116,7 @@ def plan_model_load(
 
     def plan(manifest: DirectoryManifest | None, metadata: Metadata) -> Reading[StagedShardedModel]:
         runtime = model.runtime
-        manager = runtime.manager
+        manager = model.manager
         if manifest is not None:
             if strict and manifest.model_fingerprint != model_fingerprint(manager):
                 raise CheckpointMismatchError(
@@ -183,7 +183,7 @@ def install_model(model: ChunkedModel, staged: StagedShardedModel) -> Any:
     from ..model import StagedModelLoad
 
     model.runtime.cancel_early_steps()
-    model.runtime.manager.prepare_master_writes()
+    model.manager.prepare_master_writes()
     by_chunk: dict[int, list[tuple[Chunk, ShardPiece, torch.Tensor]]] = {}
     for entry in staged.pieces:
         by_chunk.setdefault(entry[0].chunk_id, []).append(entry)

@@ -151,7 +151,7 @@ def plan_optimizer_load(
         runtime = optimizer.runtime
         if manifest is not None:
             here = optimizer_entries(optimizer)
-            if manifest.model_fingerprint != model_fingerprint(runtime.manager) or manifest.tensors != here:
+            if manifest.model_fingerprint != model_fingerprint(optimizer.manager) or manifest.tensors != here:
                 raise CheckpointMismatchError(
                     f"optimizer checkpoint {source} was saved for an optimizer over other parameters "
                     f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this "
