@@ -1,14 +1,14 @@
 """``ChunkRuntime``: the parameter-op hook bound to every managed parameter.
 
-It ties together two parts, each in its own module:
+It turns hook calls into the calls of the objects that own each part, each in its own module:
 
 * :class:`~chunkmem.iteration.IterationTracker`: iterations, passes and the compute trace;
 * :class:`~chunkmem.executor.PlanExecutor`: what is on the device (``placement.DeviceResidency``)
-  carried out around every op, gradients into flat buffers and their reductions;
-
-and, when the policy asks for it, measures non-model memory during an iteration. At the end of each
-synchronised backward the ranks agree (one small all-reduce) that they ran the same ops and which
-parameters got gradients.
+  carried out around every op, gradients into flat buffers and their reductions, the budget;
+* :class:`~chunkmem.rank_checks.RankChecks` and ``agree_backward``: ranks agree at every entry
+  point, and at the end of each synchronised backward on the ops they ran and which parameters got
+  gradients;
+* :class:`~chunkmem.profiling.NonModelProfile`: non-model memory, when the policy asks for it.
 
 When nothing can move (one rank, every chunk served by its resident compute-dtype shard, gradients
 added straight into the gradient shards, and a policy that measures nothing), the chunks are
@@ -25,19 +25,19 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
 from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
 from placement.policy import format_bytes
 
 from .accounting import Location
+from .backward_agreement import agree_backward
 from .chunk import Chunk
-from .errors import BudgetTooSmallError, NotSupportedError, TraceDivergenceError
+from .errors import BudgetTooSmallError, NotSupportedError
 from .executor import PlanExecutor
 from .iteration import IterationTracker, Mode
 from .manager import ChunkManager
-from .memory import NonModelSampler
+from .profiling import NonModelProfile
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 
@@ -81,7 +81,7 @@ class ChunkRuntime(ParamOpHook):
             self._checks.follow(self._tracker.where, lambda: self._tracker.recording)
         check = self._checks if self._checks is not None and self._checks.check_plans else None
         self._executor = PlanExecutor(manager, policy, specs, stats, check)
-        self._sampler: NonModelSampler | None = None
+        self._profile = NonModelProfile(policy, self._comm, self._ledger)
         residency = self._executor.residency
         self._resident = (
             self._comm.world_size == 1
@@ -239,13 +239,7 @@ class ChunkRuntime(ParamOpHook):
             self._executor.begin_iteration()
             if grad_enabled:
                 self._comm.note_divergence(None)
-                self._start_profile()
-
-    def _start_profile(self) -> None:
-        self._sampler = None
-        if self._policy.needs_profile(self._tracker.last_training_trace):
-            self._sampler = NonModelSampler(self._comm.device, self._ledger)
-            self._sampler.reset()
+                self._profile.start(self._tracker.last_training_trace)
 
     def _check_requires_grad(self) -> None:
         with unhooked():
@@ -261,9 +255,7 @@ class ChunkRuntime(ParamOpHook):
 
     def forward_context(self) -> Any:
         """Around the wrapped module's forward: saved-activation tracking while measuring."""
-        if self._sampler is not None and self._tracker.training:
-            return self._sampler.saved_tensor_hooks()
-        return nullcontext()
+        return self._profile.context() if self._tracker.training else nullcontext()
 
     def end_forward(self) -> None:
         """Called by the model wrapper when its forward returns: an inference forward is a whole
@@ -332,41 +324,11 @@ class ChunkRuntime(ParamOpHook):
         frozen = self._tracker.end_training_iteration()
         if frozen is not None:
             self._stats.trace_recordings += 1
-        sampler, self._sampler = self._sampler, None
-        trace = self._tracker.last_training_trace
-        if sampler is not None and trace is not None:
-            samples = sampler.samples
-            if len(samples) == len(trace):  # else the iteration diverged mid-way: measure again
-                profile = torch.tensor(samples, dtype=torch.int64, device=self._comm.tensor_device)
-                self._comm.all_reduce(profile, dist.ReduceOp.MAX)
-                self._policy.observe_profile(trace, profile.tolist())
+        self._profile.finish(self._tracker.last_training_trace)
         return training
 
     def _agree_across_ranks(self) -> None:
-        """One small all-reduce: every rank's op-sequence digest (max of d and of -d tell whether
-        all agree) and which parameters got a gradient on any rank."""
-        digest = self._tracker.digest
-        chunks = [c for c in self._manager.chunks if c.trainable]
-        flags = [int(f) for c in chunks for f in c.params_with_grad]
-        payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=self._comm.tensor_device)
-        self._comm.all_reduce(payload, dist.ReduceOp.MAX)
-        if int(payload[0]) != digest or int(-payload[1]) != digest:
-            everyone = self._comm.all_gather_tensors(torch.tensor([digest], device=self._comm.tensor_device))
-            digests = [int(d) for d in everyone]
-            reference = max(set(digests), key=digests.count)
-            odd = [r for r, d in enumerate(digests) if d != reference]
-            raise TraceDivergenceError(
-                f"rank {self._rank}: ranks {odd} ran different operations on managed parameters than the "
-                f"other ranks in this iteration (op-sequence digests {digests}), so chunk collectives did not "
-                "match and gradients are not trustworthy; the optimizer step must not run. All ranks must "
-                "use the same parameters in the same order (no rank-dependent branches in the model)."
-            )
-        agreed = [bool(v) for v in payload[2:].tolist()]
-        start = 0
-        for chunk in chunks:
-            n = len(chunk.tensors)
-            chunk.set_params_with_grad(tuple(agreed[start : start + n]))
-            start += n
+        agree_backward(self._comm, self._tracker.digest, self._manager.chunks)
 
     def _report(self, divergence: Divergence) -> None:
         self.cancel_early_steps()  # they trusted the trace this iteration has left
@@ -446,8 +408,8 @@ class ChunkRuntime(ParamOpHook):
         if self._checks is not None and self._checks.alarmed:
             self._checks.poll()
         self._executor.before_op(infos, chunk_ids, position, phase, self._tracker.trace)
-        if self._sampler is not None and self._tracker.training:
-            self._sampler.sample()
+        if self._tracker.training:
+            self._profile.sample()
 
     def _after(self, params: Sequence[torch.Tensor], phase: Phase, target: TensorState) -> None:
         infos = [self._manager.info(p) for p in params]
