@@ -134,6 +134,9 @@ class PlanExecutor:
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY
                     if self._on_start is not None:
                         self._on_start(chunk)
+                elif verb is Verb.SPILL_GRAD:
+                    chunk.spill_grad()
+                    stats.grad_spills += 1
                 elif verb is Verb.FINISH_REDUCE:
                     chunk.finish_reduce()
                 elif verb is Verb.ZERO_GRAD:
@@ -270,11 +273,6 @@ class PlanExecutor:
             causes.append(
                 f"chunks {list(refused.busy)} are used by ops still running (ops overlap when activation checkpointing "
                 "recomputes a forward op inside a backward op, so both need their chunks at once)"
-            )
-        if refused.accumulating:
-            causes.append(
-                f"{refused.accumulating} gradient buffers accumulate under no_sync and cannot be reduced before the "
-                "synchronised backward"
             )
         minimum = refused.minimum
         return BudgetExceededError(

@@ -148,11 +148,12 @@ class ChunkPlugin:
             ``host_budget``) live in files chunkmem creates there when boosting and removes when
             the run ends. ``None`` (default): nothing is written to disk, and a placement that
             needs the disk is refused.
-        gradient_accumulation: plan for ``booster.no_sync``: micro-batches accumulate full
-            gradient buffers for every chunk until the synchronised backward, so the placement
-            leaves room for all of them at once (the auto policy moves optimizer sides to the host
-            until they fit; a budget that cannot hold them is refused here). Without it,
-            entering ``no_sync`` under a budget that cannot hold them is refused there.
+        gradient_accumulation: a hint that ``booster.no_sync`` will be used: micro-batches
+            accumulate full gradient buffers for every chunk until the synchronised backward, so
+            the placement leaves room for all of them at once where the budget allows (the auto
+            policy moves optimizer sides to the host until they fit), and nothing moves to the host
+            then. Without it, or where no placement can, buffers move to the host inside
+            ``no_sync`` when the device needs their room (added back at the reduction).
     """
 
     def __init__(

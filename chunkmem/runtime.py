@@ -28,12 +28,11 @@ import torch
 
 from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
 from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
-from placement.policy import format_bytes
 
 from .accounting import Location
 from .backward_agreement import agree_backward
 from .chunk import Chunk
-from .errors import BudgetTooSmallError, NotSupportedError
+from .errors import NotSupportedError
 from .executor import PlanExecutor
 from .iteration import IterationTracker, Mode
 from .manager import ChunkManager
@@ -184,22 +183,9 @@ class ChunkRuntime(ParamOpHook):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients accumulate locally; no gradient collective until the block exits. Refused up
-        front when the device budget cannot hold every chunk's gradient buffer at once."""
-        budget = self._policy.budget
-        if self._comm.world_size > 1 and budget is not None:
-            need = self._policy.accumulation_need()
-            if need.minimum > budget:
-                raise BudgetTooSmallError(
-                    f"rank {self._rank}: no_sync under device_budget={budget} ({format_bytes(budget)}): gradient "
-                    f"accumulation without communication needs at least {need.minimum} "
-                    f"({format_bytes(need.minimum)}): {need.describe()}. Boost with "
-                    "ChunkPlugin(gradient_accumulation=True) so the placement makes room for the buffers (the auto "
-                    "policy moves optimizer state to the host), raise device_budget, or accumulate with synchronised "
-                    "backward passes (without no_sync).",
-                    budget,
-                    need.minimum,
-                )
+        """Gradients accumulate locally; no gradient collective until the block exits. Where the
+        device cannot hold every chunk's gradient buffer, buffers move to the host to make room
+        (accumulated there in fp32) and are added back at the reduction."""
         with self._executor.no_sync():
             yield
 
@@ -281,8 +267,7 @@ class ChunkRuntime(ParamOpHook):
         them stale, and its optimizer state needs the room the placement reserved for it."""
         self.agree_entry("optimizer step")
         self.finish_backward()
-        residency = self._executor.residency
-        if residency.accepting or residency.reducing:
+        if self._executor.residency.unreduced:
             self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()

@@ -62,6 +62,10 @@ class Verb(enum.Enum):
     """Start reducing a gradient buffer whose gradients are complete (asynchronous)."""
     REDUCE_EARLY = "reduce_early"
     """Start reducing a gradient buffer before all its gradients arrived, to make room."""
+    SPILL_GRAD = "spill_grad"
+    """Inside ``no_sync``, where nothing may be reduced, move what a gradient buffer holds to the
+    host (added to what earlier spills left there) and free it, to make room; the chunk's next
+    reduction adds it back."""
     FINISH_REDUCE = "finish_reduce"
     """Wait for a reduction and free its buffer."""
     ZERO_GRAD = "zero_grad"
@@ -108,7 +112,6 @@ class NoRoomError(Exception):
         device_bytes: int,
         minimum: int,
         busy: tuple[int, ...],
-        accumulating: int,
     ) -> None:
         super().__init__(
             f"device_budget={budget} cannot fit the op at trace position {position} on chunks {chunks}: it needs "
@@ -122,8 +125,6 @@ class NoRoomError(Exception):
         self.minimum = minimum
         self.busy = busy
         """Chunks holding device buffers that running ops use (so they cannot be evicted)."""
-        self.accumulating = accumulating
-        """Gradient buffers that accumulate under ``no_sync`` and cannot be reduced now."""
 
 
 class PlanObserver(Protocol):
@@ -167,6 +168,7 @@ class DeviceResidency:
         self._prefetched: set[int] = set()
         self._accepting: dict[int, None] = {}
         self._reducing: dict[int, None] = {}  # in start order
+        self._spilled: set[int] = set()  # chunks with gradients on the host, not reduced yet
         self._last_use: dict[int, int] = {}
         self._awaited: list[tuple[int, int]] = []  # heap: (next use in the pass, chunk) of evicted chunks
         self._position = -1
@@ -193,14 +195,13 @@ class DeviceResidency:
             for c in self._buffers
         ]
         out += [ResidentChunk(c, BufferKind.REDUCING, self._grad_bytes[c], False, False, -1) for c in self._reducing]
-        if self.can_reduce:  # flushing a gradient buffer is a reduction: a collective, so never inside no_sync
-            out += [
-                ResidentChunk(
-                    c, BufferKind.GRAD, self._grad_bytes[c], self._holds[c] > 0, False, self._last_use.get(c, -1)
-                )
-                for c in self._accepting
-                if self._grad_bytes[c] > 0
-            ]
+        # Flushing a gradient buffer reduces it early, or inside no_sync moves it to the host.
+        kind = BufferKind.GRAD if self.can_reduce else BufferKind.SPILL
+        out += [
+            ResidentChunk(c, kind, self._grad_bytes[c], self._holds[c] > 0, False, self._last_use.get(c, -1))
+            for c in self._accepting
+            if self._grad_bytes[c] > 0
+        ]
         return out
 
     def awaited(self) -> Sequence[tuple[int, int]]:
@@ -241,6 +242,16 @@ class DeviceResidency:
     @property
     def reducing(self) -> tuple[int, ...]:
         return tuple(self._reducing)
+
+    @property
+    def spilled(self) -> tuple[int, ...]:
+        """Chunks whose gradients accumulated on the host under ``no_sync``, not reduced yet."""
+        return tuple(sorted(self._spilled))
+
+    @property
+    def unreduced(self) -> bool:
+        """Gradients wait for a reduction (in a buffer, in flight, or on the host)."""
+        return bool(self._accepting or self._reducing or self._spilled)
 
     @property
     def syncing(self) -> bool:
@@ -311,6 +322,7 @@ class DeviceResidency:
         self._grad[chunk_id] = GradBuffer.REDUCING
         del self._accepting[chunk_id]
         self._reducing[chunk_id] = None
+        self._spilled.discard(chunk_id)  # the reduction adds the host's part
         yield Action(verb, chunk_id)
 
     def _finish(self, chunk_id: int) -> Iterator[Action]:
@@ -321,11 +333,19 @@ class DeviceResidency:
         yield Action(Verb.FINISH_REDUCE, chunk_id)
 
     def _flush(self, chunk_id: int) -> Iterator[Action]:
-        """Free a gradient buffer now: reduce it early (later gradients go to a fresh one), or
-        finish its reduction in flight."""
+        """Free a gradient buffer now: reduce it early, or inside ``no_sync`` move it to the host
+        (later gradients go to a fresh one either way), or finish its reduction in flight."""
+        if self._grad[chunk_id] is GradBuffer.ACCEPTING and not self.can_reduce:
+            self._grad[chunk_id] = GradBuffer.NONE
+            del self._accepting[chunk_id]
+            self._bytes -= self._grad_bytes[chunk_id]
+            self._spilled.add(chunk_id)
+            yield Action(Verb.SPILL_GRAD, chunk_id)
+            return
         if self._grad[chunk_id] is GradBuffer.ACCEPTING:
             yield from self._start(chunk_id, Verb.REDUCE_EARLY)
-        yield from self._finish(chunk_id)
+        if self._grad[chunk_id] is GradBuffer.REDUCING:  # (a listener of the start may have finished it)
+            yield from self._finish(chunk_id)
 
     # --- iterations ----------------------------------------------------------------------------------
     def start(self) -> Iterator[Action]:
@@ -450,7 +470,6 @@ class DeviceResidency:
             device_bytes=device_bytes,
             minimum=device_bytes - evictable + needed,
             busy=tuple(c for c in self._buffers if self._holds[c] > 0),
-            accumulating=0 if self.can_reduce else len(self._accepting),
         )
 
     # --- gradients -----------------------------------------------------------------------------------
@@ -461,11 +480,14 @@ class DeviceResidency:
             return
         if self._grad[chunk_id] is GradBuffer.REDUCING:
             yield from self._finish(chunk_id)
+        yield from self._room_for_grad(chunk_id, position, trace)
+        yield from self._allocate_grad(chunk_id)
+
+    def _room_for_grad(self, chunk_id: int, position: int, trace: ComputeTrace | None) -> Iterator[Action]:
         needed = self._grad_bytes[chunk_id]
         if needed:  # else the buffer is the gradient shard (world size 1): there is no room to make
             yield from self._plan(position, Phase.BACKWARD, (chunk_id,), needed, trace)
             self._require_room(needed, (chunk_id,), position)
-        yield from self._allocate_grad(chunk_id)
 
     def gradients_complete(self, chunk_id: int) -> Iterator[Action]:
         """Every parameter of the chunk has its gradient of this backward: reduce now, unless
@@ -484,9 +506,13 @@ class DeviceResidency:
             yield from self.finish_reduction(c)
 
     def reduce_all(self) -> Iterator[Action]:
-        """Reduce every buffer still accepting (in chunk order, the same on every rank), then wait
-        for every reduction."""
-        for c in sorted(self._accepting):
+        """Reduce every buffer still accepting and every chunk with gradients on the host (in
+        chunk order, the same on every rank; a chunk whose gradients are only on the host gets a
+        buffer for its reduction first), then wait for every reduction."""
+        for c in sorted({*self._accepting, *self._spilled}):
+            if self._grad[c] is GradBuffer.NONE and c in self._spilled:
+                yield from self._room_for_grad(c, self._position, None)
+                yield from self._allocate_grad(c)
             if self._grad[c] is GradBuffer.ACCEPTING:
                 yield from self._start(c, Verb.START_REDUCE)
         yield from self.finish_reductions()
@@ -498,6 +524,7 @@ class DeviceResidency:
             self._grad[c] = GradBuffer.NONE
             self._bytes -= self._grad_bytes[c]
         self._accepting.clear()
+        self._spilled.clear()
         for c in range(len(self._grad)):
             yield Action(Verb.ZERO_GRAD, c)
 
