@@ -83,11 +83,12 @@ _TABLE: dict[str, Transition[GradState]] = {
     "forget gradients": Transition(
         {s: _G.NONE for s in (_G.NONE, _G.ACCUMULATING, _G.REDUCED, _G.REDUCED_ACCUMULATING)}, _IN_FLIGHT
     ),
+    "move its gradients to the host": Transition(
+        {_G.ACCUMULATING: _G.NONE, _G.REDUCED_ACCUMULATING: _G.REDUCED}, "Only a buffer receiving gradients is moved."
+    ),
 }
 _ACCEPTING = frozenset({GradState.ACCUMULATING, GradState.REDUCED_ACCUMULATING})
-_TABLE["move its gradients to the host"] = Transition(
-    {_G.ACCUMULATING: _G.NONE, _G.REDUCED_ACCUMULATING: _G.REDUCED}, "Only a buffer receiving gradients is moved."
-)
+_REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
 
 
 class HostGrads(enum.Enum):
@@ -96,7 +97,6 @@ class HostGrads(enum.Enum):
     EMPTY = "empty"
     HOLDS = "holds"
     """The host buffer holds gradients not reduced yet; the next reduction adds them."""
-_REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
 
 
 class ChunkGrads:
