@@ -84,7 +84,7 @@ def _run(rank: int, world_size: int, port: int, args: argparse.Namespace, direct
     optimizer.step()
     optimizer.zero_grad()
 
-    comm = chunked.runtime.manager.comm
+    comm = chunked.manager.comm
     calls: Counter[str] = Counter()
     for name in ("all_gather", "all_reduce", "reduce_to_first", "all_gather_object", "barrier"):
         original = getattr(comm, name)
@@ -108,7 +108,7 @@ def _run(rank: int, world_size: int, port: int, args: argparse.Namespace, direct
             action()
             seconds = time.perf_counter() - start
         rows[what] = {"seconds": seconds, "rss_gain": rss.peak - rss.start, "collectives": dict(calls)}
-    out.put((rank, rows, len(chunked.runtime.manager.chunks), sum(p.numel() for p in model.parameters())))
+    out.put((rank, rows, len(chunked.manager.chunks), sum(p.numel() for p in model.parameters())))
     if world_size > 1:
         torch.distributed.destroy_process_group()
 

@@ -85,7 +85,7 @@ def _run(rank: int, world_size: int, port: int, way: str, args: argparse.Namespa
     booster = Booster(plugin=ChunkPlugin(precision="fp32"))
     chunked, *_ = booster.boost(model, optimizer, weights=weights if way == "meta-weights" else None)
     seconds = time.perf_counter() - began
-    masters = sum(c.store.master.numel() * c.store.master.element_size() for c in chunked.runtime.manager.chunks)
+    masters = sum(c.store.master.numel() * c.store.master.element_size() for c in chunked.manager.chunks)
     out.put((rank, {"growth": _status("VmHWM") - start, "masters": masters, "full": full, "seconds": seconds}))
     if world_size > 1:
         torch.distributed.destroy_process_group()

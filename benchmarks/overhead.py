@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             ChunkPlugin(placement=VARIANTS[variant](), precision=args.precision, chunk_size=args.chunk_size)
         )
         chunked, optim, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        chunk_counts[variant] = len(chunked.runtime.manager.chunks)
+        chunk_counts[variant] = len(chunked.manager.chunks)
         losses[variant] = []
 
         def chunk_step(ids: torch.Tensor, chunked=chunked, optim=optim, booster=booster, variant=variant) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryLedger
-from .chunk_grads import ChunkGrads, GradState
+from .chunk_grads import ChunkGrads, GradState, HostGrads
 from .chunk_layout import ChunkLayout, ShardPiece
 from .chunk_residency import ChunkResidency, ChunkState
 from .comm import Communicator, PendingGather
@@ -34,7 +34,7 @@ from .transfers import HostTransfers
 if TYPE_CHECKING:
     from .disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState", "GradState"]
+__all__ = ["Chunk", "ChunkState", "GradState", "HostGrads"]
 
 
 class Chunk:
@@ -57,7 +57,7 @@ class Chunk:
         self._stats = stats
         self._transfers = transfers if transfers is not None else HostTransfers(stats, comm.device)
         self._residency = ChunkResidency(self.layout, comm, ledger, stats, self._where)
-        self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where)
+        self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where, self._transfers)
         self._store: ShardStore | None = None
         self._computing = 0
         self._ready = 0
@@ -92,6 +92,10 @@ class Chunk:
     @property
     def grad_state(self) -> GradState:
         return self._grads.state
+
+    @property
+    def host_grad_state(self) -> HostGrads:
+        return self._grads.host_state
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -290,6 +294,11 @@ class Chunk:
         """Add one parameter's gradient into its slice of the flat buffer and mark it ready."""
         self._grads.accumulate(info, grad)
         self._set_state(info, TensorState.READY_FOR_REDUCE)
+
+    def spill_grad(self) -> None:
+        """Move the gradient buffer's accumulation to the host and free it (inside ``no_sync``,
+        where it cannot be reduced); the next reduction adds it back."""
+        self._grads.spill()
 
     def start_reduce(self) -> None:
         """Start reducing the buffer over ranks (asynchronously); parameters go back to HOLD."""

@@ -13,6 +13,13 @@ States (``GradState``), changed only through the transition table below:
   (``REDUCING_ON_REDUCED``, then ``REDUCED``).
 * ``zero`` drops everything (not while a reduction is in flight).
 
+Inside ``no_sync`` at world size > 1 a buffer cannot be reduced, and when the device needs its room
+it is **moved to the host** instead (``spill``): what it holds is added, in fp32, to a host buffer
+of the whole chunk (``HostGrads.HOLDS``) and the device buffer is freed (back to ``NONE``, or to
+``REDUCED`` on top of a reduced shard); later gradients go to a fresh device buffer. The next
+reduction first folds the host buffer into the device one (through the host: no device memory
+beyond the buffer), so what is reduced is every micro-batch's sum, as ZeRO-Offload accumulates.
+
 At world size 1 with the master on the device the gradient shard is the whole chunk: gradients
 accumulate straight into it and reducing moves nothing.
 """
@@ -32,8 +39,9 @@ from .shard import MASTER_DTYPE, ShardStore
 from .state_machine import StateMachine, Transition
 from .stats import Stats
 from .tensor_state import TensorInfo
+from .transfers import Direction, HostTransfers
 
-__all__ = ["ChunkGrads", "GradState"]
+__all__ = ["ChunkGrads", "GradState", "HostGrads"]
 
 
 class GradState(enum.Enum):
@@ -75,9 +83,20 @@ _TABLE: dict[str, Transition[GradState]] = {
     "forget gradients": Transition(
         {s: _G.NONE for s in (_G.NONE, _G.ACCUMULATING, _G.REDUCED, _G.REDUCED_ACCUMULATING)}, _IN_FLIGHT
     ),
+    "move its gradients to the host": Transition(
+        {_G.ACCUMULATING: _G.NONE, _G.REDUCED_ACCUMULATING: _G.REDUCED}, "Only a buffer receiving gradients is moved."
+    ),
 }
 _ACCEPTING = frozenset({GradState.ACCUMULATING, GradState.REDUCED_ACCUMULATING})
 _REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
+
+
+class HostGrads(enum.Enum):
+    """A chunk's gradients accumulated in host memory under ``no_sync`` (see the module docstring)."""
+
+    EMPTY = "empty"
+    HOLDS = "holds"
+    """The host buffer holds gradients not reduced yet; the next reduction adds them."""
 
 
 class ChunkGrads:
@@ -90,13 +109,17 @@ class ChunkGrads:
         ledger: MemoryLedger,
         stats: Stats,
         owner: Callable[[], str],
+        transfers: HostTransfers,
     ) -> None:
         self._layout = layout
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
         self._owner = owner
+        self._transfers = transfers
         self._machine = StateMachine(GradState.NONE, _TABLE, owner, kind="gradient state")
+        self._host_state = HostGrads.EMPTY
+        self._host: torch.Tensor | None = None  # the host buffer while HOLDS
         self._store: ShardStore | None = None
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
@@ -107,6 +130,10 @@ class ChunkGrads:
     @property
     def state(self) -> GradState:
         return self._machine.state
+
+    @property
+    def host_state(self) -> HostGrads:
+        return self._host_state
 
     def close(self, store: ShardStore) -> None:
         """The chunk's parameters are final and its shard exists."""
@@ -188,16 +215,73 @@ class ChunkGrads:
             self._filled[info.index] = True
         self._has_grad[info.index] = True
 
-    def start_reduce(self) -> None:
-        """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it)."""
-        self._require_trainable("reduce gradients")
-        self._machine.require("reduce gradients")
-        buffer = self._buffer
-        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+    def _zero_unfilled(self, buffer: torch.Tensor) -> None:
+        """Zero the slices of parameters that got no gradient in this buffer, and the padding."""
         for info, filled in zip(self._layout.tensors, self._filled, strict=True):
             if not filled:
                 buffer[info.offset : info.offset + info.numel].zero_()
         buffer[self._layout.used :].zero_()
+
+    def spill(self) -> None:
+        """Inside ``no_sync``, where the buffer cannot be reduced: add what it holds to the host
+        buffer (allocated at the first spill) and free it."""
+        self._require_trainable("move its gradients to the host")
+        self._machine.require("move its gradients to the host")
+        buffer = self._buffer
+        assert buffer is not None and not self.buffer_is_shard, f"{self._owner()}: spilling without a device buffer"
+        self._zero_unfilled(buffer)
+        transfers = self._transfers
+        if self._host_state is HostGrads.EMPTY:
+            host = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
+            self._ledger.alloc(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+            transfers.before_host_write(host)
+            transfers.copy(host, buffer, Direction.TO_HOST)
+            self._host = host
+            self._host_state = HostGrads.HOLDS
+        else:
+            assert self._host is not None, f"{self._owner()}: host gradients without a host buffer"
+            staged = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
+            transfers.copy(staged, buffer, Direction.TO_HOST)
+            transfers.before_host_read(staged)
+            transfers.before_host_write(self._host)
+            self._host.add_(staged)
+            transfers.give_back(staged)
+        self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+        self._buffer = None
+        self._machine.move("move its gradients to the host")
+
+    def _fold(self, buffer: torch.Tensor) -> None:
+        """Add the host buffer's gradients into ``buffer`` (through the host, so the device holds
+        nothing more than the buffer) and give the host buffer back."""
+        host = self._host
+        assert host is not None, f"{self._owner()}: folding host gradients without a host buffer"
+        transfers = self._transfers
+        staged = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
+        transfers.copy(staged, buffer, Direction.TO_HOST)
+        transfers.before_host_read(staged)
+        host.add_(staged)
+        transfers.give_back(staged)
+        transfers.copy(buffer, host, Direction.TO_DEVICE)
+        self._drop_host()
+
+    def _drop_host(self) -> None:
+        if self._host is not None:
+            self._transfers.before_host_write(self._host)  # a copy out of it may still be reading it
+            self._transfers.give_back(self._host)
+            self._ledger.free(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+        self._host = None
+        self._host_state = HostGrads.EMPTY
+
+    def start_reduce(self) -> None:
+        """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it), with
+        what the host buffer holds added first."""
+        self._require_trainable("reduce gradients")
+        self._machine.require("reduce gradients")
+        buffer = self._buffer
+        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        self._zero_unfilled(buffer)
+        if self._host_state is HostGrads.HOLDS:
+            self._fold(buffer)
         accumulate = self._machine.state is GradState.REDUCED_ACCUMULATING
         what = self._what
         if not self.buffer_is_shard and self._comm.world_size > 1:
@@ -244,6 +328,7 @@ class ChunkGrads:
         if self._buffer is not None and not self.buffer_is_shard:
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
+        self._drop_host()
         self._shard.free_grad()
         self._has_grad = [False] * len(self._has_grad)
         self._machine.move("forget gradients")

@@ -115,7 +115,8 @@ class ChunkResidency:
         nan = torch.full((), float("nan"), dtype=self._layout.compute_dtype, device=self._comm.device)
         self._placeholders = [nan.expand(info.shape) for info in self._layout.tensors]
         for info in self._layout.tensors:
-            if info.param.is_meta and not self._comm.plans_only:
+            # (A plan's chunks are on the meta device too: there the parameter stays as it is.)
+            if info.param.is_meta and self._buffer.device.type != "meta":
                 # ``.data`` cannot move a tensor off the meta device; swapping keeps the parameter
                 # object itself, which the model and the user's optimizer hold.
                 real = torch.nn.Parameter(torch.empty((), dtype=info.param.dtype).expand(info.shape))

@@ -92,16 +92,36 @@ def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
 
 
 class Communicator:
-    """The process group chunks are sharded over, and how collectives are issued on it."""
+    """The process group chunks are sharded over, and how collectives are issued on it.
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, check_plans: bool = False) -> None:
+    ``group`` ``None`` is the default group when ``torch.distributed`` is initialized, else a world
+    of one. With ``world_size`` (and ``rank``) given, it is a world of that size seen from one rank
+    with no process group behind it: nothing is asked of ``torch.distributed`` and no cross-rank
+    checks run, and the collectives are a subclass's to provide (the planner's, which moves nothing,
+    and tests' stand-ins)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        check_plans: bool = False,
+        *,
+        world_size: int | None = None,
+        rank: int = 0,
+    ) -> None:
         self._group = group
         self._device = device
-        initialized = dist.is_available() and dist.is_initialized()
+        initialized = world_size is None and dist.is_available() and dist.is_initialized()
         if group is not None and not initialized:
-            raise ValueError("Communicator: a process group was given but torch.distributed is not initialized")
-        self._rank = dist.get_rank(group) if initialized else 0
-        self._world_size = dist.get_world_size(group) if initialized else 1
+            raise ValueError(
+                "Communicator: a process group was given but torch.distributed is not initialized"
+                if world_size is None
+                else "Communicator: a world_size of its own has no process group; pass group=None"
+            )
+        if world_size is not None and not 0 <= rank < world_size:
+            raise ValueError(f"Communicator: rank {rank} is not in a world of {world_size}")
+        self._rank = dist.get_rank(group) if initialized else rank
+        self._world_size = dist.get_world_size(group) if initialized else (world_size or 1)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,7 +134,7 @@ class Communicator:
         self._divergence: str | None = None
         self._poll_waits = False
         self._reduce_by_all_reduce = False
-        if self._world_size > 1:
+        if initialized and self._world_size > 1:
             pg = group if group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(pg)
             self._checks = RankChecks(ranks, self._rank, _timeout(pg), check_plans)
@@ -191,12 +211,6 @@ class Communicator:
     def tensor_device(self) -> torch.device:
         """Where small metadata tensors for collectives live (what the backend reduces)."""
         return self._device
-
-    @property
-    def plans_only(self) -> bool:
-        """No process group behind it: a plan is being predicted, nothing moves (see
-        ``chunkmem.planner``)."""
-        return False
 
     def agreed_capacity(self) -> int:
         """What this process may use of the compute device, smallest over ranks, so every rank's

@@ -1,46 +1,40 @@
-"""``PlanExecutor``: carries out the placement policy's decisions around every op.
+"""``PlanExecutor``: carries out, on real chunks, what the device residency decides.
 
-Before an op it claims gathers already in flight for the op's chunks, asks the policy for a plan,
-releases what the plan evicts and frees the gradient buffers it flushes, enforces the device budget,
-gathers what is still missing, gives a backward op's chunks gradient buffers, and starts the plan's
-prefetches. After an op it asks the policy which chunks to release.
+What is on the device (gathered, in flight, prefetched, awaited, gradient buffers accepting or
+reducing, and their bytes) is owned by one tensor-free :class:`placement.DeviceResidency`, which
+asks the placement policy and yields the actions to take. This class is its adapter: it turns each
+action into the chunk verb that does it (a gather, a wait on a pending all-gather, a release, a
+gradient reduction), counts it, and turns a refusal into chunkmem's error naming what the device
+holds. Gradients from autograd are added into the chunks' flat buffers here, and the residency
+says when a buffer's reduction starts.
 
-What is on the device is kept incrementally (chunks gathered, in gather order; gradient buffers in
-the router), and the policy reads it through the :class:`placement.Residency` interface: an op that
-fits costs no scan over all chunks. Every decision depends only on what every rank shares (the
-trace, chunk sizes, the budget, the accounted bytes), so all ranks issue the same collectives; an
-optional check agrees a fingerprint of every plan across ranks.
+Every decision depends only on what every rank shares (the trace, chunk sizes, the budget, the
+accounted bytes), so all ranks issue the same collectives; an optional check agrees a fingerprint
+of every plan across ranks.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
-from placement import (
-    BufferKind,
-    ComputeTrace,
-    FetchPlan,
-    Layout,
-    OpSnapshot,
-    Phase,
-    PlacementPolicy,
-    ReleaseSnapshot,
-    ResidentChunk,
-)
+import torch
+
+from placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
 from placement.policy import format_bytes
+from placement.residency import Action, DeviceResidency, Held, NoRoomError, Verb
 
 from .accounting import Location, MemoryKind
-from .chunk import Chunk, ChunkState
+from .chunk import Chunk
 from .errors import BudgetExceededError
-from .grad_router import GradientRouter
 from .manager import ChunkManager
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 
 __all__ = ["PlanCheck", "PlanExecutor"]
+
+_BUFFERS = (MemoryKind.GATHERED, MemoryKind.GRAD_BUFFER)
 
 
 class PlanCheck(Protocol):
@@ -58,81 +52,129 @@ class PlanExecutor:
         self,
         manager: ChunkManager,
         policy: PlacementPolicy,
-        layout: Layout,
-        grads: GradientRouter,
+        specs: Sequence[ChunkSpec],
         stats: Stats,
         check: PlanCheck | None = None,
     ) -> None:
         self._manager = manager
         self._policy = policy
-        self._layout = layout
-        self._grads = grads
         self._stats = stats
         self._check = check
         self._ledger = manager.ledger
         self._rank = manager.comm.rank
-        self._gathered: dict[int, None] = {}  # chunks holding their own device buffer, in gather order
-        self._prefetched: set[int] = set()
-        self._last_use: dict[int, int] = {}
-        self._awaited: list[tuple[int, int]] = []  # heap: (next use in the pass, chunk) of evicted chunks
-        self._position = -1
+        self._residency = DeviceResidency(policy, specs, manager.comm.world_size, self._resting_bytes, self)
+        self._on_start: Callable[[Chunk], None] | None = None
+        self._records: list[list[Action]] = []
         for chunk in manager.chunks:
-            if layout[chunk.chunk_id].keep_gathered:
-                chunk.gather(async_op=False)
-
-    # --- placement.Residency --------------------------------------------------------------------
-    def is_gathered(self, chunk_id: int) -> bool:
-        return chunk_id in self._gathered
-
-    def has_grad_buffer(self, chunk_id: int) -> bool:
-        return self._grads.has_buffer(chunk_id)
-
-    def buffers(self) -> Sequence[ResidentChunk]:
-        out = []
-        for chunk_id in self._gathered:
-            chunk = self._manager.chunk(chunk_id)
-            out.append(
-                ResidentChunk(
-                    chunk_id=chunk_id,
-                    kind=BufferKind.GATHERED,
-                    release_bytes=chunk.gathered_bytes,
-                    held=chunk.in_use,
-                    fetching=chunk.state is ChunkState.GATHERING,
-                    last_use=self._last_use.get(chunk_id, -1),
+            if chunk.gather_bytes != self._residency.gather_bytes(chunk.chunk_id) or (
+                chunk.grad_buffer_bytes != self._residency.grad_buffer_bytes(chunk.chunk_id)
+            ):
+                raise RuntimeError(
+                    f"rank {self._rank}: chunk {chunk.chunk_id} allocates {chunk.gather_bytes} bytes when gathered and "
+                    f"{chunk.grad_buffer_bytes} for gradients, but its placement accounts "
+                    f"{self._residency.gather_bytes(chunk.chunk_id)} and "
+                    f"{self._residency.grad_buffer_bytes(chunk.chunk_id)}; the layout was not realized as decided"
                 )
-            )
-        for chunk_id in self._grads.reducing:
-            chunk = self._manager.chunk(chunk_id)
-            out.append(ResidentChunk(chunk_id, BufferKind.REDUCING, chunk.flush_device_bytes, False, False, -1))
-        if self._grads.can_reduce:
-            # Flushing a gradient buffer is a reduction: a collective, so never inside no_sync.
-            for chunk_id in self._grads.accepting:
-                chunk = self._manager.chunk(chunk_id)
-                if chunk.flush_device_bytes > 0:
-                    out.append(
-                        ResidentChunk(
-                            chunk_id=chunk_id,
-                            kind=BufferKind.GRAD,
-                            release_bytes=chunk.flush_device_bytes,
-                            held=chunk.in_use,
-                            fetching=False,
-                            last_use=self._last_use.get(chunk_id, -1),
-                        )
-                    )
-        return out
+        self._carry(self._residency.start())
 
-    def awaited(self) -> Sequence[tuple[int, int]]:
-        awaited = self._awaited
-        while awaited and (awaited[0][0] <= self._position or awaited[0][1] in self._gathered):
-            heapq.heappop(awaited)
-        return sorted(awaited) if awaited else ()
+    @property
+    def residency(self) -> DeviceResidency:
+        """What is on the device (read it; change it only through this executor)."""
+        return self._residency
+
+    def _resting_bytes(self) -> int:
+        """Accounted device bytes other than the buffers the residency owns."""
+        ledger = self._ledger
+        return ledger.device_bytes - sum(ledger.bytes(Location.DEVICE, kind) for kind in _BUFFERS)
+
+    # --- placement.PlanObserver ------------------------------------------------------------------
+    def plan_made(
+        self, position: int, phase: Phase, chunk_ids: tuple[int, ...], device_bytes: int, plan: FetchPlan
+    ) -> None:
+        self._stats.decision_work += plan.examined
+        if self._check is not None:
+            self._check.check_plan(position, phase, chunk_ids, device_bytes, plan)
+
+    # --- carrying out ----------------------------------------------------------------------------
+    def _carry(self, actions: Iterable[Action]) -> bool:
+        """Do each action on its chunk, in order. Returns whether a prefetch was started."""
+        prefetched = False
+        stats = self._stats
+        try:
+            for action in actions:
+                for record in self._records:
+                    record.append(action)
+                chunk = self._manager.chunk(action.chunk)
+                verb = action.verb
+                if verb is Verb.GATHER:
+                    chunk.gather(async_op=False)
+                    stats.gathers += 1
+                elif verb is Verb.PREFETCH:
+                    chunk.gather(async_op=True)
+                    stats.prefetches += 1
+                    prefetched = True
+                elif verb is Verb.CLAIM:
+                    stats.prefetch_hits += 1
+                    if self._residency.held(action.chunk) is Held.FETCHING and not chunk.pending.is_completed():
+                        stats.prefetch_waits += 1  # rank-local: a statistic, never a decision
+                elif verb is Verb.WAIT:
+                    chunk.wait()
+                elif verb in (Verb.RELEASE, Verb.EVICT, Verb.DROP):
+                    chunk.release()
+                    stats.releases += verb is Verb.RELEASE
+                    stats.evictions += verb is Verb.EVICT
+                elif verb is Verb.KEEP:
+                    chunk.gather(async_op=False)
+                elif verb is Verb.REFRESH:
+                    chunk.refresh()
+                elif verb is Verb.ALLOCATE_GRAD:
+                    chunk.prepare_grad()
+                elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
+                    chunk.start_reduce()
+                    stats.grad_flushes += verb is Verb.REDUCE_EARLY
+                    if self._on_start is not None:
+                        self._on_start(chunk)
+                elif verb is Verb.SPILL_GRAD:
+                    chunk.spill_grad()
+                    stats.grad_spills += 1
+                elif verb is Verb.FINISH_REDUCE:
+                    chunk.finish_reduce()
+                elif verb is Verb.ZERO_GRAD:
+                    chunk.zero_grad()
+                else:  # pragma: no cover - every verb is handled above
+                    raise AssertionError(f"unhandled action {action}")
+        except NoRoomError as refused:
+            raise self._budget_error(refused) from None
+        return prefetched
+
+    @contextmanager
+    def record_actions(self) -> Iterator[list[Action]]:
+        """Every action carried out in the block, in order (for tests and debugging: what a
+        replay of the same trace through ``placement.simulate`` must also do)."""
+        record: list[Action] = []
+        self._records.append(record)
+        try:
+            yield record
+        finally:
+            self._records.remove(record)
+
+    def _check_accounts(self) -> None:
+        """The residency's buffer bytes are the ledger's: one owner, and it is right."""
+        ledger_bytes = sum(self._ledger.bytes(Location.DEVICE, kind) for kind in _BUFFERS)
+        if ledger_bytes != self._residency.buffer_bytes:
+            raise RuntimeError(
+                f"rank {self._rank}: the device residency accounts {self._residency.buffer_bytes} bytes of gathered "
+                f"and gradient buffers but {ledger_bytes} are allocated; a buffer moved outside the plan executor"
+            )
 
     # --- iterations -----------------------------------------------------------------------------
     def begin_iteration(self) -> None:
         """Positions restart: forget when chunks were last used and which evicted ones are awaited."""
-        self._last_use.clear()
-        self._awaited.clear()
-        self._position = -1
+        self._residency.begin_iteration()
+
+    def keep_served(self) -> None:
+        """Gather, once and for all, every chunk a resident shard serves (world size 1)."""
+        self._carry(self._residency.keep_served())
 
     # --- around an op ---------------------------------------------------------------------------
     def before_op(
@@ -145,38 +187,16 @@ class PlanExecutor:
     ) -> None:
         """Make the op's chunks resident (with gradient buffers for a backward op) and start
         prefetches; then mark its parameters in use."""
-        chunks = [self._manager.chunk(c) for c in chunk_ids]
-        for chunk in chunks:
-            self._claim_prefetch(chunk)
-        backward = phase is Phase.BACKWARD
-        needed = sum(
-            (c.gather_bytes if c.state is ChunkState.RELEASED else 0)
-            + (c.grad_buffer_bytes if backward and c.trainable and not c.has_grad_buffer else 0)
-            for c in chunks
-        )
-        plan = self._plan(position, phase, chunk_ids, needed, trace)
-        if self._over_budget(needed) and any(
-            self._manager.chunk(c).state is ChunkState.GATHERING for c in self._gathered
-        ):
-            # Only buffers still being gathered are in the way: let them land, then they can go.
-            self.wait_all()
-            plan = self._plan(position, phase, chunk_ids, needed, trace)
-        self._require_room(needed, chunks, position)
-        for chunk in chunks:
-            if chunk.state is ChunkState.RELEASED:
-                self._gather(chunk, async_op=False)
-                self._stats.gathers += 1
-            if backward and chunk.trainable and not chunk.has_grad_buffer:
-                self._grads.prepare(chunk)
-            self._last_use[chunk.chunk_id] = position
-        if plan.prefetch:
-            self._start_prefetch(plan.prefetch, position)
+        if self._carry(self._residency.before_op(position, phase, chunk_ids, trace)):
+            self.check_budget(f"prefetching at position {position}")
+        self._check_accounts()
         for info in infos:
             self._manager.chunk(info.chunk_id).enter_compute(info)
 
     def after_op(
         self,
         infos: Sequence[TensorInfo],
+        chunk_ids: tuple[int, ...],
         target: TensorState,
         position: int,
         phase: Phase,
@@ -184,154 +204,81 @@ class PlanExecutor:
         trace: ComputeTrace | None,
     ) -> None:
         """The op is done with its parameters; release what the policy says."""
-        finished: list[int] = []
         for info in infos:
-            chunk = self._manager.chunk(info.chunk_id)
-            chunk.leave_compute(info, target)
-            # Releasing a chunk served by a resident shard frees nothing: it stays as it is.
-            if not chunk.in_use and chunk.holds_device_buffer and chunk.chunk_id not in finished:
-                finished.append(chunk.chunk_id)
-        if not finished:
-            return
-        release = self._policy.after_op(
-            ReleaseSnapshot(
-                position=position, phase=phase, finished=tuple(finished), in_backward=in_backward, trace=trace
-            )
-        )
-        for chunk_id in release:
-            chunk = self._manager.chunk(chunk_id)
-            if chunk.state is ChunkState.GATHERED and not chunk.in_use:
-                self.release(chunk)
-                self._stats.releases += 1
+            self._manager.chunk(info.chunk_id).leave_compute(info, target)
+        self._carry(self._residency.after_op(position, phase, chunk_ids, in_backward, trace))
 
-    def _plan(
-        self, position: int, phase: Phase, chunk_ids: tuple[int, ...], needed: int, trace: ComputeTrace | None
-    ) -> FetchPlan:
-        """Ask the policy, and carry out its evictions and flushes (the rest is the caller's)."""
-        self._position = position
-        plan = self._policy.before_op(
-            OpSnapshot(
-                position=position,
-                phase=phase,
-                needed=chunk_ids,
-                needed_bytes=needed,
-                residency=self,
-                device_bytes=self._ledger.device_bytes,
-                trace=trace,
-            )
-        )
-        self._stats.decision_work += plan.examined
-        if self._check is not None:
-            self._check.check_plan(position, phase, chunk_ids, self._ledger.device_bytes, plan)
-        for chunk_id in plan.evict:
-            self.release(self._manager.chunk(chunk_id))
-            self._stats.evictions += 1
-            if trace is not None and trace.used_again_in_pass(chunk_id, position):
-                heapq.heappush(self._awaited, (trace.next_use(chunk_id, position) or -1, chunk_id))
-        for chunk_id in plan.flush:
-            self._grads.flush(self._manager.chunk(chunk_id))
-        return plan
+    # --- gradients --------------------------------------------------------------------------------
+    def on_start(self, listener: Callable[[Chunk], None] | None) -> None:
+        """Call ``listener`` with each chunk whose reduction has just started."""
+        self._on_start = listener
 
-    def ensure_grad_buffer(self, chunk: Chunk, position: int, trace: ComputeTrace | None) -> None:
-        """A gradient arrived for a chunk without a buffer (flushed to make room after the op's
-        backward, or reduced before a later gradient of a shared parameter): make room, allocate."""
-        if chunk.reducing:
-            self._grads.finish(chunk)
-        needed = chunk.grad_buffer_bytes
-        if needed:  # else the buffer is the gradient shard (world size 1): there is no room to make
-            self._plan(position, Phase.BACKWARD, (chunk.chunk_id,), needed, trace)
-            self._require_room(needed, [chunk], position)
-        self._grads.prepare(chunk)
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally; no gradient collective until the block exits."""
+        with self._residency.no_sync():
+            yield
 
-    # --- moving chunks ---------------------------------------------------------------------------
-    def _gather(self, chunk: Chunk, async_op: bool) -> None:
-        chunk.gather(async_op)
-        if chunk.holds_device_buffer and not self._layout[chunk.chunk_id].keep_gathered:
-            self._gathered[chunk.chunk_id] = None
+    def accumulate(
+        self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor, position: int, trace: ComputeTrace | None
+    ) -> None:
+        """Add a parameter's gradient into its chunk's buffer (making room for one first if the
+        chunk has none); start the chunk's reduction once all its gradients are in."""
+        self._carry(self._residency.gradient_arrives(chunk.chunk_id, position, trace))
+        chunk.accumulate_grad(info, grad)
+        if chunk.all_ready_for_reduce:
+            self._carry(self._residency.gradients_complete(chunk.chunk_id))
 
-    def gather_served(self) -> None:
-        """Gather, once and for all, every chunk a resident shard serves (world size 1): nothing is
-        allocated or copied, and no plan releases them (releasing them would free nothing)."""
-        for chunk in self._manager.chunks:
-            if chunk.state is ChunkState.RELEASED and chunk.gather_bytes == 0:
-                self._gather(chunk, async_op=False)
+    def finish_reduction(self, chunk: Chunk) -> None:
+        """Wait for ``chunk``'s reduction in flight (its gradient shard is read now)."""
+        self._carry(self._residency.finish_reduction(chunk.chunk_id))
 
-    def release(self, chunk: Chunk) -> None:
-        """Release ``chunk``, waiting first for a gather still in flight."""
-        if chunk.state is ChunkState.GATHERING:
-            chunk.wait()
-        chunk.release()
-        self._gathered.pop(chunk.chunk_id, None)
-        self._prefetched.discard(chunk.chunk_id)
+    def reduce_all(self) -> None:
+        """Reduce every buffer still accepting, then wait for every reduction."""
+        self._carry(self._residency.reduce_all())
+
+    def zero_grads(self) -> None:
+        """Drop all gradients."""
+        self._carry(self._residency.zero_grads())
+
+    # --- between ops ------------------------------------------------------------------------------
+    def wait_all(self) -> None:
+        """Land every gather in flight."""
+        self._carry(self._residency.wait_all())
 
     def release_all(self) -> None:
         """Release every gathered chunk no op uses (chunks kept gathered stay)."""
-        for chunk_id in list(self._gathered):
-            chunk = self._manager.chunk(chunk_id)
-            if not chunk.in_use:
-                self.release(chunk)
+        self._carry(self._residency.release_idle())
 
-    def wait_all(self) -> None:
-        """Land every gather in flight."""
-        for chunk_id in list(self._gathered):
-            chunk = self._manager.chunk(chunk_id)
-            if chunk.state is ChunkState.GATHERING:
-                chunk.wait()
-
-    def _claim_prefetch(self, chunk: Chunk) -> None:
-        if chunk.chunk_id not in self._prefetched:
-            if chunk.state is ChunkState.GATHERING:
-                chunk.wait()
-            return
-        self._prefetched.discard(chunk.chunk_id)
-        self._stats.prefetch_hits += 1
-        if chunk.state is ChunkState.GATHERING:
-            if not chunk.pending.is_completed():
-                self._stats.prefetch_waits += 1
-            chunk.wait()
-
-    def _start_prefetch(self, chunk_ids: Sequence[int], position: int) -> None:
-        for chunk_id in chunk_ids:
-            chunk = self._manager.chunk(chunk_id)
-            if chunk.state is ChunkState.RELEASED:
-                self._gather(chunk, async_op=True)
-                self._stats.prefetches += 1
-                self._prefetched.add(chunk_id)
-        self.check_budget(f"prefetching {tuple(chunk_ids)} at position {position}")
+    def masters_changed(self, by_step: bool) -> None:
+        """The masters were written (an optimizer step, or a load): after a step gathered chunks
+        the policy manages are released and the others refreshed; after a load every gathered
+        chunk is refreshed."""
+        self.wait_all()
+        for chunk in self._manager.chunks:
+            chunk.store.mark_updated()
+        self._carry(self._residency.after_step() if by_step else self._residency.refresh())
 
     # --- the budget ------------------------------------------------------------------------------
-    def _over_budget(self, needed: int) -> bool:
-        budget = self._policy.budget
-        return budget is not None and self._ledger.device_bytes + needed > budget
-
-    def _require_room(self, needed: int, chunks: Sequence[Chunk], position: int) -> None:
-        budget = self._policy.budget
-        if budget is None or self._ledger.device_bytes + needed <= budget:
-            return
+    def _budget_error(self, refused: NoRoomError) -> BudgetExceededError:
         ledger = self._ledger
-        busy = [c for c in self._gathered if self._manager.chunk(c).in_use]
-        evictable = sum(r.release_bytes for r in self.buffers() if not r.held and not r.fetching)
-        minimum = ledger.device_bytes - evictable + needed
+        budget = refused.budget
         parts = ", ".join(
             f"{kind.value} {format_bytes(ledger.bytes(Location.DEVICE, kind))}"
             for kind in MemoryKind
             if ledger.bytes(Location.DEVICE, kind)
         )
         causes = []
-        if busy:
+        if refused.busy:
             causes.append(
-                f"chunks {busy} are used by ops still running (ops overlap when activation checkpointing "
+                f"chunks {list(refused.busy)} are used by ops still running (ops overlap when activation checkpointing "
                 "recomputes a forward op inside a backward op, so both need their chunks at once)"
             )
-        if not self._grads.can_reduce and self._grads.accepting:
-            causes.append(
-                f"{len(self._grads.accepting)} gradient buffers accumulate under no_sync and cannot be reduced "
-                "before the synchronised backward"
-            )
-        raise BudgetExceededError(
+        minimum = refused.minimum
+        return BudgetExceededError(
             f"rank {self._rank}: device_budget={budget} ({format_bytes(budget)}) cannot fit the op at trace position "
-            f"{position} on chunks {tuple(c.chunk_id for c in chunks)}: it needs {format_bytes(needed)} more while "
-            f"{format_bytes(ledger.device_bytes)} are held ({parts}). "
+            f"{refused.position} on chunks {refused.chunks}: it needs {format_bytes(refused.needed)} more while "
+            f"{format_bytes(refused.device_bytes)} are held ({parts}). "
             + (("It cannot evict enough because " + "; and ".join(causes) + ". ") if causes else "")
             + f"A device_budget of at least {minimum} ({format_bytes(minimum)}) would run this op.",
             minimum,
@@ -352,9 +299,7 @@ class PlanExecutor:
         """Account a temporary device buffer used outside training steps (state dicts,
         checkpoints): idle gathered chunks are released first if the budget needs the room."""
         budget = self._policy.budget
-        if budget is not None and self._ledger.device_bytes + nbytes > budget:
-            self.wait_all()
-            self.release_all()
+        self._carry(self._residency.make_room(nbytes))
         if budget is not None and self._ledger.device_bytes + nbytes > budget:
             raise BudgetExceededError(
                 f"rank {self._rank}: {what} needs a {format_bytes(nbytes)} device buffer but only "

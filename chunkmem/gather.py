@@ -18,6 +18,7 @@ import torch
 from .chunk import Chunk
 
 if TYPE_CHECKING:
+    from .comm import Communicator
     from .runtime import ChunkRuntime
 
 __all__ = ["Destination", "gather_full"]
@@ -36,13 +37,17 @@ class Destination(enum.Enum):
 
 
 def gather_full(
-    runtime: ChunkRuntime, chunk: Chunk, shard: torch.Tensor, destination: Destination, what: str
+    runtime: ChunkRuntime,
+    comm: Communicator,
+    chunk: Chunk,
+    shard: torch.Tensor,
+    destination: Destination,
+    what: str,
 ) -> torch.Tensor | None:
     """``chunk``'s full ``capacity`` elements, from each rank's ``shard`` (this rank's part, on any
     device), on the CPU on receiving ranks, ``None`` elsewhere. The result may share memory with
     ``shard`` (world size 1): clone what you keep. A collective: every rank calls it for the same
     chunks in the same order."""
-    comm = runtime.manager.comm
     receives = destination.receives(comm.rank)
     if comm.world_size == 1:
         return shard.detach().cpu() if receives else None

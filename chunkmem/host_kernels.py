@@ -1,13 +1,16 @@
 """``HostKernels``: which kernel steps the optimizer's runs in host memory.
 
 Plain PyTorch never steps a host tensor for a model on a GPU, so for runs chunkmem keeps on the
-host there is no plain-PyTorch choice to follow; what a user's unset ``fused`` / ``foreach`` means
-there is chunkmem's to decide. On CPU tensors PyTorch's own default is its per-tensor loop, several
-times slower than its fused CPU kernel (Adam, AdamW, SGD and Adagrad have one: on a 2-core machine,
-one thread, AdamW over 12.6M fp32 parameters took 74 ms with the default and 16.6 ms fused). So a
-param group that leaves both unset steps its host runs fused, when the optimizer class has a fused
-CPU kernel for the group's settings (probed once on a tiny tensor). An explicit ``fused`` or
-``foreach`` is the user's choice and is kept, as are the device runs' defaults.
+host of an accelerator there is no plain-PyTorch choice to follow; what a user's unset ``fused`` /
+``foreach`` means there is chunkmem's to decide. On CPU tensors PyTorch's own default is its
+per-tensor loop, several times slower than its fused CPU kernel (Adam, AdamW, SGD and Adagrad have
+one: on a 2-core machine, one thread, AdamW over 12.6M fp32 parameters took 74 ms with the default
+and 16.6 ms fused). So, when the model computes on an accelerator, a param group that leaves both
+unset steps its host runs fused, when the optimizer class has a fused CPU kernel for the group's
+settings (probed once on a tiny tensor). When the model computes on the CPU, plain PyTorch steps
+these very tensors with its CPU default, so that is kept (the results stay plain PyTorch's bit for
+bit). An explicit ``fused`` or ``foreach`` is the user's choice and is kept everywhere, as are the
+device runs' defaults.
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ __all__ = ["HostKernels"]
 class HostKernels:
     """The kernel decision for one optimizer class; see the module docstring."""
 
-    def __init__(self, cls: type[torch.optim.Optimizer]) -> None:
+    def __init__(self, cls: type[torch.optim.Optimizer], compute_device: torch.device) -> None:
         self._cls = cls
+        # On a CPU compute device the host runs are what plain PyTorch steps with its own default.
+        self._decide = compute_device.type != "cpu"
         self._accepted = frozenset(inspect.signature(cls.__init__).parameters)
         self._probed: dict[str, bool] = {}
 
     def fuse(self, group: Mapping[str, Any]) -> bool:
         """Whether to step this group's host runs with the fused kernel."""
-        if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
+        if not self._decide or "fused" not in group:
             return False
-        if group.get("differentiable"):
+        if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
             return False
         settings = {k: v for k, v in group.items() if k != "params" and k in self._accepted}
         key = repr(sorted((k, v) for k, v in settings.items() if k not in ("lr", "fused", "foreach")))

@@ -70,6 +70,7 @@ class IterationTracker:
         self._iterations = {IterationKind.TRAINING: -1, IterationKind.INFERENCE: -1}
         self._digest = hashlib.blake2b(digest_size=8)
         self._unhashed: list[TraceStep] = []  # ops of the training iteration not in the digest yet
+        self._open: list[int] = []  # positions of the ops whose parameters are in use, innermost last
 
     # --- where we are ---------------------------------------------------------------------------
     @property
@@ -153,6 +154,7 @@ class IterationTracker:
 
     def _begin(self, cursor: TraceCursor, kind: IterationKind) -> None:
         self._note(cursor.begin_iteration())
+        self._open.clear()
         self._iterations[kind] += 1
         self._cursor = cursor
 
@@ -196,7 +198,15 @@ class IterationTracker:
             if len(self._unhashed) >= _FOLD_EVERY:  # bounded memory when nobody asks (one rank)
                 self._fold()
         self._note(cursor.observe(step))
+        self._open.append(cursor.position)
         return cursor.position
+
+    def close(self) -> None:
+        """The innermost op still open let go of its parameters (ops nest in backward, around a
+        recomputation): the trace notes where."""
+        position = self._open.pop() if self._open else -1
+        if self._cursor is not None:
+            self._cursor.close(position)
 
     def _note(self, divergence: Divergence | None) -> None:
         if divergence is not None:

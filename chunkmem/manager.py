@@ -11,7 +11,7 @@ import torch
 
 from .accounting import Location, MemoryLedger
 from .chunk import Chunk, ChunkState
-from .comm import Communicator, PendingGather
+from .comm import Communicator
 from .errors import UnmanageableParameter
 from .param_values import LiveValues, ParamValues
 from .search import group_key
@@ -150,8 +150,7 @@ class ChunkManager:
                 f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
                 "parameter subclasses (unwrap it first)"
             )
-        if not self._comm.plans_only:  # a plan keeps every tensor on the meta device
-            self._values.check(param, where)
+        self._values.check(param, where)
         if param.dtype not in SUPPORTED_DTYPES:
             raise UnmanageableParameter(
                 f"{where} has dtype {param.dtype}; chunks hold float32, bfloat16 or float16 parameters. "
@@ -173,14 +172,3 @@ class ChunkManager:
             master, shard = placement(chunk)
             chunk.close(master, shard, self._values, disk(chunk) if disk is not None else None)
         self._values.release()
-
-    # --- verbs the runtime uses -------------------------------------------------------------
-    def gather(self, chunk: Chunk, async_op: bool) -> PendingGather | None:
-        """Gather ``chunk`` (see ``Chunk.gather``)."""
-        return chunk.gather(async_op)
-
-    def release(self, chunk: Chunk) -> None:
-        """Release ``chunk``, waiting first for a gather still in flight."""
-        if chunk.state is ChunkState.GATHERING:
-            chunk.wait()
-        chunk.release()

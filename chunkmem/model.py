@@ -29,11 +29,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
 from .agreement import agree, on_first_rank
-from .chunk import Chunk, ChunkState
+from .chunk import Chunk
 from .chunk_layout import ShardPiece
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
+from .manager import ChunkManager
 from .model_state import StagedModelLoad, check_model_state
 from .progress import TrainingProgress
 from .runtime import ChunkRuntime
@@ -81,16 +82,18 @@ class ChunkedModel(torch.nn.Module):
         self,
         module: torch.nn.Module,
         runtime: ChunkRuntime,
+        manager: ChunkManager,
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
     ) -> None:
         super().__init__()
         self.module = module
         self._runtime = runtime
+        self._manager = manager
         self._compute_dtype = compute_dtype
-        self._device = runtime.manager.comm.device
+        self._device = manager.comm.device
         self._buffer_dtypes = dict(buffer_dtypes)
-        self._markers = GradientMarkers((info.name, info.param) for info in runtime.manager.infos)
+        self._markers = GradientMarkers((info.name, info.param) for info in manager.infos)
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
@@ -108,6 +111,11 @@ class ChunkedModel(torch.nn.Module):
     @property
     def runtime(self) -> ChunkRuntime:
         return self._runtime
+
+    @property
+    def manager(self) -> ChunkManager:
+        """This model's chunks, the parameter -> chunk map and the byte ledger."""
+        return self._manager
 
     @property
     def progress(self) -> TrainingProgress:
@@ -208,7 +216,7 @@ class ChunkedModel(torch.nn.Module):
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every ``state_dict`` entry (parameters as fp32 masters, buffers in
         their original dtype), without gathering anything."""
-        manager = self._runtime.manager
+        manager = self._manager
         out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             if manager.manages(tensor):
@@ -224,9 +232,9 @@ class ChunkedModel(torch.nn.Module):
         self._runtime.finish_backward()
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
-        for chunk in runtime.manager.chunks:
+        for chunk in self._manager.chunks:
             with chunk.store.resident_master() as master:  # one at a time when masters are on disk
-                full = gather_full(runtime, chunk, master, destination, what)
+                full = gather_full(runtime, self._manager.comm, chunk, master, destination, what)
                 if full is None:
                     continue
                 for info in chunk.tensors:  # copies: ``full`` may be the master itself
@@ -237,7 +245,7 @@ class ChunkedModel(torch.nn.Module):
         """Full fp32 parameters and buffers (original dtypes) under the module's own names, on
         the CPU, on the ranks ``destination`` names (``{}`` elsewhere). A collective."""
         values = self._gather_params(destination, "gathering a state dict")
-        if not destination.receives(self._runtime.manager.comm.rank):
+        if not destination.receives(self._manager.comm.rank):
             return {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
@@ -270,7 +278,7 @@ class ChunkedModel(torch.nn.Module):
             )
         saved = {name: _holding_values(value) for name, value in state_dict.items()}
         missing, unexpected = check_model_state(model_name, self.state_shapes(), saved, strict, source)
-        manager = self._runtime.manager
+        manager = self._manager
         pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
         buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, target in own.items():
@@ -289,7 +297,7 @@ class ChunkedModel(torch.nn.Module):
     def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
         """Write a validated state into this rank's master shards and the buffers."""
         self._runtime.cancel_early_steps()
-        manager = self._runtime.manager
+        manager = self._manager
         manager.prepare_master_writes()
         with torch.no_grad():
             by_chunk: dict[int, list[tuple[ShardPiece, torch.Tensor]]] = {}
@@ -301,11 +309,7 @@ class ChunkedModel(torch.nn.Module):
                         master[piece.shard].copy_(values)
             for target, value in staged.buffers:
                 target.copy_(value)
-        # Every rank refreshes the same chunks (states are the same everywhere), whatever it loaded.
-        for chunk in manager.chunks:
-            chunk.store.mark_updated()
-            if chunk.state is ChunkState.GATHERED:
-                chunk.refresh()
+        self._runtime.masters_loaded()
         return _IncompatibleKeys(staged.missing, staged.unexpected)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
@@ -316,7 +320,7 @@ class ChunkedModel(torch.nn.Module):
             raise ValueError("ChunkedModel.load_state_dict does not support assign=True; values are copied in")
         self._runtime.finish_backward()
         staged = agree(
-            self._runtime.manager.comm,
+            self._manager.comm,
             f"loading a state dict into {type(self.module).__name__}",
             lambda: self.stage_load(state_dict, strict, "the state dict"),
             StateDictMismatchError,
@@ -332,10 +336,10 @@ class ChunkedModel(torch.nn.Module):
         A collective: call it on every rank."""
         destination = Destination.EVERY_RANK if every_rank else Destination.FIRST_RANK
         values = self._gather_params(destination, "building a plain copy")
-        if not destination.receives(self._runtime.manager.comm.rank):
+        if not destination.receives(self._manager.comm.rank):
             return None
         memo: dict[int, Any] = {}
-        for info in self._runtime.manager.infos:
+        for info in self._manager.infos:
             memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
@@ -361,9 +365,7 @@ class ChunkedModel(torch.nn.Module):
             assert plain is not None, "rank 0 builds the plain copy"
             plain.save_pretrained(save_directory, **kwargs)
 
-        on_first_rank(
-            self._runtime.manager.comm, "save_pretrained", write, CheckpointWriteError, f"to {save_directory}"
-        )
+        on_first_rank(self._manager.comm, "save_pretrained", write, CheckpointWriteError, f"to {save_directory}")
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` on the chunked weights: each forward it runs is an inference
@@ -373,7 +375,7 @@ class ChunkedModel(torch.nn.Module):
         generate = getattr(self.module, "generate", None)
         if generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate (not a transformers model)")
-        if self._runtime.manager.comm.world_size > 1:
+        if self._manager.comm.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         args, kwargs = tree_map(lambda v: v.to(self._device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         with self._module_calls_are_iterations():

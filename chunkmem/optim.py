@@ -42,6 +42,7 @@ from .grad_markers import clear_markers
 from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
+from .manager import ChunkManager
 from .optim_probe import StateSize, check_elementwise, optimizer_state_size
 from .optim_state import full_optimizer_state, slice_state, stage_optimizer_state
 from .progress import TrainingProgress
@@ -118,6 +119,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         runtime: ChunkRuntime,
+        manager: ChunkManager,
         progress: TrainingProgress,
         scaler: DynamicLossScaler | None,
         state_size: StateSize | None = None,
@@ -129,6 +131,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._built = False
         self._optim = optimizer
         self._runtime = runtime
+        self._manager = manager
         self._progress = progress
         self._scaler = scaler
         self._unscaled = False
@@ -145,7 +148,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._guard = _OriginalGuard(optimizer)
         self._runs = StepRuns(lambda: self._optim.state)
         self._early: EarlySteps | None = None
-        self._kernels = HostKernels(type(optimizer))
+        self._kernels = HostKernels(type(optimizer), manager.comm.device)
         existing = dict(optimizer.state)
         resharded: dict[torch.Tensor, dict[str, Any]] = {}
         for group in optimizer.param_groups:
@@ -166,7 +169,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 lambda chunk: self._state_size.reserved(chunk.shard_numel, len(chunk.tensors)),
                 self._runs,
                 lambda: self._optim.state,
-                runtime.manager.ledger,
+                manager.ledger,
             )
             self._runs.read_from_disk(self._disk.view_of)
         self._probe_host_kernels()
@@ -193,12 +196,12 @@ class ChunkOptimizer(torch.optim.Optimizer):
         if scaler is not None:
             self._grad_hooks = [
                 info.param.register_post_accumulate_grad_hook(self._note_gradient)
-                for info in runtime.manager.infos
+                for info in manager.infos
                 if info.trainable
             ]
 
     def _cut(self, params: Iterable[torch.Tensor]) -> tuple[tuple[TensorInfo, ...], list[Piece]]:
-        manager = self._runtime.manager
+        manager = self._manager
         infos: list[TensorInfo] = []
         pieces: list[Piece] = []
         for p in params:
@@ -257,7 +260,12 @@ class ChunkOptimizer(torch.optim.Optimizer):
     @property
     def communicator(self) -> Communicator:
         """The group the model's chunks are sharded over."""
-        return self._runtime.manager.comm
+        return self._manager.comm
+
+    @property
+    def manager(self) -> ChunkManager:
+        """The chunks of the boosted model this optimizer steps."""
+        return self._manager
 
     @property
     def loss_scale(self) -> float:
@@ -293,7 +301,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """Drop all gradients (buffers, shards and the record of which parameters had one)."""
         self._runtime.zero_grad()
         if set_to_none:
-            clear_markers(info.param for info in self._runtime.manager.infos)
+            clear_markers(info.param for info in self._manager.infos)
         self._unscaled = False
         self._found_inf = False
         self._unscaled_backward = False
@@ -319,7 +327,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             # runs are stepped (one on disk is only in memory then).
             reduced = {
                 chunk.chunk_id: (chunk, chunk.params_with_grad)
-                for chunk in self._runtime.manager.chunks
+                for chunk in self._manager.chunks
                 if chunk.trainable and chunk.grad_state is GradState.REDUCED
             }
             has_grad: dict[int, bool] = {}
@@ -331,9 +339,9 @@ class ChunkOptimizer(torch.optim.Optimizer):
             # Which parameters get state is agreed (a gradient on any rank), so every rank
             # accounts the same chunks.
             for chunk_id, (_, flags) in reduced.items():
-                tensors = self._runtime.manager.chunk(chunk_id).tensors
+                tensors = self._manager.chunk(chunk_id).tensors
                 self._stateful.update(id(info) for info in tensors if flags[info.index])
-            self._runtime.manager.prepare_master_writes()
+            self._manager.prepare_master_writes()
             stepped = [
                 run
                 for run in self._runs.runs()
@@ -473,7 +481,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._prepare_grads()
         grads = self._reduced_grads()  # in chunk order: the sum below adds in the same order anywhere
         norm_type = float(norm_type)
-        comm = self._runtime.manager.comm
+        comm = self._manager.comm
 
         def norm_of(grad: torch.Tensor | GradOnDisk) -> float:
             if isinstance(grad, GradOnDisk):
@@ -520,7 +528,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """Each reduced gradient shard, in chunk order: in memory, or the ``GradOnDisk`` of one on
         disk (which keeps what the checks need of it)."""
         out: list[torch.Tensor | GradOnDisk] = []
-        for chunk in self._runtime.manager.chunks:
+        for chunk in self._manager.chunks:
             if chunk.trainable and chunk.grad_state is GradState.REDUCED:
                 grad = chunk.store.grad_on_disk
                 out.append(grad if grad is not None else chunk.grad_shard)
@@ -549,8 +557,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
             else:
                 g.mul_(inv)
                 found = max(found, float(not bool(torch.isfinite(g).all())))
-        flag = torch.tensor([found], device=self._runtime.manager.comm.tensor_device)
-        self._runtime.manager.comm.all_reduce(flag, dist.ReduceOp.MAX)
+        flag = torch.tensor([found], device=self._manager.comm.tensor_device)
+        self._manager.comm.all_reduce(flag, dist.ReduceOp.MAX)
         self._found_inf = bool(flag[0] > 0)
         self._unscaled = True
 
@@ -636,7 +644,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             return frozenset()
         early.settle()
         now = group_settings(self._optim.param_groups)
-        chunks = self._runtime.manager.chunks
+        chunks = self._manager.chunks
         same = all(same_settings(settings, now) for settings in early.records_settings()) and all(
             early.flags(chunk.chunk_id) in (None, chunk.params_with_grad) for chunk in chunks if chunk.trainable
         )
@@ -657,7 +665,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             return
         self._accounted_for = key
         reserved: Counter[Location] = Counter()
-        for chunk in self._runtime.manager.chunks:
+        for chunk in self._manager.chunks:
             if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):
                 reserved[self._state_location(chunk)] += self._state_size.reserved(
                     chunk.shard_numel, len(chunk.tensors)
@@ -666,12 +674,12 @@ class ChunkOptimizer(torch.optim.Optimizer):
         for location in Location:
             if actual[location] > reserved[location]:
                 raise NotSupportedError(
-                    f"rank {self._runtime.manager.comm.rank}: {type(self._optim).__name__} holds "
+                    f"rank {self._manager.comm.rank}: {type(self._optim).__name__} holds "
                     f"{actual[location]} bytes of state on the {location.value}, more than the {reserved[location]} "
                     f"that probing it predicted ({self._state_size}): its state does not grow like an elementwise "
                     "optimizer's, so chunkmem cannot plan memory for it. Use an elementwise optimizer such as AdamW."
                 )
-        ledger = self._runtime.manager.ledger
+        ledger = self._manager.ledger
         for location in Location:
             delta = reserved[location] - self._accounted[location]
             if delta > 0:

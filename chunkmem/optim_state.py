@@ -88,7 +88,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     CPU. A collective: every rank calls it."""
     runtime = optimizer.runtime
     runtime.enter_state_access("gathering an optimizer state")
-    comm = runtime.manager.comm
+    comm = optimizer.manager.comm
     elementwise: dict[int, dict[str, str]] = {}
     scalars: dict[_Where, dict[str, Any]] = {}
     for piece in optimizer.pieces:
@@ -116,7 +116,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     pieces_of: dict[int, list[Piece]] = {}
     for piece in optimizer.pieces:
         pieces_of.setdefault(piece.chunk.chunk_id, []).append(piece)
-    for chunk in runtime.manager.chunks:
+    for chunk in optimizer.manager.chunks:
         for key, dtype_name in sorted(merged_keys.get(chunk.chunk_id, {}).items()):
             shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype_name))
             with optimizer.resident_state(chunk):  # one chunk in memory at a time when on disk
@@ -124,7 +124,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
                     value = optimizer.piece_state(piece).get(key)
                     if value is not None:
                         shard[piece.shard_slice] = value.detach().to("cpu")
-            full = gather_full(runtime, chunk, shard, destination, f"gathering optimizer state '{key}'")
+            full = gather_full(runtime, comm, chunk, shard, destination, f"gathering optimizer state '{key}'")
             if full is None:
                 continue
             for info in chunk.tensors:

@@ -31,16 +31,19 @@ import torch.distributed as dist
 
 from placement.policy import format_bytes
 
-from .booster import Booster
+from .chunk_layout import ShardPiece
 from .comm import Communicator
+from .disk import PlannedDiskFile, SidesFile
 from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
 from .optim_probe import hyperparameters
+from .param_values import ParamValues
 from .plugin import ChunkPlugin
 from .stats import Stats
+from .tensor_state import TensorInfo
 
-__all__ = ["Plan", "PlanningCommunicator", "StepCounters", "plan"]
+__all__ = ["Plan", "PlanningBacking", "PlanningCommunicator", "StepCounters", "plan"]
 
 log = logging.getLogger("chunkmem")
 T = TypeVar("T")
@@ -58,16 +61,7 @@ class PlanningCommunicator(Communicator):
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if capacity <= 0:
             raise ValueError(f"device capacity must be a positive byte count, got {capacity}")
-        # Deliberately not Communicator.__init__: there is no process group to ask.
-        self._group = None
-        self._device = _META
-        self._rank = 0
-        self._world_size = world_size
-        self._side_stream = None
-        self._copy_stream = None
-        self._checks = None
-        self._divergence = None
-        self._poll_waits = False
+        super().__init__(None, _META, world_size=world_size)
         self._capacity = capacity
 
     @property
@@ -77,10 +71,6 @@ class PlanningCommunicator(Communicator):
     @property
     def tensor_device(self) -> torch.device:
         return _CPU
-
-    @property
-    def plans_only(self) -> bool:
-        return True
 
     def agreed_capacity(self) -> int:
         return self._capacity
@@ -113,6 +103,33 @@ class PlanningCommunicator(Communicator):
 
     def barrier(self) -> None:
         return None
+
+
+class _MetaValues:
+    """A plan's parameter values: the meta parameters themselves (nothing is computed or read)."""
+
+    def check(self, param: torch.nn.Parameter, where: str) -> None:
+        return None
+
+    def read(self, info: TensorInfo, piece: ShardPiece) -> torch.Tensor:
+        return info.param.data.reshape(-1)[piece.param]
+
+    def prepare_buffers(self, model: torch.nn.Module) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+class PlanningBacking:
+    """Where a plan's data comes from: the meta parameters as they are, and a disk file that
+    counts what a run would read and write (``chunkmem.backing``)."""
+
+    def values(self, model: torch.nn.Module, weights: Any) -> ParamValues:
+        return _MetaValues()
+
+    def disk_file(self, nbytes: int, chunks: int, comm: Communicator, stats: Stats, disk_dir: str | None) -> SidesFile:
+        return PlannedDiskFile(nbytes, stats)
 
 
 @dataclass(frozen=True)
@@ -324,16 +341,17 @@ def _run(
     optimizer = make_optimizer(local.parameters())
     template = _StateTemplate(optimizer)
     optimizer.step = lambda closure=None: template.emulate_step(optimizer)  # type: ignore[method-assign]
-    booster = Booster(_planned_plugin(plugin, comm, budget))
-    chunked, chunk_optimizer, *_ = booster.boost(local, optimizer)
-    assert isinstance(chunk_optimizer, ChunkOptimizer), "boost returns the optimizer it was given, wrapped"
-    ledger = chunked.runtime.manager.ledger
+    chunked, chunk_optimizer = _planned_plugin(plugin, comm, budget).configure(
+        local, optimizer, backing=PlanningBacking()
+    )
+    assert isinstance(chunk_optimizer, ChunkOptimizer), "configure returns the optimizer it was given, wrapped"
+    ledger = chunked.manager.ledger
     counters = []
     for _ in range(steps):
         before = chunked.stats()
         ledger.reset_peak()
         loss = _loss(chunked(**inputs))
-        booster.backward(loss, chunk_optimizer)
+        chunk_optimizer.backward(loss)
         chunk_optimizer.step()
         chunk_optimizer.zero_grad()
         counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes))
@@ -425,7 +443,7 @@ def plan(
             f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
             f"{format_bytes(capacity)} device capacity"
         )
-    manager = chunked.runtime.manager
+    manager = chunked.manager
     return Plan(
         fits=not why_not,
         why_not=why_not,

@@ -24,20 +24,17 @@ from placement import (
     load_placement_config,
     make_policy,
 )
-from placement.policy import format_bytes
 
 from .accounting import Location
-from .agreement import agree
+from .backing import Backing, TrainingBacking
 from .chunk import Chunk
 from .comm import Communicator
-from .disk import DISK_BLOCK, DiskFile, PlannedDiskFile, ScratchDir, SidesFile
-from .errors import BudgetTooSmallError, DiskTierError, HostBudgetTooSmallError, MaterializeError
+from .disk import DISK_BLOCK, SidesFile
+from .errors import BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
-from .materialize import model_values
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
-from .param_values import LiveValues
 from .runtime import ChunkRuntime
 from .search import default_search_range, search_chunk_size
 from .shard import MASTER_DTYPE
@@ -151,11 +148,12 @@ class ChunkPlugin:
             ``host_budget``) live in files chunkmem creates there when boosting and removes when
             the run ends. ``None`` (default): nothing is written to disk, and a placement that
             needs the disk is refused.
-        gradient_accumulation: plan for ``booster.no_sync``: micro-batches accumulate full
-            gradient buffers for every chunk until the synchronised backward, so the placement
-            leaves room for all of them at once (the auto policy moves optimizer sides to the host
-            until they fit; a budget that cannot hold them is refused here). Without it,
-            entering ``no_sync`` under a budget that cannot hold them is refused there.
+        gradient_accumulation: a hint that ``booster.no_sync`` will be used: micro-batches
+            accumulate full gradient buffers for every chunk until the synchronised backward, so
+            the placement leaves room for all of them at once where the budget allows (the auto
+            policy moves optimizer sides to the host until they fit), and nothing moves to the host
+            then. Without it, or where no placement can, buffers move to the host inside
+            ``no_sync`` when the device needs their room (added back at the reduction).
     """
 
     def __init__(
@@ -211,6 +209,8 @@ class ChunkPlugin:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         weights: str | os.PathLike[str] | None = None,
+        *,
+        backing: Backing | None = None,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         """Build the chunked model and optimizer. Everything that can be refused (parameters,
         optimizer, budget, weights) is checked before the model's parameters are moved into
@@ -219,10 +219,11 @@ class ChunkPlugin:
         Parameter values come from the model itself, or, for parameters on the meta device, from
         the model's own initialisation replayed piece by piece; with ``weights`` (a safetensors
         checkpoint: a transformers model directory or a file) every parameter is read from it,
-        this rank's slices only (see ``chunkmem.materialize``)."""
+        this rank's slices only (see ``chunkmem.materialize``). ``backing`` replaces where values
+        come from and where the disk tier writes (the planner's, which moves nothing)."""
         generator_state = torch.random.default_generator.get_state()
         try:
-            return self._configure(model, optimizer, weights)
+            return self._configure(model, optimizer, weights, backing or TrainingBacking())
         except BaseException:
             torch.random.default_generator.set_state(generator_state)
             raise
@@ -232,6 +233,7 @@ class ChunkPlugin:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         weights: str | os.PathLike[str] | None,
+        backing: Backing,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         if isinstance(model, ChunkedModel):
             raise ValueError("this model is already boosted")
@@ -251,8 +253,7 @@ class ChunkPlugin:
             self._check_chunk_size(named, comm.world_size)
         chunk_size = self.chunk_size or self._search(named, comm.world_size)
 
-        # A plan keeps every tensor on the meta device: nothing is initialised or read.
-        values = LiveValues() if comm.plans_only and weights is None else model_values(model, weights)
+        values = backing.values(model, weights)
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
         manager.register(named, chunk_size)
@@ -267,7 +268,7 @@ class ChunkPlugin:
             raise HostBudgetTooSmallError.from_placement(error) from None
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
-        disk = self._open_disk(layout, specs, comm, stats)
+        disk = self._open_disk(layout, specs, comm, stats, backing)
 
         def placement(chunk: Chunk) -> tuple[Location, Location]:
             place = layout[chunk.chunk_id]
@@ -280,50 +281,39 @@ class ChunkPlugin:
         values.prepare_buffers(model)
         manager.close_all(placement, disk_of)
         buffer_dtypes = self._place_buffers(model, device, dtype)
-        runtime = ChunkRuntime(manager, policy, layout, stats)
+        runtime = ChunkRuntime(manager, policy, specs, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
         on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]
-        boosted = ChunkedModel(model, runtime, dtype, buffer_dtypes)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes)
         wrapped_optim = (
             ChunkOptimizer(
-                optimizer, runtime, boosted.progress, scaler, state, host_step, (disk, on_disk) if disk else None
+                optimizer,
+                runtime,
+                manager,
+                boosted.progress,
+                scaler,
+                state,
+                host_step,
+                (disk, on_disk) if disk else None,
             )
             if optimizer is not None
             else None
         )
         return boosted, wrapped_optim
 
-    def _open_disk(self, layout: Layout, specs: list[ChunkSpec], comm: Communicator, stats: Stats) -> SidesFile | None:
-        """The disk tier's file for this rank, when the layout puts optimizer sides on disk:
-        refused, on every rank, without a ``disk_dir``, or when it is missing, not writable, or has
-        too little free space for the layout."""
+    def _open_disk(
+        self, layout: Layout, specs: list[ChunkSpec], comm: Communicator, stats: Stats, backing: Backing
+    ) -> SidesFile | None:
+        """The disk tier's file for this rank, when the layout puts optimizer sides on disk."""
         nbytes = layout.disk_bytes(tuple(specs))
         if nbytes == 0:
             return None
+        chunks = sum(1 for p in layout.placements if p.optim_on_disk)
         # Each chunk's master, gradient and states get a region of their own, each rounded up to a
         # block.
-        nbytes += 3 * DISK_BLOCK * sum(1 for p in layout.placements if p.optim_on_disk)
-        if comm.plans_only:  # a plan counts what the disk would move
-            return PlannedDiskFile(nbytes, stats)
-        if self.disk_dir is None:
-            chunks = [s.chunk_id for p, s in zip(layout.placements, specs, strict=True) if p.optim_on_disk]
-            raise DiskTierError(
-                f"the placement puts the optimizer sides of {len(chunks)} chunks ({format_bytes(nbytes)}) on disk, but "
-                "ChunkPlugin has no disk_dir: pass ChunkPlugin(disk_dir=...) (a fast local disk), or raise "
-                "host_budget / lower offload_disk_frac so that everything stays in memory"
-            )
-        disk_dir = self.disk_dir
-
-        def open_file() -> DiskFile:
-            scratch = ScratchDir(disk_dir, comm.rank)
-            try:
-                return DiskFile(scratch, "sides.bin", nbytes, stats)
-            except BaseException:
-                scratch.close()
-                raise
-
-        return agree(comm, "opening the disk tier", open_file, DiskTierError, f"in {disk_dir}")
+        nbytes += 3 * DISK_BLOCK * chunks
+        return backing.disk_file(nbytes, chunks, comm, stats, self.disk_dir)
 
     @staticmethod
     def _fit_to_device(layout: Layout, specs: list[ChunkSpec], comm: Communicator) -> Layout:

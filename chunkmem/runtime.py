@@ -1,14 +1,14 @@
 """``ChunkRuntime``: the parameter-op hook bound to every managed parameter.
 
-It ties together three parts, each in its own module:
+It turns hook calls into the calls of the objects that own each part, each in its own module:
 
 * :class:`~chunkmem.iteration.IterationTracker`: iterations, passes and the compute trace;
-* :class:`~chunkmem.executor.PlanExecutor`: the policy's decisions carried out around every op;
-* :class:`~chunkmem.grad_router.GradientRouter`: gradients into flat buffers and their reductions;
-
-and, when the policy asks for it, measures non-model memory during an iteration. At the end of each
-synchronised backward the ranks agree (one small all-reduce) that they ran the same ops and which
-parameters got gradients.
+* :class:`~chunkmem.executor.PlanExecutor`: what is on the device (``placement.DeviceResidency``)
+  carried out around every op, gradients into flat buffers and their reductions, the budget;
+* :class:`~chunkmem.rank_checks.RankChecks` and ``agree_backward``: ranks agree at every entry
+  point, and at the end of each synchronised backward on the ops they ran and which parameters got
+  gradients;
+* :class:`~chunkmem.profiling.NonModelProfile`: non-model memory, when the policy asks for it.
 
 When nothing can move (one rank, every chunk served by its resident compute-dtype shard, gradients
 added straight into the gradient shards, and a policy that measures nothing), the chunks are
@@ -25,20 +25,18 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
-from placement import ComputeTrace, Divergence, Layout, Phase, PlacementPolicy
-from placement.policy import format_bytes
+from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
 
 from .accounting import Location
+from .backward_agreement import agree_backward
 from .chunk import Chunk
-from .errors import BudgetTooSmallError, NotSupportedError, TraceDivergenceError
+from .errors import NotSupportedError
 from .executor import PlanExecutor
-from .grad_router import GradientRouter
 from .iteration import IterationTracker, Mode
 from .manager import ChunkManager
-from .memory import NonModelSampler
+from .profiling import NonModelProfile
 from .stats import Stats
 from .tensor_state import TensorInfo, TensorState
 
@@ -66,30 +64,31 @@ class ChunkRuntime(ParamOpHook):
         self,
         manager: ChunkManager,
         policy: PlacementPolicy,
-        layout: Layout,
+        specs: Sequence[ChunkSpec],
         stats: Stats,
     ) -> None:
         self._manager = manager
         self._policy = policy
+        self._specs = tuple(specs)
         self._stats = stats
         self._comm = manager.comm
         self._ledger = manager.ledger
         self._rank = self._comm.rank
         self._tracker = IterationTracker(self._report)
-        self._grads = GradientRouter(manager, stats)
         self._checks = self._comm.checks
         if self._checks is not None:
             self._checks.follow(self._tracker.where, lambda: self._tracker.recording)
         check = self._checks if self._checks is not None and self._checks.check_plans else None
-        self._executor = PlanExecutor(manager, policy, layout, self._grads, stats, check)
-        self._sampler: NonModelSampler | None = None
+        self._executor = PlanExecutor(manager, policy, specs, stats, check)
+        self._profile = NonModelProfile(policy, self._comm, self._ledger)
+        residency = self._executor.residency
         self._resident = (
             self._comm.world_size == 1
-            and all(c.gather_bytes == 0 and c.grad_buffer_bytes == 0 for c in manager.chunks)
+            and all(residency.gather_bytes(c) == 0 and residency.grad_buffer_bytes(c) == 0 for c in range(len(specs)))
             and not policy.needs_profile(None)
         )
         if self._resident:
-            self._executor.gather_served()
+            self._executor.keep_served()
         self._early: EarlyStepListener | None = None
         self._stepped_last = False  # the last training iteration ended in an optimizer step
         params = [info.param for info in manager.infos]
@@ -115,7 +114,7 @@ class ChunkRuntime(ParamOpHook):
         step (see ``chunkmem.early_steps``); and before anything reads or writes masters and
         optimizer state other than that step."""
         self._early = listener
-        self._grads.on_start(self._reduction_started)
+        self._executor.on_start(self._reduction_started)
 
     def _reduction_started(self, chunk: Chunk) -> None:
         """A chunk's reduction is queued. Its gradient is final for the iteration when the
@@ -133,7 +132,7 @@ class ChunkRuntime(ParamOpHook):
         ):
             return
         if not chunk.store.receives_asynchronously:
-            self._grads.finish(chunk)  # the worker reads the shard: it must be there
+            self._executor.finish_reduction(chunk)  # the worker reads the shard: it must be there
         listener.gradient_final(chunk)
 
     def cancel_early_steps(self) -> None:
@@ -150,12 +149,17 @@ class ChunkRuntime(ParamOpHook):
 
     # --- public state -----------------------------------------------------------------------
     @property
-    def manager(self) -> ChunkManager:
-        return self._manager
-
-    @property
     def policy(self) -> PlacementPolicy:
         return self._policy
+
+    @property
+    def specs(self) -> tuple[ChunkSpec, ...]:
+        """The chunks as the placement sees them (what the layout was decided for)."""
+        return self._specs
+
+    def record_actions(self) -> Any:
+        """A context manager collecting every residency action carried out in it (``PlanExecutor``)."""
+        return self._executor.record_actions()
 
     @property
     def trace(self) -> ComputeTrace | None:
@@ -179,23 +183,10 @@ class ChunkRuntime(ParamOpHook):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients accumulate locally; no gradient collective until the block exits. Refused up
-        front when the device budget cannot hold every chunk's gradient buffer at once."""
-        budget = self._policy.budget
-        if self._comm.world_size > 1 and budget is not None:
-            need = self._policy.accumulation_need()
-            if need.minimum > budget:
-                raise BudgetTooSmallError(
-                    f"rank {self._rank}: no_sync under device_budget={budget} ({format_bytes(budget)}): gradient "
-                    f"accumulation without communication needs at least {need.minimum} "
-                    f"({format_bytes(need.minimum)}): {need.describe()}. Boost with "
-                    "ChunkPlugin(gradient_accumulation=True) so the placement makes room for the buffers (the auto "
-                    "policy moves optimizer state to the host), raise device_budget, or accumulate with synchronised "
-                    "backward passes (without no_sync).",
-                    budget,
-                    need.minimum,
-                )
-        with self._grads.no_sync():
+        """Gradients accumulate locally; no gradient collective until the block exits. Where the
+        device cannot hold every chunk's gradient buffer, buffers move to the host to make room
+        (accumulated there in fp32) and are added back at the reduction."""
+        with self._executor.no_sync():
             yield
 
     @property
@@ -234,13 +225,7 @@ class ChunkRuntime(ParamOpHook):
             self._executor.begin_iteration()
             if grad_enabled:
                 self._comm.note_divergence(None)
-                self._start_profile()
-
-    def _start_profile(self) -> None:
-        self._sampler = None
-        if self._policy.needs_profile(self._tracker.last_training_trace):
-            self._sampler = NonModelSampler(self._comm.device, self._ledger)
-            self._sampler.reset()
+                self._profile.start(self._tracker.last_training_trace)
 
     def _check_requires_grad(self) -> None:
         with unhooked():
@@ -256,9 +241,7 @@ class ChunkRuntime(ParamOpHook):
 
     def forward_context(self) -> Any:
         """Around the wrapped module's forward: saved-activation tracking while measuring."""
-        if self._sampler is not None and self._tracker.training:
-            return self._sampler.saved_tensor_hooks()
-        return nullcontext()
+        return self._profile.context() if self._tracker.training else nullcontext()
 
     def end_forward(self) -> None:
         """Called by the model wrapper when its forward returns: an inference forward is a whole
@@ -272,8 +255,8 @@ class ChunkRuntime(ParamOpHook):
         if self._tracker.mode is not Mode.BACKWARD:
             return
         self._executor.wait_all()
-        if self._grads.can_reduce:
-            self._grads.reduce_all()
+        if self._executor.residency.can_reduce:
+            self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()
         self._tracker.end_backward()
@@ -284,8 +267,8 @@ class ChunkRuntime(ParamOpHook):
         them stale, and its optimizer state needs the room the placement reserved for it."""
         self.agree_entry("optimizer step")
         self.finish_backward()
-        if self._grads.accepting or self._grads.reducing:
-            self._grads.reduce_all()
+        if self._executor.residency.unreduced:
+            self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()
         self._executor.wait_all()
@@ -295,7 +278,7 @@ class ChunkRuntime(ParamOpHook):
         """Drop gradients. After a backward without an optimizer step this also ends the
         iteration (a zero_grad between a forward and its backward does not)."""
         self.cancel_early_steps()
-        self._grads.zero()
+        self._executor.zero_grads()
         if self._tracker.mode is Mode.IDLE:
             if self._end_training_iteration():
                 self._stepped_last = False
@@ -307,14 +290,13 @@ class ChunkRuntime(ParamOpHook):
         self.finish_backward()
         self._executor.wait_all()
         self._stepped_last = self._end_training_iteration() or self._stepped_last
-        for chunk in self._manager.chunks:
-            chunk.store.mark_updated()
-            if chunk.state is not chunk.state.RELEASED:
-                if self._executor.is_gathered(chunk.chunk_id):
-                    self._executor.release(chunk)
-                else:
-                    chunk.refresh()
+        self._executor.masters_changed(by_step=True)
         self.reset_states()
+
+    def masters_loaded(self) -> None:
+        """The masters were written by a load: gathered chunks are filled again (every rank
+        refreshes the same chunks, whatever it loaded)."""
+        self._executor.masters_changed(by_step=False)
 
     def reset_states(self) -> None:
         """Every parameter back to HOLD (between iterations)."""
@@ -327,41 +309,11 @@ class ChunkRuntime(ParamOpHook):
         frozen = self._tracker.end_training_iteration()
         if frozen is not None:
             self._stats.trace_recordings += 1
-        sampler, self._sampler = self._sampler, None
-        trace = self._tracker.last_training_trace
-        if sampler is not None and trace is not None:
-            samples = sampler.samples
-            if len(samples) == len(trace):  # else the iteration diverged mid-way: measure again
-                profile = torch.tensor(samples, dtype=torch.int64, device=self._comm.tensor_device)
-                self._comm.all_reduce(profile, dist.ReduceOp.MAX)
-                self._policy.observe_profile(trace, profile.tolist())
+        self._profile.finish(self._tracker.last_training_trace)
         return training
 
     def _agree_across_ranks(self) -> None:
-        """One small all-reduce: every rank's op-sequence digest (max of d and of -d tell whether
-        all agree) and which parameters got a gradient on any rank."""
-        digest = self._tracker.digest
-        chunks = [c for c in self._manager.chunks if c.trainable]
-        flags = [int(f) for c in chunks for f in c.params_with_grad]
-        payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=self._comm.tensor_device)
-        self._comm.all_reduce(payload, dist.ReduceOp.MAX)
-        if int(payload[0]) != digest or int(-payload[1]) != digest:
-            everyone = self._comm.all_gather_tensors(torch.tensor([digest], device=self._comm.tensor_device))
-            digests = [int(d) for d in everyone]
-            reference = max(set(digests), key=digests.count)
-            odd = [r for r, d in enumerate(digests) if d != reference]
-            raise TraceDivergenceError(
-                f"rank {self._rank}: ranks {odd} ran different operations on managed parameters than the "
-                f"other ranks in this iteration (op-sequence digests {digests}), so chunk collectives did not "
-                "match and gradients are not trustworthy; the optimizer step must not run. All ranks must "
-                "use the same parameters in the same order (no rank-dependent branches in the model)."
-            )
-        agreed = [bool(v) for v in payload[2:].tolist()]
-        start = 0
-        for chunk in chunks:
-            n = len(chunk.tensors)
-            chunk.set_params_with_grad(tuple(agreed[start : start + n]))
-            start += n
+        agree_backward(self._comm, self._tracker.digest, self._manager.chunks)
 
     def _report(self, divergence: Divergence) -> None:
         self.cancel_early_steps()  # they trusted the trace this iteration has left
@@ -441,12 +393,16 @@ class ChunkRuntime(ParamOpHook):
         if self._checks is not None and self._checks.alarmed:
             self._checks.poll()
         self._executor.before_op(infos, chunk_ids, position, phase, self._tracker.trace)
-        if self._sampler is not None and self._tracker.training:
-            self._sampler.sample()
+        if self._tracker.training:
+            self._profile.sample()
 
     def _after(self, params: Sequence[torch.Tensor], phase: Phase, target: TensorState) -> None:
         infos = [self._manager.info(p) for p in params]
-        self._executor.after_op(infos, target, self._tracker.position, phase, _in_backward(), self._tracker.trace)
+        chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
+        self._tracker.close()
+        self._executor.after_op(
+            infos, chunk_ids, target, self._tracker.position, phase, _in_backward(), self._tracker.trace
+        )
 
     # --- budget and transient buffers -------------------------------------------------------
     def check_budget(self, what: str) -> None:
@@ -468,9 +424,7 @@ class ChunkRuntime(ParamOpHook):
         if self._resident:
             self._enter_backward()
         chunk = self._manager.chunk(info.chunk_id)
-        if not chunk.has_grad_buffer:
-            self._executor.ensure_grad_buffer(chunk, self._tracker.position, self._tracker.trace)
-        self._grads.accumulate(chunk, info, grad)
+        self._executor.accumulate(chunk, info, grad, self._tracker.position, self._tracker.trace)
 
 
 def _in_backward() -> bool:

@@ -66,6 +66,9 @@ class Stats:
     """Gradient buffers reduced into gradient shards."""
     grad_flushes: int = 0
     """Gradient buffers reduced early (before all their gradients arrived) to stay in budget."""
+    grad_spills: int = 0
+    """Gradient buffers moved to the host inside ``no_sync`` (where they cannot be reduced) to stay
+    in budget; the next reduction adds what the host accumulated."""
     decision_work: int = 0
     """Trace entries and device buffers the policy looked at while deciding (a cost count: per op
     it is bounded by ``max_prefetch`` unless room must be made)."""

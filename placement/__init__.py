@@ -7,6 +7,7 @@ from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .factory import make_policy
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
+from .residency import Action, DeviceResidency, GradBuffer, Held, NoRoomError, PlanObserver, Verb
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,
@@ -26,6 +27,7 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 
 __all__ = [
     "DISK_WINDOW",
+    "Action",
     "AutoPlacementConfig",
     "AutoPolicy",
     "BudgetNeed",
@@ -35,14 +37,19 @@ __all__ = [
     "ChunkSpec",
     "ComputeTrace",
     "CursorMode",
+    "DeviceResidency",
     "Divergence",
     "FetchPlan",
+    "GradBuffer",
+    "Held",
     "HostBudgetTooSmallError",
     "Layout",
+    "NoRoomError",
     "OpSnapshot",
     "Phase",
     "PlacementConfig",
     "PlacementPolicy",
+    "PlanObserver",
     "ReleaseSnapshot",
     "Residency",
     "ResidentChunk",
@@ -52,6 +59,7 @@ __all__ = [
     "StaticPolicy",
     "TraceCursor",
     "TraceStep",
+    "Verb",
     "WorkingSet",
     "load_placement_config",
     "make_policy",

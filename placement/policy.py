@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import heapq
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from .snapshot import (
     WorkingSet,
 )
 from .trace import ComputeTrace, Phase
+
+log = logging.getLogger("chunkmem")
 
 __all__ = [
     "DISK_WINDOW",
@@ -123,14 +126,21 @@ class PlacementPolicy(ABC):
             raise RuntimeError(f"{type(self).__name__}: call layout() before asking for decisions")
         return self._layout
 
+    @property
+    def working_sets(self) -> tuple[WorkingSet, ...]:
+        """The working sets the layout was decided for."""
+        return self._working_sets
+
     def layout(
         self, specs: Sequence[ChunkSpec], working_sets: Sequence[WorkingSet], accumulate: bool = False
     ) -> Layout:
         """Decide where every chunk lives between uses, and refuse a budget that cannot run the
-        largest working set under that placement (``BudgetTooSmallError``). With ``accumulate``
-        the placement also leaves room for every chunk's gradient buffer at once: gradient
-        accumulation without communication (``no_sync``) keeps them all until the synchronised
-        backward."""
+        largest working set under that placement (``BudgetTooSmallError``). ``accumulate`` is a
+        hint that ``no_sync`` will be used: the placement then also leaves room for every chunk's
+        gradient buffer at once (the auto policy keeps optimizer sides on the host until they
+        fit), so accumulation moves nothing to the host. Where no placement can, it is decided as
+        without the hint (accumulation then moves gradient buffers to the host when the device
+        needs their room) and ``accumulating_on_device`` says so."""
         self._specs = tuple(specs)
         for index, spec in enumerate(self._specs):
             if spec.chunk_id != index:
@@ -138,10 +148,26 @@ class PlacementPolicy(ABC):
         self._working_sets = tuple(working_sets)
         self._accumulate = accumulate
         layout = self._decide_layout(working_sets)
-        if self._budget is not None:
-            self._check_budget(layout, working_sets, self._budget, accumulate)
+        budget = self._budget
+        if accumulate and budget is not None and self.minimum_budget(layout, working_sets, True).minimum > budget:
+            log.info(
+                "chunkmem: device_budget=%s cannot hold every chunk's gradient buffer at once (%s needed); under "
+                "no_sync gradient buffers move to the host when the device needs their room",
+                format_bytes(budget),
+                format_bytes(self.minimum_budget(layout, working_sets, True).minimum),
+            )
+            self._accumulate = False
+            layout = self._decide_layout(working_sets)
+        if budget is not None:
+            self._check_budget(layout, working_sets, budget, self._accumulate)
         self._adopt(layout)
         return layout
+
+    @property
+    def accumulating_on_device(self) -> bool:
+        """The layout leaves room for every gradient buffer at once (``layout(accumulate=True)``
+        could be honoured)."""
+        return self._accumulate
 
     def _adopt(self, layout: Layout) -> None:
         self._layout = layout
@@ -312,10 +338,6 @@ class PlacementPolicy(ABC):
         decided for)."""
         return self.minimum_budget(self.layout_decided, self._working_sets, self._accumulate)
 
-    def accumulation_need(self) -> BudgetNeed:
-        """What the decided layout needs while gradients accumulate under ``no_sync``."""
-        return self.minimum_budget(self.layout_decided, self._working_sets, accumulate=True)
-
     def _check_budget(self, layout: Layout, working_sets: Sequence[WorkingSet], budget: int, accumulate: bool) -> None:
         need = self.minimum_budget(layout, working_sets, accumulate)
         if need.minimum > budget:
@@ -389,7 +411,7 @@ def _next_use(trace: ComputeTrace | None, buffer: ResidentChunk, position: int) 
     gradient buffer, never for one whose reduction is in flight. Never again is infinitely far."""
     if trace is None or buffer.kind is BufferKind.REDUCING:
         return float("inf")
-    phase = Phase.BACKWARD if buffer.kind is BufferKind.GRAD else None
+    phase = Phase.BACKWARD if buffer.kind in (BufferKind.GRAD, BufferKind.SPILL) else None
     nxt = trace.next_use(buffer.chunk_id, position, phase)
     return float("inf") if nxt is None else float(nxt)
 
@@ -398,8 +420,14 @@ def _victims(candidates: Sequence[ResidentChunk], trace: ComputeTrace | None, po
     """Eviction order: with a trace, furthest next use first (never again first: Belady), gathered
     buffers before gradient buffers at equal distance (re-gathering is cheaper than reducing
     twice; finishing a reduction in flight costs only the wait); while recording, least recently
-    used first. Ties break on chunk id so every rank agrees."""
-    kind_order = {BufferKind.GATHERED: 0, BufferKind.REDUCING: 1, BufferKind.GRAD: 2}
+    used first. Gradient buffers that would move to the host (inside ``no_sync``) come after every
+    other buffer. Ties break on chunk id so every rank agrees."""
+    kind_order = {BufferKind.GATHERED: 0, BufferKind.REDUCING: 1, BufferKind.GRAD: 2, BufferKind.SPILL: 3}
     if trace is None:
-        return sorted(candidates, key=lambda r: (r.last_use, kind_order[r.kind], r.chunk_id))
-    return sorted(candidates, key=lambda r: (-_next_use(trace, r, position), kind_order[r.kind], r.chunk_id))
+        return sorted(
+            candidates, key=lambda r: (r.kind is BufferKind.SPILL, r.last_use, kind_order[r.kind], r.chunk_id)
+        )
+    return sorted(
+        candidates,
+        key=lambda r: (r.kind is BufferKind.SPILL, -_next_use(trace, r, position), kind_order[r.kind], r.chunk_id),
+    )

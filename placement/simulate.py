@@ -1,13 +1,19 @@
 """Replay a policy on a trace without tensors: predicts fetches, transfer volume and peak device
-bytes for a model that is not run (or checks a policy against an independent optimum)."""
+bytes for a model that is not run (or checks a policy against an independent optimum).
+
+The replay is the runtime's own :class:`DeviceResidency`, driven the way the runtime drives it (an
+op's chunks made resident and let go, a chunk's gradients complete after its last backward op, the
+end of the backward, the optimizer step), with nothing behind its actions: what it predicts is what a run does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from .policy import PlacementPolicy
-from .snapshot import BufferKind, ChunkSpec, OpSnapshot, ReleaseSnapshot, ResidentChunk, ResidentSet, WorkingSet
+from .residency import Action, DeviceResidency, NoRoomError, Verb
+from .snapshot import ChunkSpec, WorkingSet
 from .trace import ComputeTrace, Phase
 
 __all__ = ["SimulationResult", "simulate"]
@@ -28,10 +34,36 @@ class SimulationResult:
     peak_device_bytes: int
     over_budget: bool
     """Whether some op could not run within the policy's hard budget."""
+    actions: tuple[tuple[Action, ...], ...] = field(default=(), compare=False)
+    """The actions of each iteration, in order (what the runtime would carry out)."""
 
     @property
     def fetches(self) -> int:
         return self.demand_fetches + self.prefetches
+
+
+class _Tally:
+    """Counts the actions of a replay and the device bytes after each."""
+
+    def __init__(self, residency: DeviceResidency, specs: Sequence[ChunkSpec], budget: int | None) -> None:
+        self.residency = residency
+        self.specs = specs
+        self.budget = budget
+        self.counts = dict.fromkeys(Verb, 0)
+        self.fetched = 0
+        self.peak = residency.device_bytes
+        self.over = False
+        self.actions: list[Action] = []
+
+    def run(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            self.actions.append(action)
+            self.counts[action.verb] += 1
+            if action.verb in (Verb.GATHER, Verb.PREFETCH):
+                self.fetched += self.residency.gather_bytes(action.chunk)
+            now = self.residency.device_bytes
+            self.peak = max(self.peak, now)
+            self.over = self.over or (self.budget is not None and now > self.budget)
 
 
 def simulate(
@@ -40,109 +72,60 @@ def simulate(
     trace: ComputeTrace,
     iterations: int = 1,
     working_sets: Sequence[WorkingSet] = (),
+    world_size: int = 1,
 ) -> SimulationResult:
-    """Run ``iterations`` iterations of ``trace`` through ``policy`` (whose layout is decided here),
-    applying each plan the way the runtime does: evict and flush, fetch what the op needs, start
-    prefetches, then release what ``after_op`` returns. A chunk's gradient buffer lives from its
-    first backward use until its last one in the iteration (when its gradients are complete), or
-    until flushed. Everything is released between iterations, as after an optimizer step."""
+    """Run ``iterations`` training iterations of ``trace`` through ``policy`` (whose layout is
+    decided here) as the runtime runs them: each op's chunks made resident and its prefetches
+    started, a chunk's gradients complete after its last backward op in the iteration, then the end
+    of the backward (everything reduced), the optimizer step (everything released or refreshed)
+    and ``zero_grad``. An op that cannot fit under the budget ends the replay (``over_budget``)."""
     specs = tuple(specs)
     layout = policy.layout(specs, working_sets or [WorkingSet(s.label, (s.chunk_id,)) for s in specs])
-    at_rest = layout.at_rest_bytes(specs)
+    kept = sum(
+        p.fetch_bytes(s, ignore_keep=True) for p, s in zip(layout.placements, specs, strict=True) if p.keep_gathered
+    )
+    resting = layout.at_rest_bytes(specs) - kept  # kept gathered buffers are the residency's own
+    residency = DeviceResidency(policy, specs, world_size, lambda: resting)
     last_backward: dict[int, int] = {}
-    for index, step in enumerate(trace.steps):
+    for position, step in enumerate(trace.steps):
         if step.phase is Phase.BACKWARD:
             for c in step.chunks:
-                last_backward[c] = index
-
-    demand = prefetches = flushes = fetched = 0
-    peak = at_rest
-    over = False
-    budget = policy.budget
-    for _ in range(iterations):
-        gathered: dict[int, int] = {}  # chunk id -> last use position (-1: prefetched, unused)
-        fetching: set[int] = set()
-        grads: dict[int, int] = {}
-        awaited: dict[int, int] = {}  # evicted chunk -> its next use in the same pass
-
-        def device_bytes(gathered: dict[int, int] = gathered, grads: dict[int, int] = grads) -> int:
-            return (
-                at_rest
-                + sum(layout[c].fetch_bytes(specs[c]) for c in gathered)
-                + sum(layout[c].grad_buffer_bytes(specs[c]) for c in grads)
-            )
-
-        for position, step in enumerate(trace.steps):
-            backward = step.phase is Phase.BACKWARD
-            need = 0
-            for c in step.chunks:
-                if c not in gathered and not layout[c].keep_gathered:
-                    need += layout[c].fetch_bytes(specs[c])
-                if backward and specs[c].trainable and c not in grads:
-                    need += layout[c].grad_buffer_bytes(specs[c])
-            resident = [
-                ResidentChunk(c, BufferKind.GATHERED, layout[c].fetch_bytes(specs[c]), False, c in fetching, last)
-                for c, last in sorted(gathered.items())
-            ] + [
-                ResidentChunk(c, BufferKind.GRAD, layout[c].grad_buffer_bytes(specs[c]), False, False, last)
-                for c, last in sorted(grads.items())
-                if layout[c].grad_buffer_bytes(specs[c]) > 0
-            ]
-            plan = policy.before_op(
-                OpSnapshot(
-                    position=position,
-                    phase=step.phase,
-                    needed=step.chunks,
-                    needed_bytes=need,
-                    residency=ResidentSet(
-                        tuple(resident),
-                        frozenset(grads),
-                        tuple(sorted((p, c) for c, p in awaited.items() if p > position and c not in gathered)),
-                    ),
-                    device_bytes=device_bytes(),
-                    trace=trace,
-                )
-            )
-            for c in plan.evict:
-                del gathered[c]
-                fetching.discard(c)
-                if trace.used_again_in_pass(c, position):
-                    awaited[c] = trace.next_use(c, position) or -1
-            for c in plan.flush:
-                del grads[c]
-                flushes += 1
-            for c in step.chunks:
-                fetching.discard(c)
-                if not layout[c].keep_gathered:
-                    if c not in gathered:
-                        demand += 1
-                        fetched += layout[c].fetch_bytes(specs[c])
-                    gathered[c] = position
-                if backward and specs[c].trainable:
-                    grads[c] = position
-            if budget is not None and device_bytes() > budget:
-                over = True
-            for c in plan.prefetch:
-                prefetches += 1
-                fetched += layout[c].fetch_bytes(specs[c])
-                gathered[c] = -1
-                fetching.add(c)
-            peak = max(peak, device_bytes())
-            if budget is not None and device_bytes() > budget:
-                over = True
-            release = policy.after_op(
-                ReleaseSnapshot(
-                    position=position,
-                    phase=step.phase,
-                    finished=step.chunks,
-                    in_backward=step.in_backward_pass,
-                    trace=trace,
-                )
-            )
-            for c in release:
-                gathered.pop(c, None)
-            if backward:
-                for c in step.chunks:
-                    if last_backward.get(c) == position:
-                        grads.pop(c, None)
-    return SimulationResult(demand, prefetches, flushes, fetched, peak, over)
+                last_backward[c] = position
+    tally = _Tally(residency, specs, policy.budget)
+    per_iteration: list[tuple[Action, ...]] = []
+    try:
+        tally.run(residency.start())
+        for _ in range(iterations):
+            begin = len(tally.actions)
+            residency.begin_iteration()
+            open_ops: list[int] = []
+            for position, step in enumerate(trace.steps):
+                tally.run(residency.before_op(position, step.phase, step.chunks, trace))
+                open_ops.append(position)
+                # Ops let go of their chunks innermost first, where the trace says they did.
+                while open_ops and trace.closes[open_ops[-1]] == position:
+                    op = open_ops.pop()
+                    done = trace.steps[op]
+                    tally.run(residency.after_op(position, done.phase, done.chunks, done.in_backward_pass, trace))
+                    # Autograd accumulates a parameter's gradient after the op's backward returned.
+                    for c in done.chunks:
+                        if specs[c].trainable and last_backward.get(c) == op:
+                            tally.run(residency.gradients_complete(c))
+            tally.run(residency.wait_all())  # the end of the backward
+            tally.run(residency.reduce_all())
+            tally.run(residency.release_idle())  # the optimizer step
+            tally.run(residency.after_step())
+            tally.run(residency.zero_grads())
+            per_iteration.append(tuple(tally.actions[begin:]))
+    except NoRoomError:
+        tally.over = True
+    counts = tally.counts
+    return SimulationResult(
+        demand_fetches=counts[Verb.GATHER],
+        prefetches=counts[Verb.PREFETCH],
+        flushes=counts[Verb.REDUCE_EARLY],
+        fetched_bytes=tally.fetched,
+        peak_device_bytes=tally.peak,
+        over_budget=tally.over,
+        actions=tuple(per_iteration),
+    )

@@ -181,6 +181,10 @@ class BufferKind(enum.Enum):
     REDUCING = "reducing"
     """A gradient buffer whose reduction is in flight; evicting it waits for the reduction to end
     (it is never needed again)."""
+    SPILL = "spill"
+    """A flat gradient buffer inside ``no_sync``, where it cannot be reduced: evicting it moves what
+    it accumulated to the host (added back at the reduction), the costliest move, so the last
+    resort."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,10 +57,20 @@ def step_digest(step: TraceStep) -> bytes:
 
 
 class ComputeTrace:
-    """An immutable recorded sequence of :class:`TraceStep` with next-use, pass and entry queries."""
+    """An immutable recorded sequence of :class:`TraceStep` with next-use, pass and entry queries.
 
-    def __init__(self, steps: Sequence[TraceStep]) -> None:
+    ``closes`` says, for each op, the position of the latest op when it let go of its parameters:
+    its own, unless other ops ran inside it (a backward op whose saved activations are recomputed
+    under non-reentrant activation checkpointing holds its chunks across the recomputation). It
+    is part of what happened, not of what ran: it is not compared or hashed."""
+
+    def __init__(self, steps: Sequence[TraceStep], closes: Sequence[int] | None = None) -> None:
         self._steps: tuple[TraceStep, ...] = tuple(steps)
+        self._closes = tuple(range(len(self._steps))) if closes is None else tuple(closes)
+        if len(self._closes) != len(self._steps) or any(
+            not i <= c < len(self._steps) for i, c in enumerate(self._closes)
+        ):
+            raise ValueError(f"ComputeTrace: closes {self._closes} must give, per step, a position at or after it")
         positions: dict[tuple[int, Phase | None], list[int]] = {}
         passes: list[int] = []
         entries: list[tuple[int, int]] = []
@@ -111,6 +121,11 @@ class ComputeTrace:
     def digest(self) -> int:
         """A signed 64-bit fingerprint; equal traces have equal digests on every rank."""
         return self._digest
+
+    @property
+    def closes(self) -> tuple[int, ...]:
+        """Per op, the position of the latest op when it let go of its parameters."""
+        return self._closes
 
     def chunk_ids(self) -> frozenset[int]:
         """Every chunk the trace uses."""
@@ -198,6 +213,7 @@ class TraceCursor:
         self._frozen: ComputeTrace | None = None
         self._mode = CursorMode.RECORDING
         self._recorded: list[TraceStep] = []
+        self._closes: list[int] = []
         self._position = -1
 
     @property
@@ -226,6 +242,7 @@ class TraceCursor:
     def _start(self) -> None:
         self._position = -1
         self._recorded = []
+        self._closes = []
         self._mode = CursorMode.FOLLOWING if self._frozen is not None else CursorMode.RECORDING
 
     def begin_iteration(self) -> Divergence | None:
@@ -241,9 +258,11 @@ class TraceCursor:
         self._position += 1
         if self._mode is CursorMode.RECORDING:
             self._recorded.append(step)
+            self._closes.append(self._position)
             if len(self._recorded) > self._max_steps:
                 self._mode = CursorMode.OVERFLOWED
                 self._recorded = []
+                self._closes = []
             return None
         if self._mode is CursorMode.OVERFLOWED:
             return None
@@ -254,7 +273,13 @@ class TraceCursor:
             return None
         self._mode = CursorMode.RECORDING
         self._recorded = [*frozen.steps[: self._position], step]
+        self._closes = [*frozen.closes[: self._position], self._position]
         return Divergence(self._position, expected, step)
+
+    def close(self, position: int) -> None:
+        """The op at ``position`` let go of its parameters now (at the current position)."""
+        if self._mode is CursorMode.RECORDING and 0 <= position < len(self._closes):
+            self._closes[position] = self._position
 
     def end_iteration(self) -> Divergence | None:
         """Close the iteration: freeze what was recorded. An iteration that stopped short of the
@@ -265,7 +290,8 @@ class TraceCursor:
             divergence = Divergence(self._position + 1, frozen[self._position + 1], None)
             self._mode = CursorMode.RECORDING
             self._recorded = list(frozen.steps[: self._position + 1])
+            self._closes = [min(c, self._position) for c in frozen.closes[: self._position + 1]]
         if self._mode is CursorMode.RECORDING and self._recorded:
-            self._frozen = ComputeTrace(self._recorded)
+            self._frozen = ComputeTrace(self._recorded, self._closes)
         self._start()
         return divergence

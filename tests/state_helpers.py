@@ -24,7 +24,7 @@ def _clone(value: Any) -> Any:
 def raw_state(model: ChunkedModel, optimizer: ChunkOptimizer | None = None, scheduler: Any = None) -> dict[str, Any]:
     """This rank's master shards, buffers, optimizer piece state, param group settings, loss
     scale and scheduler state, cloned."""
-    manager = model.runtime.manager
+    manager = model.manager
     out: dict[str, Any] = {
         "masters": [chunk.store.master.detach().clone() for chunk in manager.chunks],
         "buffers": {name: b.detach().clone() for name, b in model.module.named_buffers()},

@@ -36,8 +36,8 @@ def test_static_fp32_accounting_matches_analytic_counts() -> None:
     model = gpt2()
     numels = _param_numels(model)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=CHUNK)
-    ledger = chunked.runtime.manager.ledger
-    capacity = sum(c.capacity for c in chunked.runtime.manager.chunks)
+    ledger = chunked.manager.ledger
+    capacity = sum(c.capacity for c in chunked.manager.chunks)
     assert ledger.bytes(Location.DEVICE, MemoryKind.MASTER) == 4 * capacity
     assert ledger.bytes(Location.DEVICE, MemoryKind.GRAD_SHARD) == 4 * capacity
     assert ledger.host_bytes == 0
@@ -65,9 +65,9 @@ def test_offloaded_training_moves_exactly_the_gathered_bytes() -> None:
     chunked, optimizer, booster = boost(
         model, adamw_two_groups, precision="bf16", chunk_size=16_384, placement=placement
     )
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     capacity = {c.chunk_id: c.capacity for c in chunks}
-    ledger = chunked.runtime.manager.ledger
+    ledger = chunked.manager.ledger
     assert ledger.device_bytes == 0
     train_chunked(chunked, optimizer, booster, batches(1))
     before = chunked.stats()

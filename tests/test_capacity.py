@@ -63,7 +63,7 @@ def _train(limit: int | None) -> tuple[object, int, list[float]]:
     )
     data = batches(5, batch=8, seq=32)
     train_chunked(chunked, optimizer, booster, data[:2])  # warmup measures non-model memory
-    ledger = chunked.runtime.manager.ledger
+    ledger = chunked.manager.ledger
     ledger.reset_peak()
     losses = train_chunked(chunked, optimizer, booster, data[2:])
     return chunked, ledger.peak_device_bytes, losses

@@ -329,7 +329,7 @@ def _failures_on_one_rank(rank: int, world_size: int, directory: str) -> dict[st
     chunked, optimizer, booster = boost(gpt2(n_layer=1), adamw_two_groups, precision="fp32", chunk_size=6_000)
     train_chunked(chunked, optimizer, booster, batches(2), rank, world_size)
     out: dict[str, Any] = {}
-    comm = chunked.runtime.manager.comm
+    comm = chunked.manager.comm
 
     # Collectives of a save: one gather per chunk (model), one per chunk and state key (optimizer).
     calls = {"all_gather": 0}
@@ -346,8 +346,8 @@ def _failures_on_one_rank(rank: int, world_size: int, directory: str) -> dict[st
     booster.save_optimizer(optimizer, root / "optim.pt")
     out["optim_gathers"] = calls["all_gather"]
     comm.all_gather = original  # type: ignore[method-assign]
-    out["chunks"] = len(chunked.runtime.manager.chunks)
-    out["trainable_chunks"] = sum(c.trainable for c in chunked.runtime.manager.chunks)
+    out["chunks"] = len(chunked.manager.chunks)
+    out["trainable_chunks"] = sum(c.trainable for c in chunked.manager.chunks)
     out["kept_on_this_rank"] = (
         len(chunked.full_state_dict(Destination.FIRST_RANK)),
         len(full_optimizer_state(optimizer, Destination.FIRST_RANK)),

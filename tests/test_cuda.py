@@ -75,7 +75,7 @@ def test_prefetch_runs_on_the_side_stream_and_hits() -> None:
 
 def test_host_buffers_are_pinned_and_allocated_once() -> None:
     chunked, _ = _train_on_gpu(gpt2(), PLACEMENTS["offload-prefetch2"], "bf16", steps=1)
-    chunk = chunked.runtime.manager.chunks[0]
+    chunk = chunked.manager.chunks[0]
     assert chunk.store.master_location is Location.HOST
     assert chunk.store.master.is_pinned() and chunk.store.grad.is_pinned()
     pinned = chunk.store.master.data_ptr()

@@ -26,7 +26,7 @@ def _work_per_op(placement: object, chunk_size: int) -> tuple[float, int]:
         optimizer.zero_grad()
     after = chunked.stats()
     ops = 2 * len(chunked.runtime.trace)
-    return (after.decision_work - before.decision_work) / ops, len(chunked.runtime.manager.chunks)
+    return (after.decision_work - before.decision_work) / ops, len(chunked.manager.chunks)
 
 
 @pytest.mark.parametrize("make", [StaticPlacementConfig, AutoPlacementConfig])

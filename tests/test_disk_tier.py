@@ -83,7 +83,7 @@ def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_p
     # What stays in host memory between steps: what gathers read (the 16-bit copies, or the fp32
     # masters); states, gradient shards (and 16-bit models' masters) are on disk, in this
     # process's scratch directory.
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     shard = sum(c.shard_numel for c in chunks)
     assert len(_scratch(tmp_path)) == 1
     assert stats[-1].host_bytes == (2 * shard if precision == "bf16" else 4 * shard)
@@ -99,7 +99,7 @@ def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_p
 def test_disk_traffic_per_step_is_twice_what_the_step_reads_and_nothing_more(tmp_path: Path, precision: str) -> None:
     chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
     stats = _train(chunked, optimizer, booster, 4)
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     states = 8 * sum(c.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
     grads = 4 * sum(c.shard_numel for c in chunks)  # written when reduced, read by the step
     masters = grads if precision == "bf16" else 0  # an fp32 master stays where gathers read it
@@ -129,7 +129,7 @@ def test_the_auto_policy_spills_to_disk_what_the_host_budget_cannot_hold(tmp_pat
         assert stats[-1].disk_bytes > 0
         assert stats[-1].peak_host_bytes <= budget
         _assert_equal_states(chunked.state_dict(), ram.state_dict())
-        on_disk = chunked.runtime.manager.ledger.bytes(Location.DISK)
+        on_disk = chunked.manager.ledger.bytes(Location.DISK)
         if budget == minimum:
             all_on_disk = on_disk
         else:
@@ -371,7 +371,7 @@ def test_gradients_accumulated_over_two_backward_passes_on_disk_equal_in_memory(
 def test_a_load_stages_what_goes_to_disk_in_files_of_the_scratch_directory(tmp_path: Path) -> None:
     half = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.5, max_prefetch=0)
     chunked, optimizer, _ = _boost(half, "bf16", tmp_path)
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     on_disk = [c for c in chunks if c.store.master_on_disk]
     in_memory = [c for c in chunks if not c.store.master_on_disk]
     assert on_disk and in_memory

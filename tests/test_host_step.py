@@ -1,6 +1,7 @@
 """The optimizer step over flat runs: adjacent parameters of one param group in one chunk shard are
 stepped as one tensor; host runs whose kernel the user left unset step with PyTorch's fused CPU
-kernel; device and host runs never share a call; an explicit choice is kept; a parameter without a
+kernel on an accelerator (PyTorch's own default on a CPU compute device, as plain PyTorch); device
+and host runs never share a call; an explicit choice is kept; a parameter without a
 gradient splits its run and keeps its own state, as in plain PyTorch. Each against plain PyTorch
 over the same parameters."""
 
@@ -16,6 +17,7 @@ import torch
 from models import copies
 
 from chunkmem import Booster, ChunkPlugin, Location
+from chunkmem.host_kernels import HostKernels
 from placement import StaticPlacementConfig
 
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
@@ -90,32 +92,28 @@ def _assert_identical(chunked: Any, optimizer: torch.optim.Optimizer, ref: torch
             assert torch.equal(mine["state"][pid][key].cpu(), value.cpu()), (pid, key)
 
 
+OPTIMIZERS = [
+    lambda params, **kw: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    lambda params, **kw: torch.optim.Adam(params, lr=1e-2, amsgrad=True, **kw),
+    lambda params, **kw: torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
+    lambda params, **kw: torch.optim.Adagrad(params, lr=1e-2, **kw),
+]
+OPTIMIZER_IDS = ["AdamW", "Adam-amsgrad", "SGD-momentum", "Adagrad"]
+FUSED_KERNEL = {"AdamW": "_fused_adamw_", "Adam": "_fused_adam_", "SGD": "_fused_sgd_", "Adagrad": "_fused_adagrad_"}
+
+
 @pytest.mark.cpu_compute(reason="plain PyTorch's fused CPU kernel is the reference, over the same CPU parameters")
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-        lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
-        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01),
-        lambda params: torch.optim.Adagrad(params, lr=1e-2),
-    ],
-    ids=["AdamW", "Adam-amsgrad", "SGD-momentum", "Adagrad"],
-)
-def test_host_runs_left_to_pytorch_step_fused_and_equal_plain_fused_bit_for_bit(
-    make: Callable[[Any], torch.optim.Optimizer],
+@pytest.mark.parametrize("make", OPTIMIZERS, ids=OPTIMIZER_IDS)
+def test_host_runs_step_fused_in_one_call_per_step_and_equal_plain_fused_bit_for_bit(
+    make: Callable[..., torch.optim.Optimizer],
 ) -> None:
     model, ref = copies(_mlp())
-    reference = make(ref.parameters())
-    for group in reference.param_groups:
-        group["fused"] = True  # what the same optimizer with fused=True steps with
-    chunked, optimizer = _boost(model, make(model.parameters()), HOST, chunk_size=2_200)
-    chunks = chunked.runtime.manager.chunks
+    reference = make(ref.parameters(), fused=True)
+    chunked, optimizer = _boost(model, make(model.parameters(), fused=True), HOST, chunk_size=2_200)
+    chunks = chunked.manager.chunks
     assert len(chunks) > 2 and all(c.store.master_location is Location.HOST for c in chunks)
     data = _data(4, 32)
-    kernel = {"AdamW": "_fused_adamw_", "Adam": "_fused_adam_", "SGD": "_fused_sgd_", "Adagrad": "_fused_adagrad_"}[
-        type(reference).__name__
-    ]
-    with _counting(kernel) as calls:
+    with _counting(FUSED_KERNEL[type(reference).__name__]) as calls:
         _train(chunked, optimizer, data)
     _train(ref, reference, data)
     _assert_identical(chunked, optimizer, ref, reference)
@@ -124,8 +122,40 @@ def test_host_runs_left_to_pytorch_step_fused_and_equal_plain_fused_bit_for_bit(
     runs = sum(len(group["params"]) for group in optimizer.param_groups)
     assert all(len(call) == runs for call in calls)
     assert runs < len(list(ref.parameters()))
-    # The user's optimizer still says what the user chose.
+
+
+@pytest.mark.cpu_compute(reason="on a CPU compute device plain PyTorch steps the same CPU tensors with its default")
+@pytest.mark.parametrize("make", OPTIMIZERS, ids=OPTIMIZER_IDS)
+def test_host_runs_left_to_pytorch_on_a_cpu_compute_device_step_as_plain_pytorch_bit_for_bit(
+    make: Callable[..., torch.optim.Optimizer],
+) -> None:
+    model, ref = copies(_mlp())
+    reference = make(ref.parameters())
+    chunked, optimizer = _boost(model, make(model.parameters()), HOST, chunk_size=2_200)
+    data = _data(4, 32)
+    with _counting(FUSED_KERNEL[type(reference).__name__]) as calls:
+        _train(chunked, optimizer, data)
+    assert not calls, "the user left the kernel to PyTorch, whose CPU default is not the fused kernel"
+    _train(ref, reference, data)
+    _assert_identical(chunked, optimizer, ref, reference)
     assert all(group["fused"] is None for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS, ids=OPTIMIZER_IDS)
+def test_with_an_accelerator_host_runs_left_to_pytorch_step_fused(make: Callable[..., torch.optim.Optimizer]) -> None:
+    """Plain PyTorch never steps host tensors of a model on an accelerator: with both left unset the
+    fused CPU kernel is chosen there (when the class and settings have one); an explicit choice is
+    the user's, and on a CPU compute device PyTorch's own default is kept."""
+    probe = torch.nn.Linear(2, 2)
+    unset = make(probe.parameters()).param_groups[0]
+    assert HostKernels(type(make(probe.parameters())), torch.device("cuda")).fuse(unset)
+    assert not HostKernels(type(make(probe.parameters())), torch.device("cpu")).fuse(unset)
+    for choice in ({"fused": False}, {"foreach": True}, {"foreach": False}):
+        chosen = make(probe.parameters(), **choice)
+        assert not HostKernels(type(chosen), torch.device("cuda")).fuse(chosen.param_groups[0]), choice
+    # A setting without a fused kernel keeps PyTorch's default (differentiable has none).
+    differentiable = torch.optim.AdamW(probe.parameters(), differentiable=True)
+    assert not HostKernels(torch.optim.AdamW, torch.device("cuda")).fuse(differentiable.param_groups[0])
 
 
 @pytest.mark.cpu_compute(reason="the reference steps the same CPU parameters with the user's kernel")
@@ -150,13 +180,13 @@ def test_an_explicit_kernel_choice_is_kept_on_the_host(choice: dict[str, bool], 
 
 
 def test_device_and_host_runs_never_share_a_call() -> None:
-    """Half the chunks keep their optimizer side on the device: their runs step with PyTorch's own
-    default (as plain PyTorch would step them), in a call of their own; the host runs go to the
-    fused kernel in another."""
+    """Half the chunks keep their optimizer side on the device: their runs step in a call of their
+    own, the host runs in another (a host tensor in a call with device tensors would turn PyTorch's
+    default for all of them into its per-tensor loop)."""
     model = _mlp(layers=8)
     placement = StaticPlacementConfig(offload_optim_frac=0.5, max_prefetch=0)
-    chunked, optimizer = _boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2), placement, 2_200)
-    chunks = chunked.runtime.manager.chunks
+    chunked, optimizer = _boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), placement, 2_200)
+    chunks = chunked.manager.chunks
     host = {c.chunk_id for c in chunks if c.store.master_location is Location.HOST}
     assert 0 < len(host) < len(chunks)
 
@@ -170,9 +200,10 @@ def test_device_and_host_runs_never_share_a_call() -> None:
 
     with _counting("_fused_adamw_") as calls:
         _train(chunked, optimizer, _data(2, 32))
-    assert len(calls) == 2
-    for call in calls:
-        assert {owner(t) for t in call} == host
+    assert len(calls) == 4  # two steps, a device call and a host call each
+    owners = [{owner(t) for t in call} for call in calls]
+    assert owners.count(host) == 2
+    assert all(o == host or not (o & host) for o in owners)
 
 
 def test_a_parameter_without_a_gradient_splits_its_run_and_keeps_its_own_state() -> None:
@@ -185,7 +216,7 @@ def test_a_parameter_without_a_gradient_splits_its_run_and_keeps_its_own_state()
 
     reference = make(ref.parameters())
     chunked, optimizer = _boost(model, make(model.parameters()), StaticPlacementConfig(max_prefetch=0), 1_000)
-    assert len(chunked.runtime.manager.chunks) == 1
+    assert len(chunked.manager.chunks) == 1
     assert sum(len(g["params"]) for g in optimizer.param_groups) == 1  # all six parameters, one run
     data, skips = _data(6, 16), [False, True, False, True, True, False]
     _train(chunked, optimizer, data[:3], skips[:3])

@@ -26,9 +26,7 @@ class FakeWorld(Communicator):
     """World size ``world_size`` seen from ``rank``, without a process group (no collectives)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
-        super().__init__(None, CPU)
-        self._world_size = world_size
-        self._rank = rank
+        super().__init__(None, CPU, world_size=world_size, rank=rank)
 
 
 def manager(world_size: int = 1, dtype: torch.dtype = torch.float32) -> ChunkManager:
@@ -235,9 +233,9 @@ def test_bytes_through_gather_release_and_moves_bf16() -> None:
     assert ledger.device_bytes == base
 
     first, second = m.chunks[0], m.chunks[2]
-    m.gather(first, async_op=False)
+    first.gather(async_op=False)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == first.capacity * 2
-    pending = m.gather(second, async_op=True)
+    pending = second.gather(async_op=True)
     assert pending is not None
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == (first.capacity + second.capacity) * 2
     assert ledger.peak_device_bytes == base + (first.capacity + second.capacity) * 2
@@ -245,8 +243,9 @@ def test_bytes_through_gather_release_and_moves_bf16() -> None:
         first.move_master(HOST)
     with pytest.raises(RuntimeError, match=r"chunk 0 \(rank 0, state gathered\): cannot move its parameter shard"):
         first.move_shard(HOST)
-    m.release(second)  # waits for the pending gather first
-    m.release(first)
+    second.wait()
+    second.release()
+    first.release()
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
     assert ledger.device_bytes == base
 
@@ -265,9 +264,9 @@ def test_bytes_through_gather_release_and_moves_bf16() -> None:
     assert ledger.bytes(DEV, MemoryKind.SHARD_COPY) == cap * 2
     first.move_shard(HOST)
     # A host-sourced gather at world size 1 needs a device buffer.
-    m.gather(first, async_op=False)
+    first.gather(async_op=False)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == cap * 2
-    m.release(first)
+    first.release()
     # A chunk with a gradient buffer cannot move its master.
     first.prepare_grad()
     with pytest.raises(RuntimeError, match="cannot move its master while gradients accumulate"):
@@ -284,11 +283,11 @@ def test_fp32_gather_at_world_size_one_aliases_the_master() -> None:
     close_all(m)
     before = m.ledger.device_bytes
     for chunk in m.chunks:
-        m.gather(chunk, async_op=False)
+        chunk.gather(async_op=False)
     assert m.ledger.bytes(DEV, MemoryKind.GATHERED) == 0
     assert m.ledger.device_bytes == before
     for chunk in m.chunks:
-        m.release(chunk)
+        chunk.release()
 
 
 def test_values_survive_manager_moves() -> None:
@@ -301,13 +300,13 @@ def test_values_survive_manager_moves() -> None:
         chunk.move_master(HOST)
         chunk.move_shard(HOST)
     for chunk in m.chunks:
-        m.gather(chunk, async_op=False)
+        chunk.gather(async_op=False)
     for (name, p), original in zip(named, originals, strict=True):
         assert torch.equal(p.data, original.bfloat16()), name
     for chunk in m.chunks:
-        m.release(chunk)
+        chunk.release()
         chunk.move_master(DEV)
-        m.gather(chunk, async_op=False)
+        chunk.gather(async_op=False)
     for (name, p), original in zip(named, originals, strict=True):
         assert torch.equal(p.data, original.bfloat16()), name
 

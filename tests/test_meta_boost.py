@@ -61,7 +61,7 @@ def _partial_rows(model: ChunkedModel) -> int:
     """How many 2-D parameters this rank holds a piece of that starts or ends inside a row (the
     case where reading a checkpoint slice must cut rows)."""
     count = 0
-    manager = model.runtime.manager
+    manager = model.manager
     for info in manager.infos:
         piece = manager.chunk(info.chunk_id).piece(info)
         if piece is not None and len(info.shape) == 2:
@@ -324,7 +324,7 @@ def _boost_growth(weights: str | None) -> dict[str, float]:
     start, began = _status_bytes("VmRSS"), time.perf_counter()
     chunked, *_ = Booster(ChunkPlugin()).boost(model, optimizer, weights=weights)
     growth = _status_bytes("VmHWM") - start
-    masters = sum(c.store.master.numel() * c.store.master.element_size() for c in chunked.runtime.manager.chunks)
+    masters = sum(c.store.master.numel() * c.store.master.element_size() for c in chunked.manager.chunks)
     _KEEP.append(chunked)  # kept alive: the next boost must not reuse its memory
     return {"full": full, "largest": largest, "masters": masters, "growth": growth, "s": time.perf_counter() - began}
 

@@ -52,7 +52,7 @@ def _count_steps(rank: int, world_size: int, model: Any, plugin: ChunkPlugin) ->
     """Three training steps of ``model`` boosted with ``plugin``: each step's counters, and the ledger."""
     booster = Booster(plugin)
     chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
-    ledger = chunked.runtime.manager.ledger
+    ledger = chunked.manager.ledger
     steps = []
     for ids in batches(3, batch=4):
         local = ids.chunk(world_size)[rank]

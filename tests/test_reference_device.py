@@ -59,7 +59,7 @@ def test_reference_device_is_where_the_boosted_model_computes(
     assert expected.device == out.device and device_of(ref) == device
     assert chunked.compute_device == device
     # Static placement keeps every master on the compute device.
-    for chunk in chunked.runtime.manager.chunks:
+    for chunk in chunked.manager.chunks:
         assert chunk.store.master_location is Location.DEVICE
         assert chunk.store.master.device == device
 

@@ -91,7 +91,7 @@ def _save_at_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, 
     # The reference: the same state through the gathering path (state_dict), not through DCP.
     reference = {"model": chunked.state_dict(), "optim": optimizer.state_dict()}
     counted = {"all_gather": 0}
-    comm = chunked.runtime.manager.comm
+    comm = chunked.manager.comm
     original = comm.all_gather
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -131,10 +131,12 @@ def test_saved_at_two_ranks_resumes_at_one_two_and_four_ranks_like_plain_pytorch
     at_four = run_ranks(_resume, world_size=4, args=(str(tmp_path), 3_000, False))[0]
     for path, label in ((saving[0]["resumed"], "W=2, other chunks, offloaded"), (at_four, "W=4")):
         resumed = torch.load(path, weights_only=True)
-        # Several ranks: gradients are averaged over ranks, so the sums round differently.
+        # Several ranks: gradients are averaged over ranks, so the sums round differently, and
+        # AdamW turns a rounding difference in a near-zero gradient into up to a few percent of
+        # its lr (1e-3) per step in that element.
         for key, value in expected.items():
             where = f"{label} {key}"
-            torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
 
 
 def test_a_plain_pytorch_dcp_checkpoint_loads_and_trains_on(tmp_path: Path) -> None:

@@ -451,3 +451,28 @@ def test_tracker_digest_does_not_depend_on_when_it_is_asked(asked_at: list[int])
     assert digest_of(asked_at) == digest_of([])
     # Every op counts, also one late in the sequence, after earlier ops were folded in.
     assert digest_of(asked_at, odd_op=9_990) != digest_of([])
+
+
+def test_the_trace_notes_where_each_op_let_go_of_its_chunks() -> None:
+    """A backward op whose activations are recomputed (non-reentrant checkpointing) holds its
+    chunks across the recomputation: the trace says so, without making it part of what ran."""
+    cursor = TraceCursor()
+    cursor.begin_iteration()
+    cursor.observe(TraceStep(Phase.BACKWARD, (0,)))
+    cursor.observe(TraceStep(Phase.FORWARD, (1,), recompute=True))
+    cursor.close(1)
+    cursor.close(0)
+    cursor.observe(TraceStep(Phase.BACKWARD, (1,)))
+    cursor.close(2)
+    cursor.end_iteration()
+    frozen = cursor.last_frozen
+    assert frozen is not None and frozen.closes == (1, 1, 2)
+    plain = ComputeTrace(frozen.steps)
+    assert plain.closes == (0, 1, 2) and plain.digest == frozen.digest
+    # Following it, the same ops are no divergence, and the closes stay the recorded ones.
+    cursor.begin_iteration()
+    for step in frozen.steps:
+        assert cursor.observe(step) is None
+    assert cursor.end_iteration() is None and cursor.last_frozen is frozen
+    with pytest.raises(ValueError, match="closes"):
+        ComputeTrace(frozen.steps, (0, 0, 2))

@@ -51,7 +51,7 @@ def test_fp32_parity_with_pytorch(arch: str, placement: str) -> None:
     chunked, optimizer, booster = boost(
         model, adamw_two_groups, placement=PLACEMENTS[placement], precision="fp32", chunk_size=12_000
     )
-    assert len(chunked.runtime.manager.chunks) >= 4
+    assert len(chunked.manager.chunks) >= 4
     losses = train_chunked(chunked, optimizer, booster, data)
     assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
     assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
@@ -122,7 +122,7 @@ def test_frozen_parameters_lora_style() -> None:
     assert_state_close(state, ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))
     for name, value in frozen_before.items():
         assert torch.equal(state[name], value), name
-    manager = chunked.runtime.manager
+    manager = chunked.manager
     trainable = sum(c.shard_numel for c in manager.chunks if c.trainable)
     assert manager.ledger.bytes(Location.DEVICE, MemoryKind.GRAD_SHARD) == 4 * trainable
     trainable_numel = sum(p.numel() for p in ref.parameters() if p.requires_grad)
@@ -405,7 +405,7 @@ def test_second_gradient_before_the_chunk_is_reduced_matches_pytorch(placement: 
         precision="fp32",
         chunk_size=400,
     )
-    assert len(chunked.runtime.manager.chunks) == 1
+    assert len(chunked.manager.chunks) == 1
     _second_gradients(chunked, optimizer, scenario)
     assert_state_close(chunked.state_dict(), reference.state_dict(), 1e-6, 1e-7)
 
@@ -489,7 +489,7 @@ def test_masters_fall_back_to_the_host_when_the_device_has_no_room(
     expected = train_reference(ref, adamw_two_groups, data)
     with caplog.at_level("WARNING", logger="chunkmem"):
         chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=12_000)
-    chunks = chunked.runtime.manager.chunks
+    chunks = chunked.manager.chunks
     assert all(c.store.master_location is Location.HOST for c in chunks)
     assert sum("no room on the device" in r.message for r in caplog.records) == len(chunks)
     assert all(not p.optim_on_device for p in chunked.runtime.policy.layout_decided.placements)

@@ -97,7 +97,7 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     save(
         "model",
         Path(path),
-        runtime.manager,
+        model.manager,
         model.progress,
         model_tensors(model),
         lambda: model.full_state_dict(Destination.FIRST_RANK),
@@ -126,7 +126,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
         "model",
         target,
         verify,
-        model.runtime.manager.comm,
+        model.manager.comm,
         model.progress,
         saved_for,
         lambda contents: model.stage_load(contents, strict, str(target)),
@@ -152,7 +152,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     save(
         "optimizer",
         Path(path),
-        optimizer.runtime.manager,
+        optimizer.manager,
         optimizer.progress,
         optimizer_tensors(optimizer),
         lambda: full_optimizer_state(optimizer, Destination.FIRST_RANK),
@@ -188,7 +188,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
 # --- LR scheduler -----------------------------------------------------------------------------
 def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
     """Write a scheduler's state dict with its manifest (every rank calls it; rank 0 writes)."""
-    save("lr_scheduler", Path(path), optimizer.runtime.manager, optimizer.progress, [], scheduler.state_dict)
+    save("lr_scheduler", Path(path), optimizer.manager, optimizer.progress, [], scheduler.state_dict)
 
 
 def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]:

@@ -72,7 +72,7 @@ def describe_difference(saved: list[TensorEntry], here: list[TensorEntry]) -> st
 
 def check_saved_for_model(manifest: Manifest, model: ChunkedModel, target: Path) -> None:
     """Refuse a model checkpoint of another model."""
-    if manifest.model_fingerprint != model_fingerprint(model.runtime.manager):
+    if manifest.model_fingerprint != model_fingerprint(model.manager):
         raise CheckpointMismatchError(
             f"{target} was saved for another model ({describe_difference(manifest.tensors, model_tensors(model))}). "
             "Load a checkpoint of this model, or boost the model the checkpoint was saved from."
@@ -82,7 +82,7 @@ def check_saved_for_model(manifest: Manifest, model: ChunkedModel, target: Path)
 def check_saved_for_optimizer(manifest: Manifest, optimizer: ChunkOptimizer, target: Path) -> None:
     """Refuse an optimizer checkpoint of another model, or over other parameters."""
     here = optimizer_tensors(optimizer)
-    if manifest.model_fingerprint != model_fingerprint(optimizer.runtime.manager) or manifest.tensors != here:
+    if manifest.model_fingerprint != model_fingerprint(optimizer.manager) or manifest.tensors != here:
         raise CheckpointMismatchError(
             f"optimizer checkpoint {target} was saved for an optimizer over other parameters "
             f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this model."

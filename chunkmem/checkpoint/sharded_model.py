@@ -31,7 +31,7 @@ __all__ = ["model_save_entries", "plan_model_load"]
 
 def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """Each state-dict buffer (name, the tensor, its original dtype)."""
-    manager = model.runtime.manager
+    manager = model.manager
     shapes = model.state_shapes()
     return [
         (name, tensor, shapes[name][1])
@@ -42,7 +42,7 @@ def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]
 
 def _aliases(model: ChunkedModel) -> set[str]:
     """State-dict names of parameters saved under another (their first) name."""
-    manager = model.runtime.manager
+    manager = model.manager
     return {
         name
         for name, tensor in model.module.state_dict(keep_vars=True).items()
@@ -53,7 +53,7 @@ def _aliases(model: ChunkedModel) -> set[str]:
 def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
     """What this rank saves: its piece of each parameter (views of the master shards), and, on
     rank 0, the buffers and any parameter without elements."""
-    manager = model.runtime.manager
+    manager = model.manager
     first = manager.comm.rank == 0
     entries: dict[str, SaveEntry] = {}
     for chunk in manager.chunks:
@@ -73,7 +73,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
 def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: Metadata) -> Reading[StagedModelLoad]:
     """What this rank reads of a directory (``metadata``, DCP's): every key, shape and dtype
     checked against the model (every problem listed), then this rank's pieces and the buffers."""
-    manager = model.runtime.manager
+    manager = model.manager
     aliases = _aliases(model)
     expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
     saved = {
