@@ -2,15 +2,18 @@
 because they wait in a collective of the user's own that this rank will not join.
 
 After a short grace the waiting rank asks the others what their main thread is doing
-(``thread_activity``): waiting in the agreement too, blocked in a collective of ``torch.distributed``
-outside chunkmem, or anything else. It asks again a second after an answer that needs confirming,
-and less and less often otherwise (at most every eight seconds). A rank is found departed when
-two answers a second or more apart find it blocked in the same operation of a process group this
-rank belongs to, which this rank has not issued (it has issued fewer operations on the group than
-the blocked rank's number): the blocked rank waits for this rank, which waits for it in the
-agreement, so neither ever goes on. A rank that is merely slow (computing, sleeping, loading data, in another chunkmem
-call, or in a collective whose other ranks have not all arrived yet) is never departed: it reaches
-the agreement later, or a collective that settles it then.
+(``thread_activity``): waiting in the agreement too, blocked in a collective of
+``torch.distributed`` outside chunkmem, or anything else. It asks again a second after an answer
+that needs confirming, and less and less often otherwise (at most every eight seconds). A rank is
+found departed when two answers a second or more apart find it blocked in the same operation of a
+process group this rank belongs to, which this rank has not issued (it has issued fewer operations
+on the group than the blocked rank's number): the blocked rank waits for this rank, which waits for
+it in the agreement, so neither ever goes on. (Operation numbers count a point-to-point call on its
+own side only, so sends and receives on the group can skew them between ranks; the second answer a
+second later is what keeps a rank that merely lags in a collective this rank already finished from
+being found departed.) A rank that is merely slow (computing, sleeping, loading data, in another
+chunkmem call, or in a collective whose other ranks have not all arrived yet) is never departed: it
+reaches the agreement later, or a collective that settles it then.
 """
 
 from __future__ import annotations
