@@ -16,6 +16,14 @@ small gloo group of their own (``side``), keep it so or say clearly where it bro
   sees the alarm joins the check as soon as it has reached the same point (or is blocked waiting
   for a collective): if every rank departed the same way (a branch taken on all ranks), training
   goes on and records a new trace; otherwise every rank raises, naming each rank's position.
+* **Ranks that never come.** An agreement waits with a timed poll. After a short grace it asks the
+  missing ranks (on the same point-to-point group) what their main thread is doing: one blocked in
+  a ``torch.distributed`` collective of the user's own that this rank will not join (a
+  ``dist.barrier()`` after ``if rank == 0: booster.save_model(...)``) never comes, and every rank
+  raises within seconds (``DepartureSearch``): the waiting ranks at once, the blocked one logs the
+  error at once and raises it at its next chunkmem call (its collective fails when the waiting
+  ranks' processes end). A rank that is merely slow is waited for, up to the process-group
+  timeout; one whose process ended fails the agreement at once.
 
 Check mode (``check_plans``) adds a fingerprint of every placement plan, agreed before it is
 carried out: a rank-local input to a decision becomes a test failure instead of a hang.
@@ -29,6 +37,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,8 +47,11 @@ import torch.distributed as dist
 
 from placement import FetchPlan, Phase
 
+from .departure_search import Activity, Answer, DepartureSearch
 from .errors import TraceDivergenceError
 from .iteration import IterationKind, Where
+from .rank_channel import Message, RankChannel
+from .thread_activity import blocked_in_user_collective, where_thread_is
 
 __all__ = ["CheckKind", "RankChecks"]
 
@@ -61,6 +73,36 @@ class CheckKind(enum.IntEnum):
     PLAN = 5
 
 
+class _Note(enum.IntEnum):
+    """Kinds of messages between the ranks' listeners."""
+
+    ALARM = 1  # departed from the trace at (inference, iteration, position)
+    QUESTION = 2  # what is your main thread doing? (round)
+    ANSWER = 3  # (round, activity) and a text
+    VERDICT = 4  # ranks were found departed: the error's message
+    RECORDED = 5  # the verdict is recorded here
+
+
+_POLL = datetime.timedelta(milliseconds=200)  # an agreement's wait looks at answers this often
+_RECORDED = 5.0  # seconds a rank that found ranks departed waits for the others to record it
+
+
+def _at(where: Where) -> str:
+    """``at training iteration 2, op 5`` or ``after training iteration 2``."""
+    return where.describe() if where.between else f"at {where.describe()}"
+
+
+def _done(work: Any) -> bool:
+    """Wait up to ``_POLL`` for ``work``: whether it completed (a failure raises)."""
+    try:
+        work.wait(timeout=_POLL)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower() or work.is_completed():
+            raise
+        return False
+    return True
+
+
 def fingerprint(text: str) -> int:
     """A 62-bit fingerprint of ``text``, the same in every process."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
@@ -74,15 +116,20 @@ class RankChecks:
         self._world_size = len(ranks)
         self._ranks = list(ranks)
         self._side = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
-        self._alarm_group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
         self._check_plans = check_plans
         self._where: Callable[[], Where] | None = None
         self._recording: Callable[[], bool] = lambda: False
         self._alarms: queue.Queue[tuple[int, ...]] = queue.Queue()
         self._pending: list[tuple[int, ...]] = []  # alarms received, not yet acted on
+        self._answers: queue.Queue[Answer] = queue.Queue()
+        self._recorded: queue.Queue[int] = queue.Queue()  # ranks that recorded this rank's verdict
+        self._rounds = 0  # questions asked by every agreement so far (answers name theirs)
         self._failed: str | None = None
-        self._listener = threading.Thread(target=self._listen, name="chunkmem-alarms", daemon=True)
-        self._listener.start()
+        # What the listener says this rank's main thread does: the agreement it waits in, and the
+        # thread that makes chunkmem's calls.
+        self._agreeing: str | None = None
+        self._thread = threading.get_ident()
+        self._channel = RankChannel(self._ranks, rank, timeout, self._receive)
 
     @property
     def side_group(self) -> Any:
@@ -107,7 +154,7 @@ class RankChecks:
         what messages say instead (it may name things that differ between ranks, such as paths)."""
         where = where if where is not None else self._now()
         self.poll()
-        text = f"{shown or name}{f' ({detail})' if detail else ''} at {where.describe()}"
+        text = f"{shown or name}{f' ({detail})' if detail else ''} {_at(where)}"
         self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}"), text)
 
     def collective(self, what: str, numel: int) -> None:
@@ -116,7 +163,7 @@ class RankChecks:
             return
         where = self._now()
         self.poll()
-        self._agree(CheckKind.COLLECTIVE, where, fingerprint(f"{what}|{numel}"), f"{what} at {where.describe()}")
+        self._agree(CheckKind.COLLECTIVE, where, fingerprint(f"{what}|{numel}"), f"{what} {_at(where)}")
 
     def check_plan(
         self, position: int, phase: Phase, chunk_ids: tuple[int, ...], device_bytes: int, plan: FetchPlan
@@ -135,13 +182,12 @@ class RankChecks:
         """This rank departed from the frozen trace: alarm the others, then agree with them
         whether every rank departed the same way (then training goes on)."""
         where = self._now()
-        message = torch.tensor(
-            [self._rank, int(where.kind is IterationKind.INFERENCE), where.iteration, where.position]
-        )
+        numbers = (int(where.kind is IterationKind.INFERENCE), where.iteration, where.position)
         sends = [
-            dist.isend(message, dst=peer, group=self._alarm_group)
-            for index, peer in enumerate(self._ranks)
+            work
+            for index in range(self._world_size)
             if index != self._rank
+            for work in self._channel.send(index, _Note.ALARM, numbers)
         ]
         text = f"departed from the trace at {where.describe()}: {description}"
         self._agree(CheckKind.DIVERGED, where, fingerprint(description), text)
@@ -154,7 +200,10 @@ class RankChecks:
     def poll(self) -> None:
         """Act on an alarm from another rank once this rank has reached the point it names. A rank
         behind that point only waits for collectives the alarming rank issued before departing,
-        which complete, so it goes on until it gets there."""
+        which complete, so it goes on until it gets there. After a failed check (here, or found by
+        another rank while this one waited elsewhere) it raises that error."""
+        if self._failed is not None:
+            raise TraceDivergenceError(self._failed)
         while True:
             try:
                 self._pending.append(self._alarms.get_nowait())
@@ -178,14 +227,38 @@ class RankChecks:
         return bool(self._pending) or not self._alarms.empty()
 
     # --- machinery ------------------------------------------------------------------------------
-    def _listen(self) -> None:
-        buffer = torch.zeros(4, dtype=torch.int64)
-        while True:
-            try:
-                dist.irecv(buffer, src=None, group=self._alarm_group).wait()
-            except Exception:  # the group is gone (shutdown): stop listening
-                return
-            self._alarms.put(tuple(int(v) for v in buffer.tolist()))
+    def _receive(self, message: Message) -> None:
+        """On the listener thread: every message from another rank."""
+        if message.kind == _Note.ALARM:
+            self._alarms.put((message.sender, *message.numbers[:3]))
+        elif message.kind == _Note.QUESTION:
+            self._answer(message.sender, message.numbers[0])
+        elif message.kind == _Note.ANSWER:
+            self._answers.put(Answer.decode(message))
+        elif message.kind == _Note.VERDICT:
+            if self._failed is None:
+                self._failed = f"rank {self._rank}: {message.text}"
+                if self._agreeing is None:  # an agreement raises it itself; elsewhere nothing would say it
+                    log.error(
+                        "%s This rank's next chunkmem call raises this error; a collective of its own that it waits "
+                        "in fails when the other ranks' processes end (or at the process-group timeout).",
+                        self._failed,
+                    )
+            self._channel.post(message.sender, _Note.RECORDED)
+        elif message.kind == _Note.RECORDED:
+            self._recorded.put(message.sender)
+
+    def _answer(self, asker: int, round_: int) -> None:
+        """What this rank's main thread is doing, for a rank whose agreement waits for it."""
+        agreeing = self._agreeing
+        if agreeing is not None:
+            answer = Answer(self._rank, round_, Activity.AGREEING, agreeing)
+        elif (collective := blocked_in_user_collective(self._thread)) is not None:
+            answer = Answer(self._rank, round_, Activity.IN_USER_COLLECTIVE, "", collective)
+        else:
+            answer = Answer(self._rank, round_, Activity.ELSEWHERE, where_thread_is(self._thread))
+        numbers, text = answer.encode()
+        self._channel.post(asker, _Note.ANSWER, numbers, text)
 
     def _take_alarm_matching(self, where: Where) -> None:
         inference = int(where.kind is IterationKind.INFERENCE)
@@ -208,17 +281,30 @@ class RankChecks:
         )
         everyone = [torch.empty_like(payload) for _ in range(self._world_size)]
         try:
-            dist.all_gather(everyone, payload, group=self._side)
+            self._wait(dist.all_gather(everyone, payload, group=self._side, async_op=True), text)
+        except TraceDivergenceError:
+            raise
         except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0]
+            reason = (
+                "a rank departed, stopped or is still busy with rank-local work past the process-group timeout"
+                if "timed out" in first_line.lower()
+                else "another rank's process ended, or lost its connection, before reaching it"
+            )
             self._fail(
-                f"rank {self._rank}: the other ranks did not reach a cross-rank check ({text}) "
-                f"({str(error).strip().splitlines()[0]}); a rank departed, stopped or is still busy with rank-local "
-                f"work past the process-group timeout. {_FIX}"
+                f"rank {self._rank}: the other ranks did not reach a cross-rank check ({text}) ({first_line}); "
+                f"{reason}. {_FIX}"
             )
         if all(torch.equal(p, payload) for p in everyone):
             return
         texts: list[Any] = [None] * self._world_size
-        dist.all_gather_object(texts, text, group=self._side)
+        try:
+            dist.all_gather_object(texts, text, group=self._side)
+        except RuntimeError as error:  # a rank ended after its part of the fingerprints
+            self._fail(
+                f"rank {self._rank}: the ranks are at different points (this rank: {text}), and the others could not "
+                f"say where ({str(error).strip().splitlines()[0]}). {_FIX}"
+            )
         values = [tuple(p.tolist()) for p in everyone]
         departed = [r for r, v in enumerate(values) if v[0] == CheckKind.DIVERGED]
         common, count = Counter(values).most_common(1)[0]
@@ -230,6 +316,49 @@ class RankChecks:
             who = "the ranks are at different points"
         lines = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
         self._fail(f"rank {self._rank}: {who} ({lines}). {_FIX}")
+
+    def _wait(self, work: Any, text: str) -> None:
+        """Wait for the agreement's all-gather, looking for ranks that will never come."""
+        self._thread = threading.get_ident()
+        self._agreeing = text
+        search = DepartureSearch(
+            lambda to, round_: self._channel.post(to, _Note.QUESTION, (round_,)),
+            self._rank,
+            self._ranks[self._rank],
+            self._world_size,
+            text,
+            self._rounds,
+            time.monotonic(),
+        )
+        try:
+            while not _done(work):
+                if self._failed is not None:  # another rank found ranks departed
+                    raise TraceDivergenceError(self._failed)
+                while not self._answers.empty():
+                    search.answered(self._answers.get_nowait(), time.monotonic())
+                verdict = search.step(time.monotonic())
+                if verdict is not None:
+                    verdict = f"{verdict} {_FIX}"
+                    self._announce(verdict)
+                    self._fail(f"rank {self._rank}: {verdict}")
+        finally:
+            self._agreeing = None
+            self._rounds += search.rounds
+
+    def _announce(self, verdict: str) -> None:
+        """Tell every other rank that ranks were found departed, and wait until each has recorded
+        it (up to ``_RECORDED`` seconds): a rank whose collective fails when this process ends
+        must find the error recorded when its next chunkmem call begins."""
+        while not self._recorded.empty():
+            self._recorded.get_nowait()
+        others = {r for r in range(self._world_size) if r != self._rank}
+        waiting = {r for r in others if self._channel.post(r, _Note.VERDICT, (), verdict)}
+        deadline = time.monotonic() + _RECORDED
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            try:
+                waiting.discard(self._recorded.get(timeout=left))
+            except queue.Empty:
+                break
 
     def _fail(self, message: str) -> None:
         self._failed = message

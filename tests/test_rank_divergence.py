@@ -5,15 +5,23 @@ Each case runs a few normal steps, then one rank departs: an extra no-grad forwa
 on one rank, a module called outside the model's forward on one rank, a module skipped by a
 rank-dependent branch (in the first, recording iteration and in a later, trace-following one, with
 prefetch, at W=2 and W=4). The same departure taken by every rank is not an error.
+
+A state call (save, load, state dict, plain copy) on some ranks raises on every rank within seconds
+while the others wait in a collective of the script's own (``dist.barrier()``), or end their
+script; ranks that are only slow (sleeping, or waiting in a collective for a slow rank) are
+waited for.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 from models import boost
 
@@ -178,3 +186,193 @@ def test_hugging_face_calls_on_one_rank_raise_everywhere(depart: str, tmp_path: 
         assert result["error"] == "TraceDivergenceError", (rank, result)
         assert "plain_copy()" in result["message"]
     assert "inference iteration 0" in results[0]["message"] or "plain copy" in results[0]["message"]
+
+
+# --- a chunkmem call on some ranks while the others wait in a collective of their own -----------
+# Issue 23 item 5: ``if rank == 0: booster.save_model(...)`` then ``dist.barrier()`` on every rank.
+# The process-group timeout is far above the deadline, so a timeout cannot pass for the error.
+PG_TIMEOUT = 90.0
+SOON = 20.0  # seconds from the departure to an error on every rank
+
+
+class _ChunkmemErrors(logging.Handler):
+    """The errors chunkmem logs in this process, with when."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((time.monotonic(), record.getMessage()))
+
+
+def _state_call(call: str, chunked: Any, optimizer: Any, booster: Any, path: str) -> None:
+    if call == "save_model":
+        booster.save_model(chunked, os.path.join(path, "model.pt"))
+    elif call == "save_sharded":
+        booster.save_model(chunked, os.path.join(path, "model-sharded"), shard=True)
+    elif call == "save_optimizer":
+        booster.save_optimizer(optimizer, os.path.join(path, "optim.pt"))
+    elif call == "load_model":
+        booster.load_model(chunked, os.path.join(path, "model.pt"))
+    elif call == "load_sharded":
+        booster.load_model(chunked, os.path.join(path, "model-sharded"))
+    elif call == "state_dict":
+        chunked.state_dict()
+    else:
+        raise AssertionError(call)
+
+
+def _some_ranks_call(
+    rank: int, world_size: int, call: str, callers: tuple[int, ...], others: str, path: str
+) -> dict[str, Any]:
+    """Train a step; then ranks ``callers`` make ``call`` while the others do ``others``: wait in a
+    ``dist.barrier()`` of the script's own, end the script, sleep 6 s and make the call too, or
+    (``subgroup``) meet in a barrier of their own group, which the last of them reaches after 6 s,
+    and make the call too, or (``issued``) wait in an all-reduce that the callers started before
+    their call (``async_op``) and the last of them reaches after 6 s, and make the call too."""
+    errors = _ChunkmemErrors()
+    logging.getLogger("chunkmem").addHandler(errors)
+    try:
+        chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+        booster.backward(chunked(torch.randn(4, 32)), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        others_group = dist.new_group([r for r in range(world_size) if r not in callers])
+        if call.startswith("load"):  # something to load, written by every rank
+            _state_call("save_sharded" if call == "load_sharded" else "save_model", chunked, optimizer, booster, path)
+        dist.barrier()
+        departed = time.monotonic()
+        result: dict[str, Any] = {"departed": departed, "error": None}
+        try:
+            if rank in callers:
+                started = dist.all_reduce(torch.ones(1), async_op=True) if others == "issued" else None
+                _state_call(call, chunked, optimizer, booster, path)
+                if started is not None:
+                    started.wait()
+            elif others == "barrier":
+                dist.barrier()
+            elif others == "exit":
+                return result
+            elif others in ("subgroup", "issued"):
+                if rank == world_size - 1:
+                    time.sleep(6)
+                if others == "subgroup":
+                    dist.barrier(group=others_group)  # completes once the slow rank comes
+                else:
+                    dist.all_reduce(torch.ones(1))  # the callers issued it already
+                _state_call(call, chunked, optimizer, booster, path)
+            else:
+                time.sleep(6)  # a slow rank, not a departed one
+                _state_call(call, chunked, optimizer, booster, path)
+        except Exception as error:
+            result.update(error=type(error).__name__, message=str(error), raised=time.monotonic() - departed)
+            if rank not in callers:  # a collective of the script's own failed: chunkmem's next call says why
+                try:
+                    chunked(torch.randn(4, 32))
+                except Exception as next_error:
+                    result.update(next_error=type(next_error).__name__, next_message=str(next_error))
+        else:
+            booster.backward(chunked(torch.randn(4, 32)), optimizer)  # training goes on
+            optimizer.step()
+        result["logged"] = [(at - departed, message) for at, message in errors.records]
+        return result
+    finally:
+        logging.getLogger("chunkmem").removeHandler(errors)
+
+
+def _check_named(message: str, rank: int, callers: tuple[int, ...], waiting: list[int]) -> None:
+    assert message.startswith(f"rank {rank}:"), message
+    assert f"ranks {waiting} wait in a torch.distributed collective of their own" in message, message
+    assert f"ranks {list(callers)} will not join" in message, message
+    for other in waiting:
+        assert f"rank {other}: waits in torch.distributed.barrier() called at " in message, message
+        assert "test_rank_divergence.py:" in message, message  # the script's line that called it
+    assert "on every rank" in message, message  # what to do
+
+
+@pytest.mark.parametrize(
+    "call",
+    # Every state call enters through the same agreement; these cover the model's and the
+    # optimizer's gathers, and the single-file and sharded loads.
+    ["save_model", "state_dict", "load_model", "load_sharded", "save_optimizer"],
+)
+def test_a_state_call_on_one_rank_while_the_other_waits_in_its_own_barrier_raises_on_both(
+    call: str, tmp_path: Any
+) -> None:
+    results = run_ranks(
+        _some_ranks_call, 2, args=(call, (0,), "barrier", str(tmp_path)), timeout=150, pg_timeout=PG_TIMEOUT
+    )
+    caller, waiter = results
+    # The calling rank raises chunkmem's error within seconds.
+    assert caller["error"] == "TraceDivergenceError", caller
+    assert caller["raised"] < SOON, caller
+    _check_named(caller["message"], 0, (0,), [1])
+    # The waiting rank logs the same error within seconds, its barrier fails once the calling rank's
+    # process ends, and its next chunkmem call raises the error.
+    assert waiter["error"] is not None and waiter["raised"] < SOON, waiter
+    assert waiter["next_error"] == "TraceDivergenceError", waiter
+    _check_named(waiter["next_message"], 1, (0,), [1])
+    logged = [(at, message) for at, message in waiter["logged"] if "wait in a torch.distributed collective" in message]
+    assert logged and logged[0][0] < SOON, waiter["logged"]
+    _check_named(logged[0][1], 1, (0,), [1])
+
+
+def test_two_ranks_save_while_two_wait_in_their_own_barrier_every_rank_raises(tmp_path: Any) -> None:
+    results = run_ranks(
+        _some_ranks_call, 4, args=("save_model", (0, 1), "barrier", str(tmp_path)), timeout=200, pg_timeout=PG_TIMEOUT
+    )
+    for rank, result in enumerate(results):
+        assert result["error"] is not None and result["raised"] < SOON, (rank, result)
+        message = result["message"] if rank < 2 else result["next_message"]
+        assert rank < 2 or result["next_error"] == "TraceDivergenceError", (rank, result)
+        _check_named(message, rank, (0, 1), [2, 3])
+
+
+def test_a_save_on_one_rank_while_the_other_ends_its_script_raises_at_once(tmp_path: Any) -> None:
+    caller, ended = run_ranks(
+        _some_ranks_call, 2, args=("save_model", (0,), "exit", str(tmp_path)), timeout=150, pg_timeout=PG_TIMEOUT
+    )
+    assert ended["error"] is None
+    assert caller["error"] == "TraceDivergenceError" and caller["raised"] < SOON, caller
+    assert caller["message"].startswith("rank 0: the other ranks did not reach a cross-rank check"), caller
+    assert "process ended" in caller["message"] and "on every rank" in caller["message"], caller
+
+
+@pytest.mark.parametrize(
+    ("world_size", "others"),
+    [
+        (2, "sleep"),  # rank 1 sleeps, then saves
+        (4, "subgroup"),  # ranks 1 and 2 wait in a barrier of their own group for rank 3, which sleeps
+        (4, "issued"),  # ranks 1 and 2 wait for rank 3 in an all-reduce rank 0 issued before its save
+    ],
+)
+def test_ranks_busy_for_seconds_before_their_save_are_waited_for(world_size: int, others: str, tmp_path: Any) -> None:
+    results = run_ranks(_some_ranks_call, world_size, args=("save_model", (0,), others, str(tmp_path)), timeout=150)
+    for result in results:
+        assert result["error"] is None, result
+        assert result["logged"] == [], result
+
+
+def _save_on_one_rank_then_train(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+    try:
+        for step in range(3):
+            if step == 1 and rank == 0:
+                booster.save_model(chunked, os.path.join(path, "model.pt"))
+            booster.backward(chunked(torch.randn(4, 32)), optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def test_a_save_on_one_rank_raises_everywhere_when_the_other_trains_on(tmp_path: Any) -> None:
+    start = time.monotonic()
+    results = run_ranks(_save_on_one_rank_then_train, 2, args=(str(tmp_path),), timeout=120, pg_timeout=PG_TIMEOUT)
+    assert time.monotonic() - start < DEADLINE + 30
+    for rank, result in enumerate(results):
+        assert result["error"] == "TraceDivergenceError", (rank, result)
+        assert "rank 0: gathering a state dict" in result["message"], result  # the save gathers first
+        assert "rank 1: forward" in result["message"], result
