@@ -94,10 +94,6 @@ class Chunk:
         return self._grads.state
 
     @property
-    def host_grad_state(self) -> HostGrads:
-        return self._grads.host_state
-
-    @property
     def tensors(self) -> tuple[TensorInfo, ...]:
         return self.layout.tensors
 
@@ -193,11 +189,6 @@ class Chunk:
         """Device bytes a gather would allocate now (0 when a resident shard serves as the chunk)."""
         return self._residency.gather_bytes
 
-    @property
-    def holds_device_buffer(self) -> bool:
-        """Whether being gathered costs device memory (False when it aliases a resident shard)."""
-        return self._residency.holds_device_buffer
-
     def gather(self, async_op: bool) -> PendingGather | None:
         """Bring the full chunk onto the device; with ``async_op`` the returned handle must be
         waited on (``wait``) before any op reads the parameters."""
@@ -267,24 +258,9 @@ class Chunk:
 
     # --- gradients --------------------------------------------------------------------------
     @property
-    def has_grad_buffer(self) -> bool:
-        """A gradient buffer receives gradients now."""
-        return self._grads.accepting
-
-    @property
-    def reducing(self) -> bool:
-        """A gradient reduction is in flight."""
-        return self._grads.reducing
-
-    @property
     def grad_buffer_bytes(self) -> int:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return self._grads.buffer_bytes
-
-    @property
-    def flush_device_bytes(self) -> int:
-        """Device bytes that reducing the gradient buffer now (or finishing its reduction) frees."""
-        return self._grads.held_device_bytes
 
     def prepare_grad(self) -> None:
         """Make the flat fp32 gradient buffer ready to receive gradients."""

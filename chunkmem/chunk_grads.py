@@ -131,10 +131,6 @@ class ChunkGrads:
     def state(self) -> GradState:
         return self._machine.state
 
-    @property
-    def host_state(self) -> HostGrads:
-        return self._host_state
-
     def close(self, store: ShardStore) -> None:
         """The chunk's parameters are final and its shard exists."""
         self._store = store
@@ -175,11 +171,6 @@ class ChunkGrads:
     def buffer_bytes(self) -> int:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return 0 if not self._layout.trainable or self.buffer_is_shard else self._layout.grad_bytes
-
-    @property
-    def held_device_bytes(self) -> int:
-        """Device bytes the buffer holds now (freed by reducing it, or by finishing its reduction)."""
-        return self.buffer_bytes if self.accepting or self.reducing else 0
 
     # --- verbs ----------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -239,29 +230,29 @@ class ChunkGrads:
             self._host = host
             self._host_state = HostGrads.HOLDS
         else:
-            assert self._host is not None, f"{self._owner()}: host gradients without a host buffer"
-            staged = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
-            transfers.copy(staged, buffer, Direction.TO_HOST)
-            transfers.before_host_read(staged)
-            transfers.before_host_write(self._host)
-            self._host.add_(staged)
-            transfers.give_back(staged)
+            self._add_to_host(buffer)
         self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._machine.move("move its gradients to the host")
 
-    def _fold(self, buffer: torch.Tensor) -> None:
-        """Add the host buffer's gradients into ``buffer`` (through the host, so the device holds
-        nothing more than the buffer) and give the host buffer back."""
+    def _add_to_host(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Add ``buffer`` into the host buffer (copied to a staging buffer, added by the CPU once
+        the copy and any copy still into the host buffer are done); returns the host buffer."""
         host = self._host
-        assert host is not None, f"{self._owner()}: folding host gradients without a host buffer"
+        assert host is not None, f"{self._owner()}: host gradients without a host buffer"
         transfers = self._transfers
         staged = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
         transfers.copy(staged, buffer, Direction.TO_HOST)
         transfers.before_host_read(staged)
+        transfers.before_host_write(host)
         host.add_(staged)
         transfers.give_back(staged)
-        transfers.copy(buffer, host, Direction.TO_DEVICE)
+        return host
+
+    def _fold(self, buffer: torch.Tensor) -> None:
+        """Add the host buffer's gradients into ``buffer`` (through the host, so the device holds
+        nothing more than the buffer) and give the host buffer back."""
+        self._transfers.copy(buffer, self._add_to_host(buffer), Direction.TO_DEVICE)
         self._drop_host()
 
     def _drop_host(self) -> None:

@@ -131,11 +131,6 @@ class ChunkResidency:
             return 0
         return self._layout.gathered_bytes
 
-    @property
-    def holds_device_buffer(self) -> bool:
-        """Whether being gathered costs device memory (False when it aliases a resident shard)."""
-        return self.state in (ChunkState.GATHERING, ChunkState.GATHERED) and self._full is self._buffer
-
     def gather(self, async_op: bool) -> PendingGather | None:
         """Bring the full chunk onto the device. With ``async_op`` the copy and the all-gather run
         on the side stream / asynchronously and the returned handle must be waited on (``wait``)

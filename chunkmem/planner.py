@@ -31,17 +31,15 @@ import torch.distributed as dist
 
 from placement.policy import format_bytes
 
-from .chunk_layout import ShardPiece
 from .comm import Communicator
 from .disk import PlannedDiskFile, SidesFile
 from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
 from .optim_probe import hyperparameters
-from .param_values import ParamValues
+from .param_values import LiveValues, ParamValues
 from .plugin import ChunkPlugin
 from .stats import Stats
-from .tensor_state import TensorInfo
 
 __all__ = ["Plan", "PlanningBacking", "PlanningCommunicator", "StepCounters", "plan"]
 
@@ -105,20 +103,11 @@ class PlanningCommunicator(Communicator):
         return None
 
 
-class _MetaValues:
+class _MetaValues(LiveValues):
     """A plan's parameter values: the meta parameters themselves (nothing is computed or read)."""
 
     def check(self, param: torch.nn.Parameter, where: str) -> None:
-        return None
-
-    def read(self, info: TensorInfo, piece: ShardPiece) -> torch.Tensor:
-        return info.param.data.reshape(-1)[piece.param]
-
-    def prepare_buffers(self, model: torch.nn.Module) -> None:
-        return None
-
-    def release(self) -> None:
-        return None
+        return None  # every parameter of a plan is on the meta device
 
 
 class PlanningBacking:

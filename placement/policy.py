@@ -140,7 +140,7 @@ class PlacementPolicy(ABC):
         gradient buffer at once (the auto policy keeps optimizer sides on the host until they
         fit), so accumulation moves nothing to the host. Where no placement can, it is decided as
         without the hint (accumulation then moves gradient buffers to the host when the device
-        needs their room) and ``accumulating_on_device`` says so."""
+        needs their room), and an info line in the log says so."""
         self._specs = tuple(specs)
         for index, spec in enumerate(self._specs):
             if spec.chunk_id != index:
@@ -162,12 +162,6 @@ class PlacementPolicy(ABC):
             self._check_budget(layout, working_sets, budget, self._accumulate)
         self._adopt(layout)
         return layout
-
-    @property
-    def accumulating_on_device(self) -> bool:
-        """The layout leaves room for every gradient buffer at once (``layout(accumulate=True)``
-        could be honoured)."""
-        return self._accumulate
 
     def _adopt(self, layout: Layout) -> None:
         self._layout = layout

@@ -214,9 +214,6 @@ class DeviceResidency:
     def held(self, chunk_id: int) -> Held:
         return self._held[chunk_id]
 
-    def grad_buffer(self, chunk_id: int) -> GradBuffer:
-        return self._grad[chunk_id]
-
     def gather_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gathered buffer allocates (0 when a resident shard serves)."""
         return self._gather_bytes[chunk_id]
@@ -236,27 +233,9 @@ class DeviceResidency:
         return self._base() + self._bytes
 
     @property
-    def accepting(self) -> tuple[int, ...]:
-        return tuple(self._accepting)
-
-    @property
-    def reducing(self) -> tuple[int, ...]:
-        return tuple(self._reducing)
-
-    @property
-    def spilled(self) -> tuple[int, ...]:
-        """Chunks whose gradients accumulated on the host under ``no_sync``, not reduced yet."""
-        return tuple(sorted(self._spilled))
-
-    @property
     def unreduced(self) -> bool:
         """Gradients wait for a reduction (in a buffer, in flight, or on the host)."""
         return bool(self._accepting or self._reducing or self._spilled)
-
-    @property
-    def syncing(self) -> bool:
-        """Gradients are reduced over ranks (not inside ``no_sync``)."""
-        return self._sync
 
     @property
     def can_reduce(self) -> bool:
