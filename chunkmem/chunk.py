@@ -55,7 +55,7 @@ class Chunk:
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
-        self._transfers = transfers if transfers is not None else HostTransfers(stats, comm.device)
+        self._transfers = transfers if transfers is not None else HostTransfers(stats, comm.layer)
         self._residency = ChunkResidency(self.layout, comm, ledger, stats, self._where)
         self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where, self._transfers)
         self._store: ShardStore | None = None

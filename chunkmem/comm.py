@@ -1,5 +1,6 @@
-"""Collectives and streams: the one place that talks to ``torch.distributed`` and owns the CUDA
-side stream. On the CPU the same calls run synchronously with gloo (or nothing at world size 1).
+"""Collectives and streams: the one place that talks to ``torch.distributed`` and owns the side
+and copy streams (made by the device layer).
+On the CPU the same calls run synchronously with gloo (or nothing at world size 1).
 
 Tests substitute a subclass of :class:`Communicator` to delay or inspect collectives.
 """
@@ -14,6 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .device import DeviceLayer, device_layer
+from .device.layer import Event, Stream
 from .errors import CollectiveMismatchError
 from .memory import device_free, process_capacity
 from .rank_checks import RankChecks
@@ -24,16 +27,18 @@ T = TypeVar("T")
 
 
 class PendingGather:
-    """What an asynchronous gather left to wait for: a collective ``Work`` and/or a CUDA event
-    recorded after the copy that fed it."""
+    """What an asynchronous gather left to wait for: a collective ``Work`` and/or a device event
+    recorded after the copy that fed it (``comm``'s device layer waits for it)."""
 
     def __init__(
         self,
         work: Any | None = None,
-        event: torch.cuda.Event | None = None,
+        event: Event | None = None,
         comm: Communicator | None = None,
         what: str = "gather",
     ) -> None:
+        if event is not None and comm is None:
+            raise ValueError("PendingGather: an event is waited for through its communicator's device layer; pass comm")
         self._work = work
         self._event = event
         self._comm = comm
@@ -44,14 +49,14 @@ class PendingGather:
         done = True
         if self._work is not None:
             done = bool(self._work.is_completed())
-        if self._event is not None:
-            done = done and bool(self._event.query())
+        if self._event is not None and self._comm is not None:
+            done = done and self._comm.layer.query(self._event)
         return done
 
     def wait(self) -> None:
         """Make the current stream (and, on the CPU, this thread) wait for the gather."""
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        if self._event is not None and self._comm is not None:
+            self._comm.layer.wait_event(self._event)
         if self._work is not None:
             if self._comm is None:
                 self._work.wait()
@@ -122,8 +127,9 @@ class Communicator:
             raise ValueError(f"Communicator: rank {rank} is not in a world of {world_size}")
         self._rank = dist.get_rank(group) if initialized else rank
         self._world_size = dist.get_world_size(group) if initialized else (world_size or 1)
-        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._layer = device_layer(device)
+        self._side_stream = self._layer.new_stream()
+        self._copy_stream = self._layer.new_stream()
         self._all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter: Callable[..., Any] = (
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -203,6 +209,11 @@ class Communicator:
         return self._device
 
     @property
+    def layer(self) -> DeviceLayer:
+        """The device layer of the compute device: its streams, events and pinned memory."""
+        return self._layer
+
+    @property
     def host_device(self) -> torch.device:
         """Where host-side shard buffers live."""
         return torch.device("cpu")
@@ -230,23 +241,21 @@ class Communicator:
         if self._side_stream is None:
             yield
             return
-        self._side_stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._side_stream):
+        self._layer.wait_stream(self._side_stream, self._layer.current_stream())
+        with self._layer.on_stream(self._side_stream):
             yield
 
     @property
-    def copy_stream(self) -> torch.cuda.Stream | None:
+    def copy_stream(self) -> Stream | None:
         """The stream device-to-host copies run on, apart from compute and gathers (``None`` on
         the CPU)."""
         return self._copy_stream
 
-    def record_side_event(self) -> torch.cuda.Event | None:
+    def record_side_event(self) -> Event | None:
         """An event after the work queued on the side stream (``None`` on the CPU)."""
         if self._side_stream is None:
             return None
-        event = torch.cuda.Event()
-        event.record(self._side_stream)
-        return event
+        return self._layer.record_event(self._side_stream)
 
     def all_gather(self, output: torch.Tensor, local: torch.Tensor, async_op: bool, what: str = "gather") -> Any | None:
         """Gather every rank's ``local`` shard into ``output`` (rank order). ``local`` may be this

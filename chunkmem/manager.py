@@ -39,7 +39,7 @@ class ChunkManager:
         self._values: ParamValues = values if values is not None else LiveValues()
         self._compute_dtype = compute_dtype
         self._stats = stats
-        self._transfers = HostTransfers(stats, comm.device, comm.copy_stream)
+        self._transfers = HostTransfers(stats, comm.layer, comm.copy_stream)
         self._ledger = MemoryLedger()
         self._chunks: list[Chunk] = []
         self._infos: dict[int, TensorInfo] = {}

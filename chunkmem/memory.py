@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
 
 from .accounting import MemoryLedger
+from .device import (
+    DeviceMemory,
+    accelerator_lines,
+    accelerator_memory,
+    accelerator_process_capacity,
+    is_accelerator,
+    nvml_memory,
+    peak_allocated,
+    reset_peak,
+)
 
 __all__ = [
     "DeviceMemory",
@@ -30,55 +39,16 @@ __all__ = [
 log = logging.getLogger("chunkmem")
 
 
-@dataclass(frozen=True)
-class DeviceMemory:
-    """Total and free bytes of one memory, and which probe measured them."""
-
-    total: int
-    free: int
-    source: str
-    """Which probe answered: "torch.cuda", "nvml" or "psutil (no GPU: the CPU is the device)"."""
-
-
 def host_memory() -> DeviceMemory:
     """Host RAM (psutil)."""
     vm = psutil.virtual_memory()
     return DeviceMemory(total=int(vm.total), free=int(vm.available), source="psutil")
 
 
-def nvml_memory(index: int) -> DeviceMemory | None:
-    """The GPU's memory as NVML sees it (all processes), or ``None`` when NVML is unavailable."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-            return DeviceMemory(total=int(info.total), free=int(info.free), source="nvml")
-        finally:
-            pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        return None
-
-
-def _cuda_memory(device: torch.device) -> DeviceMemory:
-    free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total=int(total), free=int(free), source="torch.cuda")
-
-
 def device_memory(device: torch.device) -> DeviceMemory:
-    """The compute device's memory: torch.cuda (NVML if that fails) on a GPU, host RAM on the CPU."""
-    if device.type == "cuda":
-        try:
-            return _cuda_memory(device)
-        except RuntimeError:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            nvml = nvml_memory(index)
-            if nvml is not None:
-                return nvml
-            raise
+    """The compute device's memory: the accelerator's (``chunkmem.device``), host RAM on the CPU."""
+    if is_accelerator(device):
+        return accelerator_memory(device)
     mem = host_memory()
     return DeviceMemory(total=mem.total, free=mem.free, source="psutil (no GPU: the CPU is the device)")
 
@@ -90,15 +60,10 @@ def device_capacity(device: torch.device) -> int:
 
 def process_capacity(device: torch.device) -> int:
     """Bytes of the compute device this process may use now: what is free (other processes
-    count) plus what this process already holds, capped by its per-process memory fraction on a
-    GPU (``torch.cuda.set_per_process_memory_fraction``)."""
-    if device.type == "cuda":
-        memory = device_memory(device)
-        usable = memory.free + torch.cuda.memory_reserved(device)
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if fraction is not None:
-            usable = min(usable, int(fraction(device) * memory.total))
-        return min(usable, memory.total)
+    count) plus what this process already holds, capped by its per-process memory fraction on an
+    accelerator (``chunkmem.device.accelerator_process_capacity``)."""
+    if is_accelerator(device):
+        return accelerator_process_capacity(device)
     memory = host_memory()
     return min(memory.total, memory.free + psutil.Process().memory_info().rss)
 
@@ -110,20 +75,9 @@ def device_free(device: torch.device) -> int:
 
 def describe_devices() -> str:
     """One line per memory the probes can see, and why a probe is missing."""
-    lines = []
     host = host_memory()
-    lines.append(f"host: {host.total / 2**30:.1f} GiB total, {host.free / 2**30:.1f} GiB available (psutil)")
-    if not torch.cuda.is_available():
-        lines.append("no CUDA device (torch.cuda.is_available() is False): the CPU is the compute device")
-        return "\n".join(lines)
-    for index in range(torch.cuda.device_count()):
-        mem = _cuda_memory(torch.device("cuda", index))
-        nvml = nvml_memory(index)
-        extra = "" if nvml is not None else "; NVML unavailable (install nvidia-ml-py / driver)"
-        lines.append(
-            f"cuda:{index}: {mem.total / 2**30:.1f} GiB total, {mem.free / 2**30:.1f} GiB free ({mem.source}{extra})"
-        )
-    return "\n".join(lines)
+    lines = [f"host: {host.total / 2**30:.1f} GiB total, {host.free / 2**30:.1f} GiB available (psutil)"]
+    return "\n".join([*lines, *accelerator_lines()])
 
 
 class _Saved:
@@ -156,6 +110,7 @@ class NonModelSampler:
         self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references]
         self._live_bytes = 0
         self._hooks: Any = None
+        self._allocator_measures = peak_allocated(device) is not None
 
     @property
     def samples(self) -> tuple[int, ...]:
@@ -164,23 +119,23 @@ class NonModelSampler:
     def reset(self) -> None:
         """Forget the samples (a new measured iteration starts)."""
         self._samples.clear()
-        if self._device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self._device)
+        reset_peak(self._device)
 
     def sample(self) -> None:
         """Record non-model bytes at the current hook position: on CUDA the allocator's peak since
         the previous sample (the op in between made its temporaries) less the chunk bytes now.
         Resets the allocator's peak statistics while measuring."""
-        if self._device.type == "cuda":
-            used = torch.cuda.max_memory_allocated(self._device) - self._ledger.device_bytes
-            torch.cuda.reset_peak_memory_stats(self._device)
+        peak = peak_allocated(self._device) if self._allocator_measures else None
+        if peak is not None:
+            used = peak - self._ledger.device_bytes
+            reset_peak(self._device)
         else:
             used = self._live_bytes
         self._samples.append(max(0, int(used)))
 
     def saved_tensor_hooks(self) -> Any:
         """A context manager that tracks saved activations (CPU only; a no-op context on CUDA)."""
-        if self._device.type == "cuda":
+        if self._allocator_measures:
             from contextlib import nullcontext
 
             return nullcontext()

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 from .agreement import agree, on_first_rank
 from .chunk import Chunk
 from .chunk_layout import ShardPiece
+from .device import gpu_device
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
@@ -163,13 +164,7 @@ class ChunkedModel(torch.nn.Module):
 
     # --- moves and casts are the plugin's ---------------------------------------------------
     def _same_device(self, device: torch.device) -> bool:
-        if device.type != self._device.type:
-            return False
-        if device.type != "cuda":
-            return True
-        current = torch.cuda.current_device()
-        mine = self._device.index if self._device.index is not None else current
-        return (device.index if device.index is not None else current) == mine
+        return self._manager.comm.layer.same_device(device)
 
     def _refuse_conversion(self, call: str) -> NotSupportedError:
         return NotSupportedError(
@@ -194,8 +189,7 @@ class ChunkedModel(torch.nn.Module):
         return self.to("cpu")
 
     def cuda(self, device: int | torch.device | None = None) -> ChunkedModel:
-        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
-        return self.to(target)
+        return self.to(gpu_device(device))
 
     def half(self) -> ChunkedModel:
         return self.to(torch.float16)

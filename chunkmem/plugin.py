@@ -29,6 +29,7 @@ from .accounting import Location
 from .backing import Backing, TrainingBacking
 from .chunk import Chunk
 from .comm import Communicator
+from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
 from .errors import BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
@@ -72,8 +73,7 @@ def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -
     """fp32 on a CPU (16-bit matmuls are emulated there, many times slower), bf16 on a GPU that
     supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user."""
     device = process_group.device if isinstance(process_group, Communicator) else None
-    on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
-    return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if bf16_supported(device) else "fp32"
 
 
 _HOST_STEP: TypeAdapter[StepAfterBackward | StepDuringBackward] = TypeAdapter(HostStepConfig)
@@ -107,16 +107,6 @@ def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> Los
 # larger than the model is mostly padding (see ``ChunkPlugin._check_chunk_size``).
 MAX_CHUNK_SIZE = 2**31 - 1
 _PADDING_FACTOR = 4
-
-
-def _compute_device() -> torch.device:
-    """The local GPU (``LOCAL_RANK`` under torchrun, else the current device), or the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    index = int(local) % torch.cuda.device_count() if local is not None else torch.cuda.current_device()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 class ChunkPlugin:
@@ -245,7 +235,7 @@ class ChunkPlugin:
         comm = (
             self._process_group
             if isinstance(self._process_group, Communicator)
-            else Communicator(self._process_group, _compute_device(), check_plans=self.check_plans)
+            else Communicator(self._process_group, compute_device(), check_plans=self.check_plans)
         )
         device = comm.device
         dtype = self.compute_dtype
@@ -283,7 +273,7 @@ class ChunkPlugin:
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
-        host_step = self.host_step or (StepDuringBackward() if device.type == "cuda" else StepAfterBackward())
+        host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
         on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]
         boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes)
         wrapped_optim = (

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
+from .device import DeviceLayer, is_accelerator
 from .grad_on_disk import GradOnDisk
 from .transfers import Direction, HostTransfers
 
@@ -47,8 +48,8 @@ class SourceKind(enum.Enum):
 
 
 class _MasterSideBuffer:
-    """An fp32 shard-sized buffer that lives where the master lives. With a CUDA device its host
-    buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
+    """An fp32 shard-sized buffer that lives where the master lives. With an asynchronous device its
+    host buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
     back to the host; without one it is an ordinary allocation, freed when the buffer leaves."""
 
     def __init__(
@@ -58,6 +59,7 @@ class _MasterSideBuffer:
         device: torch.device,
         ledger: MemoryLedger,
         pin: bool,
+        layer: DeviceLayer,
         accounted: bool = True,
         host_device: torch.device = _CPU,
     ) -> None:
@@ -69,6 +71,7 @@ class _MasterSideBuffer:
         # the buffer may exist, not only while it does.
         self._ledger = ledger if accounted else None
         self._pin = pin
+        self._layer = layer
         self._host: torch.Tensor | None = None
 
     @property
@@ -85,7 +88,7 @@ class _MasterSideBuffer:
             return self._host
         if self._ledger is not None:
             self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
-        host = torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._host_device, pin_memory=self._pin)
+        host = self._layer.host_empty(self._numel, MASTER_DTYPE, self._host_device, pinned=self._pin)
         if self._pin:
             self._host = host
         return host
@@ -124,7 +127,7 @@ class ShardStore:
         self._device = device
         self._ledger = ledger
         self._transfers = transfers
-        self._pin = device.type == "cuda"
+        self._pin = transfers.layer.pins
         self._version = 0
         self._master_location = master
         self._host_device = host_device
@@ -140,11 +143,17 @@ class ShardStore:
         self._master_resident = True
         # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
         self._master_buffers = _MasterSideBuffer(
-            MemoryKind.MASTER, numel, device, ledger, self._pin and disk is None, host_device=host_device
+            MemoryKind.MASTER,
+            numel,
+            device,
+            ledger,
+            self._pin and disk is None,
+            transfers.layer,
+            host_device=host_device,
         )
         self._master = self._master_buffers.take(master)
         self._grad_buffers = _MasterSideBuffer(
-            MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, accounted=False, host_device=host_device
+            MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, transfers.layer, False, host_device
         )
         self._trainable = trainable
         # The gradient shard is reserved in the ledger where the master lives (the placement
@@ -223,7 +232,7 @@ class ShardStore:
         return None
 
     def _host_empty(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self._numel, dtype=dtype, device=self._host_device, pin_memory=self._pin)
+        return self._transfers.layer.host_empty(self._numel, dtype, self._host_device)
 
     # --- verbs ------------------------------------------------------------------------------
     @property
@@ -378,7 +387,7 @@ class ShardStore:
             self._transfers.give_back(staged)
 
     def _before_write(self, buffer: torch.Tensor) -> None:
-        if buffer.device.type != self._device.type:  # a host buffer on a CUDA machine
+        if not is_accelerator(buffer.device):  # a host buffer (every buffer, on a device that is the CPU)
             self._transfers.before_host_write(buffer)
 
     def mark_updated(self) -> None:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from .device import DeviceLayer, device_layer
+from .device.layer import Event, Stream
 from .stats import Stats
 
 __all__ = ["Direction", "HostTransfers"]
@@ -49,22 +51,27 @@ def _storage(tensor: torch.Tensor) -> int:
 class HostTransfers:
     """Copies between host and device for one model; see the module docstring."""
 
-    def __init__(self, stats: Stats, device: torch.device, copy_stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, stats: Stats, device: torch.device | DeviceLayer, copy_stream: Stream | None = None) -> None:
         self._stats = stats
-        self._cuda = device.type == "cuda"
-        if self._cuda and copy_stream is None:
-            copy_stream = torch.cuda.Stream(device)
+        self._layer = device if isinstance(device, DeviceLayer) else device_layer(device)
+        if self._layer.asynchronous and copy_stream is None:
+            copy_stream = self._layer.new_stream()
         self._copy_stream = copy_stream
-        self._readers: dict[int, torch.cuda.Event] = {}  # pinned host storage -> event after its last read
-        self._writers: dict[int, torch.cuda.Event] = {}  # pinned host storage -> event after a copy into it
-        self._timings: list[tuple[Direction, torch.cuda.Event, torch.cuda.Event]] = []
+        self._readers: dict[int, Event] = {}  # pinned host storage -> event after its last read
+        self._writers: dict[int, Event] = {}  # pinned host storage -> event after a copy into it
+        self._timings: list[tuple[Direction, Event, Event]] = []
         self._staging: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._staging_lock = threading.Lock()
 
     @property
+    def layer(self) -> DeviceLayer:
+        """The device layer the copies go through."""
+        return self._layer
+
+    @property
     def asynchronous(self) -> bool:
         """Whether copies from and into pinned host memory return before the bytes have moved."""
-        return self._cuda
+        return self._layer.asynchronous
 
     def _count(self, nbytes: int, direction: Direction) -> None:
         if direction is Direction.TO_DEVICE:
@@ -80,12 +87,13 @@ class HostTransfers:
         after: Callable[[], None] | None = None,
         divide_by: int | None = None,
     ) -> None:
-        """``target.copy_(source)``, asynchronous between the device and pinned memory on CUDA;
+        """``target.copy_(source)``, asynchronous between the device and pinned memory on an asynchronous device;
         counted and timed. Device to host: ``after`` (a wait for a collective producing ``source``)
         and ``source.div_(divide_by)`` run first, on the copy stream (elsewhere, on the caller's)."""
         nbytes = source.numel() * source.element_size()
         self._count(nbytes, direction)
-        if not self._cuda:
+        layer = self._layer
+        if not layer.asynchronous:
             if after is not None:
                 after()
             if divide_by is not None:
@@ -95,7 +103,7 @@ class HostTransfers:
             self._add_seconds(direction, time.perf_counter() - start)
             return
         host = source if direction is Direction.TO_DEVICE else target
-        pinned = host.device.type == "cpu" and host.is_pinned()
+        pinned = layer.is_pinned(host)
         if not pinned:
             self._stats.pageable_copies += 1
         if direction is Direction.TO_DEVICE:
@@ -104,24 +112,23 @@ class HostTransfers:
                 self._readers[_storage(source)] = done
             return
         stream = self._copy_stream
-        assert stream is not None, "a CUDA copy stream exists"
-        stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(stream):
+        assert stream is not None, "an asynchronous device has a copy stream"
+        layer.wait_stream(stream, layer.current_stream())
+        with layer.on_stream(stream):
             if after is not None:
                 after()
             if divide_by is not None:
                 source.div_(divide_by)
-            source.record_stream(stream)
+            layer.record_stream(source, stream)
             done = self._timed(direction, lambda: target.copy_(source, non_blocking=pinned))
         if pinned:
             self._writers[_storage(target)] = done
 
-    def _timed(self, direction: Direction, run: Callable[[], object]) -> torch.cuda.Event:
+    def _timed(self, direction: Direction, run: Callable[[], object]) -> Event:
         """Run a copy between two events on the current stream; returns the one after it."""
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+        begin = self._layer.record_event(timing=True)
         run()
-        end.record()
+        end = self._layer.record_event(timing=True)
         self._timings.append((direction, begin, end))
         if len(self._timings) > 256:
             self.settle()
@@ -132,37 +139,38 @@ class HostTransfers:
         if self._writers:
             event = self._writers.pop(_storage(host), None)
             if event is not None:
-                event.synchronize()
+                self._layer.synchronize(event)
 
     def before_host_write(self, host: torch.Tensor) -> None:
         """The CPU is about to write ``host``: wait for copies still reading or writing it."""
         if self._readers:
             event = self._readers.pop(_storage(host), None)
             if event is not None:
-                event.synchronize()
+                self._layer.synchronize(event)
         self.before_host_read(host)
 
     def staging(self, numel: int, dtype: torch.dtype, host: torch.device) -> torch.Tensor:
-        """A buffer on ``host`` for a temporary copy (pinned on CUDA), reused once ``give_back``
+        """A buffer on ``host`` for a temporary copy (pinned where the device pins), reused once ``give_back``
         returns it; the pool keeps what it pinned."""
         with self._staging_lock:
             free = self._staging.setdefault((numel, dtype, host), [])
             if free:
                 return free.pop()
-        return torch.empty(numel, dtype=dtype, device=host, pin_memory=self._cuda)
+        return self._layer.host_empty(numel, dtype, host)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """A staging buffer is free again (the caller has read it: ``before_host_read``); any
         thread may give one back (the disk tier's I/O threads do)."""
+        self._layer.host_buffer_free(buffer)
         with self._staging_lock:
             self._staging.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
     def settle(self) -> None:
-        """Add the seconds of completed CUDA copies to the statistics."""
+        """Add the seconds of completed asynchronous copies to the statistics."""
         pending = []
         for direction, begin, end in self._timings:
-            if end.query():
-                self._add_seconds(direction, begin.elapsed_time(end) / 1000.0)
+            if self._layer.query(end):
+                self._add_seconds(direction, self._layer.elapsed_seconds(begin, end))
             else:
                 pending.append((direction, begin, end))
         self._timings = pending

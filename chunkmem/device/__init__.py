@@ -1,0 +1,36 @@
+"""The device layer: the only code in chunkmem that knows the accelerator (streams, events, pinned
+host memory, memory capacity and the allocator's statistics); see ``layer`` and ``probes``."""
+
+from .layer import SIMULATED, AcceleratorLayer, DeviceLayer, device_layer, is_accelerator
+from .probes import (
+    DeviceMemory,
+    accelerator_available,
+    accelerator_lines,
+    accelerator_memory,
+    accelerator_process_capacity,
+    bf16_supported,
+    compute_device,
+    gpu_device,
+    nvml_memory,
+    peak_allocated,
+    reset_peak,
+)
+
+__all__ = [
+    "SIMULATED",
+    "AcceleratorLayer",
+    "DeviceLayer",
+    "DeviceMemory",
+    "accelerator_available",
+    "accelerator_lines",
+    "accelerator_memory",
+    "accelerator_process_capacity",
+    "bf16_supported",
+    "compute_device",
+    "device_layer",
+    "gpu_device",
+    "is_accelerator",
+    "nvml_memory",
+    "peak_allocated",
+    "reset_peak",
+]

@@ -1,0 +1,220 @@
+"""The device layer: the one place that knows the accelerator. Streams, events, pinned host memory
+and the waits between them go through a :class:`DeviceLayer`; the rest of chunkmem asks it, never
+``torch.cuda``.
+
+* :class:`DeviceLayer` is the synchronous device (the CPU computing): every copy is done when it
+  returns, so there is one stream, no events, nothing to pin and every wait is a no-op.
+* :class:`AcceleratorLayer` is a GPU-like device with streams and events that run apart from the
+  host. CUDA keeps the calls it always made (``torch.cuda.Stream``, ``torch.cuda.Event``,
+  ``torch.cuda.stream``); other accelerators (XPU, NPU through PrivateUse1, ...) use PyTorch's
+  device-generic ``torch.Stream`` / ``torch.Event`` / ``torch.accelerator`` where this PyTorch has
+  them, and run synchronously where it does not.
+* ``chunkmem.device.simulated`` is a CPU that behaves as such a device, for tests.
+
+``device_layer(device)`` picks the one for a compute device.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["AcceleratorLayer", "DeviceLayer", "device_layer", "is_accelerator"]
+
+_CUDA = "cuda"
+_HOST_TYPES = ("cpu", "meta")
+
+# What a stream or an event is, seen from outside the layer: opaque handles, ``None`` on a device
+# without them.
+Stream = Any
+Event = Any
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` computes apart from the host (a GPU, an XPU, ...), not the CPU itself."""
+    return device.type not in _HOST_TYPES
+
+
+class DeviceLayer:
+    """The synchronous device (the CPU): copies finish before they return, so waits are no-ops."""
+
+    asynchronous = False
+    """Whether copies from and into pinned host memory may return before the bytes have moved."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # --- streams ------------------------------------------------------------------------------
+    def new_stream(self) -> Stream | None:
+        """A stream of its own (``None``: the device has a single one)."""
+        return None
+
+    def current_stream(self) -> Stream | None:
+        """The stream work queued now goes to."""
+        return None
+
+    @contextmanager
+    def on_stream(self, stream: Stream | None) -> Iterator[None]:
+        """Queue the block's work on ``stream`` (``None``: the current one)."""
+        yield
+
+    def wait_stream(self, waiter: Stream | None, waited: Stream | None) -> None:
+        """Work queued on ``waiter`` from now on runs after what is queued on ``waited`` so far."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream | None) -> None:
+        """``tensor``'s memory is used by ``stream``: the allocator keeps it until that work is done."""
+
+    # --- events -------------------------------------------------------------------------------
+    def record_event(self, stream: Stream | None = None, timing: bool = False) -> Event | None:
+        """An event after the work queued so far on ``stream`` (default: the current one)."""
+        return None
+
+    def wait_event(self, event: Event | None) -> None:
+        """The current stream's later work runs after ``event``."""
+
+    def synchronize(self, event: Event | None) -> None:
+        """The host waits for ``event``."""
+
+    def query(self, event: Event | None) -> bool:
+        """Whether ``event`` has completed (never base a cross-rank decision on it)."""
+        return True
+
+    def elapsed_seconds(self, begin: Event, end: Event) -> float:
+        """Seconds between two completed timing events."""
+        return 0.0
+
+    # --- host memory --------------------------------------------------------------------------
+    @property
+    def pins(self) -> bool:
+        """Whether host buffers that cross to the device are pinned (page-locked)."""
+        return False
+
+    def host_empty(self, numel: int, dtype: torch.dtype, host: torch.device, pinned: bool = True) -> torch.Tensor:
+        """An uninitialised host buffer, pinned when ``pinned`` and the device pins."""
+        return torch.empty(numel, dtype=dtype, device=host, pin_memory=pinned and self.pins)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory a copy can read or write asynchronously."""
+        return False
+
+    def host_buffer_free(self, buffer: torch.Tensor) -> None:
+        """A host buffer goes back to a pool: nobody may read what it holds any more."""
+
+    # --- identity -----------------------------------------------------------------------------
+    def same_device(self, other: torch.device) -> bool:
+        """Whether ``other`` names this device (an accelerator without index: the current one)."""
+        return other.type == self.device.type
+
+
+class AcceleratorLayer(DeviceLayer):
+    """A device with streams and events of its own (see the module docstring)."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._cuda = device.type == _CUDA
+
+    def new_stream(self) -> Stream:
+        if self._cuda:
+            return torch.cuda.Stream(self.device)
+        return torch.Stream(device=self.device)
+
+    def current_stream(self) -> Stream:
+        if self._cuda:
+            return torch.cuda.current_stream(self.device)
+        return torch.accelerator.current_stream(self.device)
+
+    @contextmanager
+    def on_stream(self, stream: Stream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+        elif self._cuda:
+            with torch.cuda.stream(stream):
+                yield
+        else:
+            previous = torch.accelerator.current_stream(self.device)
+            torch.accelerator.set_stream(stream)
+            try:
+                yield
+            finally:
+                torch.accelerator.set_stream(previous)
+
+    def wait_stream(self, waiter: Stream | None, waited: Stream | None) -> None:
+        (waiter or self.current_stream()).wait_stream(waited or self.current_stream())
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream | None) -> None:
+        tensor.record_stream(stream or self.current_stream())
+
+    def record_event(self, stream: Stream | None = None, timing: bool = False) -> Event:
+        event = torch.cuda.Event(enable_timing=timing) if self._cuda else torch.Event(self.device, enable_timing=timing)
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)
+        return event
+
+    def wait_event(self, event: Event | None) -> None:
+        if event is not None:
+            if self._cuda:
+                torch.cuda.current_stream().wait_event(event)
+            else:
+                self.current_stream().wait_event(event)
+
+    def synchronize(self, event: Event | None) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def query(self, event: Event | None) -> bool:
+        return event is None or bool(event.query())
+
+    def elapsed_seconds(self, begin: Event, end: Event) -> float:
+        return begin.elapsed_time(end) / 1000.0
+
+    @property
+    def pins(self) -> bool:
+        return True
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def same_device(self, other: torch.device) -> bool:
+        if other.type != self.device.type:
+            return False
+        current = _current_index(self.device)
+        mine = self.device.index if self.device.index is not None else current
+        return (other.index if other.index is not None else current) == mine
+
+
+def _current_index(device: torch.device) -> int:
+    if device.type == _CUDA:
+        return torch.cuda.current_device()
+    return torch.accelerator.current_device_index()
+
+
+def _generic_streams() -> bool:
+    """Whether this PyTorch has the device-generic stream API a non-CUDA accelerator needs."""
+    return hasattr(torch, "accelerator") and hasattr(torch.accelerator, "set_stream") and hasattr(torch, "Event")
+
+
+SIMULATED = "cpu-async"
+"""``CHUNKMEM_DEVICE`` value that makes the CPU a simulated asynchronous device."""
+
+
+def device_layer(device: torch.device) -> DeviceLayer:
+    """The layer for compute device ``device``. The CPU is synchronous unless ``CHUNKMEM_DEVICE``
+    is ``cpu-async`` (or ``cpu-async:<seed>``): then it is the simulated asynchronous device."""
+    if device.type == _CUDA or (is_accelerator(device) and _generic_streams()):
+        return AcceleratorLayer(device)
+    if device.type == "cpu" and os.environ.get("CHUNKMEM_DEVICE", "").split(":")[0] == SIMULATED:
+        from .simulated import simulated_layer
+
+        return simulated_layer(device)
+    return DeviceLayer(device)
