@@ -326,8 +326,11 @@ class ChunkGrads:
 
     @property
     def shard(self) -> torch.Tensor:
-        """The reduced fp32 gradient shard."""
-        if self._machine.state is not GradState.REDUCED:
+        """The reduced fp32 gradient shard: once reduced or, for a slot already sent to a host
+        shard (an asynchronous device), while the reduction finishes on the device (an early host
+        step reads it then; ``grad`` waits for the copies into it)."""
+        sent = self._sent and self._machine.state in (GradState.REDUCING, GradState.REDUCING_ON_REDUCED)
+        if self._machine.state is not GradState.REDUCED and not sent:
             raise RuntimeError(
                 f"{self._owner()}: has no reduced gradient shard (gradient state {self._machine.state.value}); "
                 "finish the backward pass first"
