@@ -1,0 +1,204 @@
+"""Training scenarios run on the simulated asynchronous device (``chunkmem.device.simulated``) and
+on the synchronous CPU: each returns what the run ends with (losses and the full state), so a
+test can require the two runs equal bit for bit, and a missing wait (an unordered access the
+simulated device raises for, or changed numbers) fails it."""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunked
+
+from chunkmem import BudgetTooSmallError, StepAfterBackward, StepDuringBackward
+from chunkmem.device.simulated import UnorderedAccessError, simulated_device
+from placement import AutoPlacementConfig, StaticPlacementConfig
+
+OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
+
+
+def _offload(prefetch: int, **extra: Any) -> StaticPlacementConfig:
+    return StaticPlacementConfig(**{**OFFLOAD, **extra}, max_prefetch=prefetch)
+
+
+def _train(rank: int, world_size: int, placement: Any, precision: str = "fp32", **options: Any) -> dict[str, Any]:
+    clip = options.pop("clip", None)
+    chunked, optimizer, booster = boost(
+        gpt2(), adamw_two_groups, precision=precision, chunk_size=6_000, placement=placement, **options
+    )
+    losses = train_chunked(chunked, optimizer, booster, batches(3), rank, world_size, clip=clip)
+    return {"losses": losses, "state": chunked.state_dict()}
+
+
+def _accumulate(rank: int, world_size: int, placement: Any, no_sync: bool) -> dict[str, Any]:
+    """Two micro-batches a step, the first inside ``no_sync`` when asked (a spill to the host
+    where the budget is small, folded back by the reduction)."""
+    chunked, optimizer, booster = boost(
+        gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000, placement=placement
+    )
+    losses: list[Any] = []
+    for ids in batches(3, batch=8):
+        first, second = ids.chunk(world_size)[rank].chunk(2)
+        with booster.no_sync(chunked, optimizer) if no_sync else nullcontext():
+            booster.backward(lm_loss(chunked, first), optimizer)
+        loss = lm_loss(chunked, second)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": [*losses, chunked.stats().grad_spills], "state": chunked.state_dict()}
+
+
+def _spilling(budget: int) -> StaticPlacementConfig:
+    return StaticPlacementConfig(device_budget=budget, max_prefetch=1, offload_optim_frac=1)
+
+
+def _smallest(placement: Callable[[int], Any]) -> Any:
+    """``placement`` at the smallest budget boost accepts: inside ``no_sync`` gradient buffers
+    then go to the host and are folded back by the reduction."""
+    try:
+        boost(gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000, placement=placement(1))
+    except BudgetTooSmallError as refused:
+        return placement(refused.minimum)
+    raise AssertionError("a budget of one byte was accepted")
+
+
+def _disk(rank: int, world_size: int) -> dict[str, Any]:
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=2)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _train(rank, world_size, placement, "bf16", disk_dir=Path(scratch))
+
+
+def _checkpoint(rank: int, world_size: int, precision: str, evaluate: bool) -> dict[str, Any]:
+    """Saved after two steps, loaded into a second boosted model mid-training (after a step of
+    its own, or with ``evaluate`` right after a forward without gradients: no copy back to the
+    host stands between the gathers that read host shards and the load that rewrites them),
+    trained on."""
+    chunked, optimizer, booster = boost(
+        gpt2(), adamw_two_groups, precision=precision, chunk_size=6_000, placement=_offload(2)
+    )
+    data = batches(4)
+    train_chunked(chunked, optimizer, booster, data[:2], rank, world_size)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch)
+        booster.save_model(chunked, path / "model.pt")
+        booster.save_optimizer(optimizer, path / "optim.pt")
+        other, other_optimizer, other_booster = boost(
+            gpt2(seed=5), adamw_two_groups, precision=precision, chunk_size=6_000, placement=_offload(2)
+        )
+        if evaluate:
+            with torch.no_grad():
+                lm_loss(other, data[0])
+        else:
+            train_chunked(other, other_optimizer, other_booster, data[:1], rank, world_size)
+        other_booster.load_model(other, path / "model.pt")
+        other_booster.load_optimizer(other_optimizer, path / "optim.pt")
+    losses = train_chunked(other, other_optimizer, other_booster, data[2:], rank, world_size)
+    return {"losses": losses, "state": other.state_dict()}
+
+
+SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
+    # name: (world size, run)
+    "offload-p0": (1, lambda r, w: _train(r, w, _offload(0), host_step=StepAfterBackward())),
+    "offload-p3-bf16": (1, lambda r, w: _train(r, w, _offload(3), "bf16", host_step=StepAfterBackward())),
+    "offload-p3-early-undo": (1, lambda r, w: _train(r, w, _offload(3), host_step=StepDuringBackward(), clip=0.05)),
+    "optim-offload-p2-bf16": (
+        1,
+        lambda r, w: _train(r, w, StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=2), "bf16"),
+    ),
+    "auto-p3": (1, lambda r, w: _train(r, w, AutoPlacementConfig(device_budget=600_000, max_prefetch=3))),
+    "accumulate-offload": (1, lambda r, w: _accumulate(r, w, _offload(2), no_sync=False)),
+    "disk-bf16": (1, _disk),
+    "checkpoint-mid-training": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=False)),
+    "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
+    "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),
+    "w2-offload-p3": (2, lambda r, w: _train(r, w, _offload(3))),
+    "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
+}
+
+
+def run_scenario(rank: int, world_size: int, name: str, simulated: bool) -> dict[str, Any]:
+    """One scenario on this rank, on the simulated device or the synchronous CPU."""
+    run = SCENARIOS[name][1]
+    if not simulated:
+        return run(rank, world_size)
+    with simulated_device():
+        return run(rank, world_size)
+
+
+def assert_identical(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    assert a["losses"] == b["losses"], f"{what}: losses differ"
+    assert a["state"].keys() == b["state"].keys()
+    for key, value in a["state"].items():
+        assert torch.equal(value, b["state"][key]), f"{what}: {key} differs"
+
+
+# --- removing one wait ------------------------------------------------------------------------
+LIBRARY = Path(__file__).resolve().parent.parent / "chunkmem"
+_WAIT = re.compile(r"before_host_(read|write)\(|layer\.(wait_stream|wait_event|synchronize|record_stream)\(")
+
+
+def wait_sites() -> list[tuple[str, int, str]]:
+    """Every call of a wait of the protocol in the library outside the device layer: (path
+    relative to the library, line, the call's name)."""
+    sites = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if "device" in path.relative_to(LIBRARY).parts:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found = _WAIT.search(line)
+            if found and not line.lstrip().startswith("def "):
+                name = found.group(0).removesuffix("(").split(".")[-1]
+                sites.append((str(path.relative_to(LIBRARY)), number, name))
+    return sites
+
+
+@contextmanager
+def without(site: tuple[str, int, str]) -> Iterator[None]:
+    """The wait called at ``site`` does nothing there (everywhere else it waits)."""
+    from chunkmem.device.simulated import SimulatedLayer
+    from chunkmem.transfers import HostTransfers
+
+    relative, line, name = site
+    owner = HostTransfers if name.startswith("before_host") else SimulatedLayer
+    original = getattr(owner, name)
+    target = str(LIBRARY / relative)
+
+    def skipped(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        if caller.f_lineno == line and caller.f_code.co_filename == target:
+            return None
+        return original(*args, **kwargs)
+
+    setattr(owner, name, skipped)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+_SYNCHRONOUS: dict[str, dict[str, Any]] = {}
+
+
+def caught_without(rank: int, world_size: int, site: tuple[str, int, str], name: str) -> str | None:
+    """How scenario ``name`` on the simulated device fails with the wait at ``site`` removed
+    (``None``: it does not), against the synchronous run."""
+    if name not in _SYNCHRONOUS:
+        _SYNCHRONOUS[name] = run_scenario(rank, world_size, name, False)
+    try:
+        with without(site):
+            result = run_scenario(rank, world_size, name, True)
+        assert_identical(result, _SYNCHRONOUS[name], name)
+    except UnorderedAccessError as error:
+        return f"unordered access: {str(error)[:160]}"
+    except AssertionError as error:
+        return f"numbers differ: {str(error).splitlines()[0]}"
+    except Exception as error:  # any failure is a failing test
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return None

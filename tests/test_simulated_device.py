@@ -1,0 +1,136 @@
+"""The simulated asynchronous device (``chunkmem.device.simulated``): training on it equals the
+synchronous CPU run bit for bit, and removing any one wait of the copy protocol (a call site at a
+time) makes a run on it fail, which the synchronous CPU never shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from simulated import SCENARIOS, assert_identical, caught_without, run_scenario, wait_sites
+
+from chunkmem.device import device_layer
+from chunkmem.device.simulated import SimulatedLayer, UnorderedAccessError, simulated_device
+
+pytestmark = pytest.mark.simulated
+
+FAST = {"offload-p3-bf16", "load-after-eval", "w2-offload-p3"}
+
+
+def _both(rank: int, world_size: int, name: str) -> None:
+    assert_identical(run_scenario(rank, world_size, name, True), run_scenario(rank, world_size, name, False), name)
+
+
+def _marks(name: str) -> list[Any]:
+    marks: list[Any] = [] if name in FAST else [pytest.mark.slow]
+    if SCENARIOS[name][0] > 1:
+        marks += [pytest.mark.multirank] + ([pytest.mark.fast_tier] if name in FAST else [])
+    return marks
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_marks(name)) for name in SCENARIOS])
+def test_training_on_the_simulated_device_equals_the_synchronous_run_bit_for_bit(name: str) -> None:
+    world_size = SCENARIOS[name][0]
+    if world_size == 1:
+        _both(0, 1, name)
+    else:
+        run_ranks(_both, world_size, args=(name,))
+
+
+def test_the_simulated_device_is_asynchronous_and_pins() -> None:
+    with simulated_device():
+        layer = device_layer(torch.device("cpu"))
+        assert isinstance(layer, SimulatedLayer) and layer.asynchronous and layer.pins
+        assert layer.is_pinned(layer.host_empty(4, torch.float32, torch.device("cpu")))
+        assert not layer.is_pinned(torch.empty(4))
+
+
+def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() -> None:
+    with simulated_device(check=False) as simulator:
+        layer = device_layer(torch.device("cpu"))
+        host = layer.host_empty(8, torch.float32, torch.device("cpu"))
+        host.fill_(1.0)
+        device = torch.empty(8)
+        side = layer.new_stream()
+        with layer.on_stream(side):
+            device.copy_(host, non_blocking=True)
+            read = layer.record_event()
+        layer.synchronize(read)
+        host.fill_(2.0)  # waited for: fine
+        with layer.on_stream(side):
+            device.copy_(host, non_blocking=True)
+        with pytest.raises(UnorderedAccessError, match="fill_"):
+            host.fill_(3.0)  # the copy on the side stream may not have read it yet
+        assert len(simulator.errors) == 1
+
+
+# Which scenario fails without each wait (file: function: call). The ones below it no scenario
+# can catch, and why.
+CATCHES = {
+    "chunk_grads.py: spill: transfers.before_host_write(host)": None,
+    "chunk_grads.py: _add_to_host: transfers.before_host_read(staged)": "w2-no-sync-spill",
+    "chunk_grads.py: _add_to_host: transfers.before_host_write(host)": None,
+    "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
+    "comm.py: wait: self._comm.layer.wait_event(self._event)": "offload-p3-bf16",
+    "comm.py: side_stream: self._layer.wait_stream(self._side_stream, self._layer.current_stream())": "offload-p3-bf16",
+    "grad_on_disk.py: receive: self._transfers.before_host_read(host)": "disk-bf16",
+    "shard.py: prepare_host_write: self._transfers.before_host_write(self._master)": "load-after-eval",
+    "shard.py: _settle_grad: self._transfers.before_host_read(self._grad)": "offload-p0",
+    "shard.py: _settle_grad: self._transfers.before_host_read(staged)": "auto-p3",
+    "shard.py: _before_write: self._transfers.before_host_write(buffer)": None,
+    "shard.py: _host_compute: self._transfers.before_host_write(self._host_cast)": "load-after-eval-bf16",
+    "transfers.py: copy: layer.wait_stream(stream, layer.current_stream())": "offload-p0",
+    "transfers.py: copy: layer.record_stream(source, stream)": "offload-p0",
+    "transfers.py: before_host_read: self._layer.synchronize(event)": "offload-p0",
+    "transfers.py: before_host_write: self._layer.synchronize(event)": "load-after-eval",
+    "transfers.py: before_host_write: self.before_host_read(host)": None,
+}
+UNCATCHABLE = {
+    "chunk_grads.py: spill: transfers.before_host_write(host)": "a staging buffer from the pool: it was given "
+    "back only after its user waited for its copies, and the copy into it is queued after the host's last use",
+    "chunk_grads.py: _add_to_host: transfers.before_host_write(host)": "the copies into the host buffer are "
+    "queued on the copy stream before the staged copy waited for just before (before_host_read(staged))",
+    "shard.py: _before_write: self._transfers.before_host_write(buffer)": "the copy that then writes the buffer "
+    "is queued after the host's last use of it and on the copy stream after the compute stream; no copy on "
+    "another stream reads a master or gradient shard it guards",
+    "transfers.py: before_host_write: self.before_host_read(host)": "every host buffer a copy writes into is "
+    "read (before_host_read) before the host writes it",
+}
+
+
+def _label(site: tuple[str, int, str]) -> str:
+    from simulated import LIBRARY
+
+    lines = (LIBRARY / site[0]).read_text().splitlines()
+    function = next(line for line in reversed(lines[: site[1]]) if line.lstrip().startswith("def "))
+    name = function.split("def ", 1)[1].split("(", 1)[0]
+    return f"{site[0]}: {name}: {lines[site[1] - 1].split('#')[0].strip()}"
+
+
+SITES = {_label(site): site for site in wait_sites()}
+
+
+def test_every_wait_of_the_protocol_is_listed() -> None:
+    assert sorted(SITES) == sorted(CATCHES), "a wait was added or moved: say which scenario catches it"
+    assert {label for label, name in CATCHES.items() if name is None} == set(UNCATCHABLE)
+
+
+@pytest.mark.parametrize(
+    "label",
+    [
+        pytest.param(label, marks=[pytest.mark.slow, *_marks(name)[1:]])
+        for label, name in CATCHES.items()
+        if name is not None
+    ],
+)
+def test_removing_one_wait_fails_a_run_on_the_simulated_device(label: str) -> None:
+    site, name = SITES[label], CATCHES[label]
+    assert name is not None
+    world_size = SCENARIOS[name][0]
+    if world_size == 1:
+        found = [caught_without(0, 1, site, name)]
+    else:
+        found = run_ranks(caught_without, world_size, args=(site, name))
+    assert any(found), f"{label}: {name} still passes without it"
