@@ -1,7 +1,8 @@
 """The device layer: the only code in chunkmem that knows the accelerator (streams, events, pinned
 host memory, memory capacity and the allocator's statistics); see ``layer`` and ``probes``."""
 
-from .layer import SIMULATED, AcceleratorLayer, DeviceLayer, device_layer, is_accelerator
+from .choice import device_layer
+from .layer import AcceleratorLayer, DeviceLayer, is_accelerator
 from .probes import (
     DeviceMemory,
     accelerator_available,
@@ -15,6 +16,7 @@ from .probes import (
     peak_allocated,
     reset_peak,
 )
+from .simulated import SIMULATED
 
 __all__ = [
     "SIMULATED",

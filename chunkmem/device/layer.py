@@ -11,19 +11,18 @@ and the waits between them go through a :class:`DeviceLayer`; the rest of chunkm
   them, and run synchronously where it does not.
 * ``chunkmem.device.simulated`` is a CPU that behaves as such a device, for tests.
 
-``device_layer(device)`` picks the one for a compute device.
+``chunkmem.device.choice.device_layer(device)`` picks the one for a compute device.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["AcceleratorLayer", "DeviceLayer", "device_layer", "is_accelerator"]
+__all__ = ["AcceleratorLayer", "DeviceLayer", "generic_streams", "is_accelerator"]
 
 _CUDA = "cuda"
 _HOST_TYPES = ("cpu", "meta")
@@ -199,22 +198,6 @@ def _current_index(device: torch.device) -> int:
     return torch.accelerator.current_device_index()
 
 
-def _generic_streams() -> bool:
+def generic_streams() -> bool:
     """Whether this PyTorch has the device-generic stream API a non-CUDA accelerator needs."""
     return hasattr(torch, "accelerator") and hasattr(torch.accelerator, "set_stream") and hasattr(torch, "Event")
-
-
-SIMULATED = "cpu-async"
-"""``CHUNKMEM_DEVICE`` value that makes the CPU a simulated asynchronous device."""
-
-
-def device_layer(device: torch.device) -> DeviceLayer:
-    """The layer for compute device ``device``. The CPU is synchronous unless ``CHUNKMEM_DEVICE``
-    is ``cpu-async`` (or ``cpu-async:<seed>``): then it is the simulated asynchronous device."""
-    if device.type == _CUDA or (is_accelerator(device) and _generic_streams()):
-        return AcceleratorLayer(device)
-    if device.type == "cpu" and os.environ.get("CHUNKMEM_DEVICE", "").split(":")[0] == SIMULATED:
-        from .simulated import simulated_layer
-
-        return simulated_layer(device)
-    return DeviceLayer(device)

@@ -28,6 +28,7 @@ Enter :func:`simulated_device` (tests: it checks pool threads too) or set ``CHUN
 from __future__ import annotations
 
 import concurrent.futures.thread
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +42,10 @@ from torch.utils._pytree import tree_flatten
 
 from .layer import DeviceLayer
 
-__all__ = ["SimulatedLayer", "Simulator", "UnorderedAccessError", "simulated_device", "simulated_layer"]
+__all__ = ["SIMULATED", "SimulatedLayer", "Simulator", "UnorderedAccessError", "simulated_device", "simulated_layer"]
+
+SIMULATED = "cpu-async"
+"""``CHUNKMEM_DEVICE`` value that makes the CPU a simulated asynchronous device."""
 
 HOST = "host"
 COMPUTE = "compute stream"
@@ -368,10 +372,6 @@ def simulated_device(check: bool = True) -> Iterator[Simulator]:
     """Within the block, the CPU is the simulated asynchronous device for models boosted in it,
     with its checks on this thread; on exit, raise if an error was recorded (one a worker thread
     swallowed) and ``check``."""
-    import os
-
-    from .layer import SIMULATED
-
     simulator = Simulator()
     previous = os.environ.get("CHUNKMEM_DEVICE")
     os.environ["CHUNKMEM_DEVICE"] = SIMULATED
