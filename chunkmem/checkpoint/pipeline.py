@@ -21,6 +21,7 @@ from ..errors import CheckpointError, CheckpointWriteError
 from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
 from .identity import model_fingerprint
+from .loadable import check_loadable
 from .manifest import Kind, Manifest, Record, TensorEntry
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = ["load", "save"]
 S = TypeVar("S")
 R = TypeVar("R")
 _NOUN = {"model": "model", "optimizer": "optimizer", "lr_scheduler": "LR scheduler"}
+_STATE = {kind: f"{kind.removeprefix('lr_')}.state_dict()" for kind in _NOUN}
 
 
 def save(
@@ -59,13 +61,12 @@ def save(
         save_directory(comm, target, record, pieces)
         return
     state = full_state()
-    on_first_rank(
-        comm,
-        f"saving {_NOUN[kind]} checkpoint",
-        lambda: write_checkpoint(state, target, record),
-        CheckpointWriteError,
-        str(target),
-    )
+
+    def write() -> None:
+        check_loadable(state, _STATE[kind], f"{_NOUN[kind]} checkpoint {target}")
+        write_checkpoint(state, target, record)
+
+    on_first_rank(comm, f"saving {_NOUN[kind]} checkpoint", write, CheckpointWriteError, str(target))
 
 
 def load(

@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..agreement import agree, on_first_rank
 from ..comm import Communicator
 from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
-from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
+from .dcp_layout import Blob, LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
+from .loadable import check_loadable
 from .manifest import (
     DCP_LAYOUT,
     DIRECTORY_FORMAT,
@@ -126,6 +127,9 @@ def save_directory(
                     "rank must save to the same directory, on a filesystem all ranks share"
                 )
             entries.update(build())
+            for name, entry in entries.items():
+                if isinstance(entry, Blob):
+                    check_loadable(entry.value, name, f"the sharded {record.kind} checkpoint {target}")
 
         agree(comm, f"{what} (preparing)", ready, CheckpointWriteError, subject)
 
