@@ -265,7 +265,9 @@ def test_a_checkpoint_without_its_manifest_loads_only_when_told_and_is_logged(
     assert len(unverified) == 2 and "model.pt" in unverified[0] and "optim" in unverified[1], unverified
 
 
-def test_an_edited_step_is_refused_and_old_unsealed_manifests_still_load(tmp_path: Path) -> None:
+def test_an_edited_step_is_refused_and_an_unsealed_manifest_loads_only_when_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     chunked, _, booster = _trained()
     booster.save_model(chunked, tmp_path / "model.pt")
     booster.save_model(chunked, tmp_path / "model", shard=True)
@@ -276,10 +278,19 @@ def test_an_edited_step_is_refused_and_old_unsealed_manifests_still_load(tmp_pat
         target = tmp_path / ("model.pt" if side.parent == tmp_path else "model")
         with pytest.raises(CheckpointCorruptedError, match=r"changed after it was written"):
             booster.load_model(chunked, target)
-        # a manifest of version 1 (before manifests were sealed) still loads
-        legacy = {k: v for k, v in original.items() if k != "checksum"}
+        # an edit to version 1 (before manifests were sealed) is no way around the seal: such a
+        # manifest loads only with verify=False, logged, and its digests are still checked
+        legacy = {k: v for k, v in edited.items() if k != "checksum"}
         side.write_text(json.dumps({**legacy, "version": 1}))
-        booster.load_model(chunked, target)
+        with pytest.raises(CheckpointUnverifiedError, match=r"no seal \(version 1.*verify=False"):
+            booster.load_model(chunked, target)
+        with caplog.at_level("WARNING", logger="chunkmem"):
+            booster.load_model(chunked, target, verify=False)
+        assert any("unsealed" in r.getMessage() and str(target) in r.getMessage() for r in caplog.records)
+        data = next(p for p in sorted(target.iterdir()) if p.suffix == ".distcp") if target.is_dir() else target
+        data.write_bytes(data.read_bytes()[:-1])
+        with pytest.raises(CheckpointCorruptedError, match="truncated"):
+            booster.load_model(chunked, target, verify=False)
 
 
 @pytest.mark.parametrize("entry", ["../../secret.txt", "/etc/hostname", "link"])

@@ -33,6 +33,7 @@ from .manifest import (
     Record,
     check_digest,
     check_kind,
+    check_sealed,
     digest_of,
     manifest_path,
     read_manifest,
@@ -214,6 +215,7 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
                 if _identity(target) == identity:
                     return obj, None
                 continue
+            check_sealed(manifest, manifest_path(target), target, verify)
             actual = digest_of(held)
             chosen = manifest
             if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:

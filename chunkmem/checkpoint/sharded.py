@@ -53,6 +53,7 @@ from .manifest import (
     Manifest,
     Record,
     check_kind,
+    check_sealed,
     digest_of,
     read_manifest,
     unverified,
@@ -218,6 +219,7 @@ def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[M
             f"{DCP_METADATA}"
         )
     if manifest is not None:
+        check_sealed(manifest, target / MANIFEST_NAME, target, verify)
         check_kind(target, manifest, kind)
         verify_files(target, manifest, comm.rank, comm.world_size)
     else:
