@@ -32,6 +32,7 @@ from .manifest import MANIFEST_NAME, Kind, Manifest, check_digest, digest_of, pl
 from .workspace import (
     PREVIOUS,
     Workspace,
+    check_only_saver,
     fsync_directory,
     interrupted_saves,
     remove_dead_workspaces,
@@ -110,7 +111,12 @@ def make_workspace(target: Path, kind: Kind) -> Workspace:
     remove_dead_workspaces(target)
     check_replaceable(target, kind)
     workspace = Workspace(target)
-    (workspace / WRITE_INTO).mkdir()
+    try:
+        check_only_saver(workspace)
+        (workspace / WRITE_INTO).mkdir()
+    except BaseException:
+        workspace.remove()
+        raise
     return workspace
 
 

@@ -42,6 +42,7 @@ from .manifest import (
 from .workspace import (
     KEEP_READING,
     Workspace,
+    check_only_saver,
     first_line,
     fsync_directory,
     kept_replacing,
@@ -107,6 +108,7 @@ def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_workspaces(target)
         workspace = Workspace(target)
+        check_only_saver(workspace)
         for source, destination in fill(workspace):
             os.replace(source, destination)
         fsync_directory(target.parent)
