@@ -5,6 +5,7 @@ false corruption."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from distributed import run_ranks
 from killed_saves import live_workspace
 
-from chunkmem import Booster, CheckpointWriteError, ChunkPlugin, NotSupportedError
+from chunkmem import Booster, CheckpointMismatchError, CheckpointWriteError, ChunkPlugin, NotSupportedError
 
 
 def _small(lr: Any = 1e-3) -> tuple[Any, Any, Booster]:
@@ -91,6 +92,145 @@ def test_a_numpy_hyperparameter_is_refused_on_every_rank(tmp_path: Path) -> None
         assert "['lr']" in file_message and "numpy.float64" in file_message, file_message
         assert "param_groups.0.lr" in directory_message and "numpy.float64" in directory_message, directory_message
     assert list(tmp_path.iterdir()) == []
+
+
+# --- a set of saves interrupted between its saves ---------------------------------------------
+class _Run:
+    """A boosted model, optimizer and scheduler saving their set to fixed paths under ``root``."""
+
+    def __init__(self, root: Path, shard: bool) -> None:
+        self.chunked, self.optimizer, self.booster = _small()
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.shard = shard
+        suffix = "" if shard else ".pt"
+        self.paths = {
+            "model": root / f"model{suffix}",
+            "optimizer": root / f"optim{suffix}",
+            "sched": root / "sched.pt",
+        }
+
+    def train(self) -> None:
+        _step(self.chunked, self.optimizer, self.booster)
+        self.scheduler.step()
+
+    def save(self, upto: int = 3) -> None:
+        """The set's saves in order; with ``upto`` < 3 the job dies after that many."""
+        saves = [
+            lambda: self.booster.save_model(self.chunked, self.paths["model"], shard=self.shard),
+            lambda: self.booster.save_optimizer(self.optimizer, self.paths["optimizer"], shard=self.shard),
+            lambda: self.booster.save_lr_scheduler(self.scheduler, self.paths["sched"], self.optimizer),
+        ]
+        for save in saves[:upto]:
+            save()
+
+    def state(self) -> tuple[dict[str, torch.Tensor], Any, Any]:
+        model = {k: v.clone() for k, v in self.chunked.state_dict().items()}
+        return model, copy.deepcopy(self.optimizer.state_dict()), copy.deepcopy(self.scheduler.state_dict())
+
+
+def _same_state(actual: tuple[Any, Any, Any], expected: tuple[Any, Any, Any]) -> None:
+    assert actual[0].keys() == expected[0].keys()
+    assert all(torch.equal(actual[0][k], expected[0][k]) for k in expected[0])
+    for key, value in expected[1]["state"].items():
+        assert all(torch.equal(actual[1]["state"][key][name], v) for name, v in value.items())
+    assert actual[1]["param_groups"] == expected[1]["param_groups"]
+    assert actual[2] == expected[2]
+
+
+def _kept(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.endswith(".chunkmem-kept"))
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("killed_after", [1, 2])
+def test_a_set_killed_between_its_saves_resumes_from_the_checkpoints_it_replaced(
+    tmp_path: Path, shard: bool, killed_after: int
+) -> None:
+    job = _Run(tmp_path, shard)
+    for _ in range(2):
+        job.train()
+        job.save()
+    assert _kept(tmp_path) == [], "a whole set keeps nothing"
+    at_step_2 = job.state()
+    job.train()
+    job.save(upto=killed_after)  # killed after the model (and the optimizer) save of step 3
+
+    resumed = _Run(tmp_path, shard)  # a new job resumes from the fixed paths
+    paths = resumed.paths
+    resumed.booster.load_model(resumed.chunked, paths["model"])
+    if killed_after == 1:
+        with pytest.raises(CheckpointMismatchError) as caught:
+            resumed.booster.load_optimizer(resumed.optimizer, paths["optimizer"])
+    else:
+        resumed.booster.load_optimizer(resumed.optimizer, paths["optimizer"])
+        with pytest.raises(CheckpointMismatchError) as caught:
+            resumed.booster.load_lr_scheduler(resumed.scheduler, paths["sched"])
+    message = str(caught.value)
+    named = [p for p in tmp_path.glob(".*.chunkmem-kept/*") if str(p) in message]  # the fix it names exists
+    assert len(named) == killed_after and "step 2" in message, message
+    for kept in named:  # the fix: load the checkpoints of step 2 the killed set replaced
+        if kept.name.startswith("model"):
+            resumed.booster.load_model(resumed.chunked, kept)
+        else:
+            resumed.booster.load_optimizer(resumed.optimizer, kept)
+    if killed_after == 1:
+        resumed.booster.load_optimizer(resumed.optimizer, paths["optimizer"])
+    resumed.booster.load_lr_scheduler(resumed.scheduler, paths["sched"])
+    _same_state(resumed.state(), at_step_2)
+
+    resumed.train()  # step 3 again: the resumed set saves whole, and what was kept goes
+    resumed.save()
+    assert _kept(tmp_path) == []
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_directory_with_the_kept_name_that_chunkmem_did_not_make_is_never_touched(
+    tmp_path: Path, shard: bool
+) -> None:
+    job = _Run(tmp_path, shard)
+    job.train()
+    job.save(upto=1)
+    target = job.paths["model"]
+    mine = tmp_path / f".{target.name}.chunkmem-kept"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    job.train()
+    with pytest.raises(CheckpointWriteError, match=r"chunkmem did not make it"):
+        job.save(upto=1)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    job.booster.load_model(job.chunked, target)  # still the checkpoint of step 1
+    assert job.chunked.progress.step == 1
+
+
+def _killed_set_on_two_ranks(rank: int, world_size: int, directory: str) -> tuple[str, list[str]]:
+    root = Path(directory)
+    job = _Run(root, shard=True)
+    for _ in range(2):
+        job.train()
+        job.save()
+    at_step_2 = job.state()
+    job.train()
+    job.save(upto=1)
+    resumed = _Run(root, shard=True)
+    resumed.booster.load_model(resumed.chunked, resumed.paths["model"])
+    with pytest.raises(CheckpointMismatchError) as caught:
+        resumed.booster.load_optimizer(resumed.optimizer, resumed.paths["optimizer"])
+    kept = root / ".model.chunkmem-kept" / "model"
+    assert str(kept) in str(caught.value), str(caught.value)
+    resumed.booster.load_model(resumed.chunked, kept)
+    resumed.booster.load_optimizer(resumed.optimizer, resumed.paths["optimizer"])
+    resumed.booster.load_lr_scheduler(resumed.scheduler, resumed.paths["sched"])
+    _same_state(resumed.state(), at_step_2)
+    resumed.train()
+    resumed.save()
+    return str(caught.value), _kept(root)
+
+
+@pytest.mark.multirank
+def test_a_sharded_set_killed_between_its_saves_resumes_at_two_ranks(tmp_path: Path) -> None:
+    results = run_ranks(_killed_set_on_two_ranks, 2, (str(tmp_path),))
+    assert all(kept == [] for _, kept in results), results
+    assert results[0][0] == results[1][0]
 
 
 # --- a second job saving to the same path -----------------------------------------------------

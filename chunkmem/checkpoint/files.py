@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError
+from .kept import keep_file
 from .manifest import (
     FileDigest,
     Kind,
@@ -154,6 +155,7 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
     def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         digest = _write_into(obj, workspace / "data")
+        keep_file(target, record.step)
         manifest = record.manifest(file=target.name, digest=digest, previous=_current_manifest(target))
         write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
         written.append(manifest)
