@@ -183,6 +183,49 @@ def test_a_set_killed_between_its_saves_resumes_from_the_checkpoints_it_replaced
     assert _kept(tmp_path) == []
 
 
+_KILLED_JOB = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_checkpoint_saving import _Run
+
+job = _Run(Path({root!r}), {shard!r})
+for _ in range(2):
+    job.train()
+    job.save()
+job.train()
+job.save(upto=1)
+os._exit(9)  # killed before the optimizer and scheduler saves of step 3
+"""
+
+
+def _close_state(actual: tuple[Any, Any, Any], expected: tuple[Any, Any, Any]) -> None:
+    assert all(torch.allclose(actual[0][k], v, rtol=1e-6, atol=0) for k, v in expected[0].items())
+    for key, value in expected[1]["state"].items():
+        assert all(torch.allclose(actual[1]["state"][key][n], v, rtol=1e-6) for n, v in value.items())
+    assert actual[1]["param_groups"] == expected[1]["param_groups"] and actual[2] == expected[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_job_killed_between_the_saves_of_a_set_resumes(tmp_path: Path, shard: bool) -> None:
+    script = _KILLED_JOB.format(tests=str(Path(__file__).parent), root=str(tmp_path), shard=shard)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 9, done.stderr[-2000:]
+    reference = _Run(tmp_path / "unused", shard)  # the same job, uninterrupted, to step 2
+    for _ in range(2):
+        reference.train()
+    resumed = _Run(tmp_path, shard)
+    resumed.booster.load_model(resumed.chunked, resumed.paths["model"])
+    with pytest.raises(CheckpointMismatchError, match=r"chunkmem-kept") as caught:
+        resumed.booster.load_optimizer(resumed.optimizer, resumed.paths["optimizer"])
+    (kept,) = [p for p in tmp_path.glob(".*.chunkmem-kept/*") if str(p) in str(caught.value)]
+    resumed.booster.load_model(resumed.chunked, kept)
+    resumed.booster.load_optimizer(resumed.optimizer, resumed.paths["optimizer"])
+    resumed.booster.load_lr_scheduler(resumed.scheduler, resumed.paths["sched"])
+    _close_state(resumed.state(), reference.state())
+
+
 @pytest.mark.parametrize("shard", [False, True])
 def test_a_directory_with_the_kept_name_that_chunkmem_did_not_make_is_never_touched(
     tmp_path: Path, shard: bool
