@@ -68,11 +68,11 @@ class TrainingProgress:
             # The earlier set is finished; what this save kept of its own path stays.
             done, self._set_step = [p for _, p in self._set if p != path], self._step
             if self._set:
-                self._whole = Counter(kind for kind, _ in self._set)
+                self._whole = Counter(k for k, _ in self._set)
             self._set = []
         self._set.append((kind, path))
         whole = self._whole if self._whole is not None else Counter(set(self._resumed))
-        if whole and Counter(kind for kind, _ in self._set) >= whole:
+        if whole and Counter(k for k, _ in self._set) >= whole:
             done += [path for _, path in self._set]
         return done
 
