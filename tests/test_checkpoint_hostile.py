@@ -202,24 +202,25 @@ def _put_back(before: dict[str, dict[str, Any]]) -> list[str]:
     return changed
 
 
-@pytest.mark.parametrize(("target", "attribute", "value"), _PATCHES)
-def test_a_metadata_cannot_change_classes_of_the_process(
-    tmp_path: Path, target: tuple[str, str], attribute: str, value: tuple[str, str]
-) -> None:
+def test_a_metadata_cannot_change_classes_of_the_process(tmp_path: Path) -> None:
     chunked, _, booster = _trained()
     directory = tmp_path / "model"
     booster.save_model(chunked, directory, shard=True)
-    _forge_in_directory(directory, ".metadata", _patching_metadata(directory, target, attribute, value))
     weights = {k: v.clone() for k, v in chunked.state_dict().items()}
-    before = _class_attributes()
-    try:
-        with pytest.raises(CheckpointCorruptedError, match=r"refusing to read .*\.metadata") as caught:
-            booster.load_model(chunked, directory)  # verify=True: the forged manifest vouches for it
-    finally:
-        changed = _put_back(before)
-    assert changed == [], f"the load changed {changed}"
-    assert "Nothing from it was run or changed" in str(caught.value)
-    assert all(torch.equal(v, weights[k]) for k, v in chunked.state_dict().items())
+    intact = read_metadata(directory)
+    for target, attribute, value in _PATCHES:
+        _forge_in_directory(directory, ".metadata", _patching_metadata(directory, target, attribute, value))
+        before = _class_attributes()
+        try:
+            with pytest.raises(CheckpointCorruptedError, match=r"refusing to read .*\.metadata") as caught:
+                booster.load_model(chunked, directory)  # verify=True: the forged manifest vouches for it
+        finally:
+            changed = _put_back(before)
+        assert changed == [], f"the load changed {changed}"
+        assert "Nothing from it was run or changed" in str(caught.value)
+        assert all(torch.equal(v, weights[k]) for k, v in chunked.state_dict().items())
+        intact.storage_meta = None
+        _forge_in_directory(directory, ".metadata", pickle.dumps(intact))
 
 
 def _patched_metadata_on_two_ranks(rank: int, world_size: int, directory: str) -> tuple[str, list[str]]:
