@@ -151,6 +151,101 @@ def test_a_planted_metadata_is_refused_on_every_rank_without_running(tmp_path: P
     assert all(".metadata" in m and "refusing" in m for m in messages), messages
 
 
+# --- a .metadata that would change Python's own classes --------------------------------------
+_PATCHES = [  # (class the pickle names, attribute it sets on it, value: another name it may import)
+    (("pathlib", "Path"), "is_symlink", ("builtins", "set")),  # then a link out of the directory loads
+    (("pathlib", "Path"), "iterdir", ("builtins", "set")),  # then a save deletes a user's file
+    (("pathlib", "PosixPath"), "is_symlink", ("torch", "Size")),  # names that DCP's metadata does use
+    (("torch.distributed.checkpoint.metadata", "MetadataIndex"), "__eq__", ("torch", "Size")),
+]
+
+
+def _global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+def _patching_metadata(directory: Path, target: tuple[str, str], attribute: str, value: tuple[str, str]) -> bytes:
+    """A pickle that first sets ``attribute`` on the class ``target`` (``BUILD`` on a class with a
+    state of ``(None, {attribute: value})``: pickle's ``setattr``), then returns the directory's own,
+    well-formed metadata."""
+    metadata = read_metadata(directory)
+    metadata.storage_meta = None
+    body = pickle.dumps(metadata, protocol=2)[2:]  # without its PROTO opcode
+    key = attribute.encode()
+    state = b"N}X" + len(key).to_bytes(4, "little") + key + _global(*value) + b"s\x86"  # (None, {key: value})
+    return b"\x80\x02" + _global(*target) + state + b"b0" + body  # BUILD, POP the class, then the metadata
+
+
+def _patchable() -> dict[str, type]:
+    import pathlib
+
+    from torch.distributed.checkpoint import metadata
+
+    return {"Path": pathlib.Path, "PosixPath": pathlib.PosixPath, "MetadataIndex": metadata.MetadataIndex}
+
+
+def _class_attributes() -> dict[str, dict[str, Any]]:
+    return {name: dict(vars(cls)) for name, cls in _patchable().items()}
+
+
+def _put_back(before: dict[str, dict[str, Any]]) -> list[str]:
+    """Restore the classes (so that a failure here does not break later tests); what had changed."""
+    changed = []
+    for name, cls in _patchable().items():
+        for attribute in set(vars(cls)) | set(before[name]):
+            if vars(cls).get(attribute) is not before[name].get(attribute):
+                changed.append(f"{name}.{attribute}")
+                if attribute in before[name]:
+                    setattr(cls, attribute, before[name][attribute])
+                else:
+                    delattr(cls, attribute)
+    return changed
+
+
+def test_a_metadata_cannot_change_classes_of_the_process(tmp_path: Path) -> None:
+    chunked, _, booster = _trained()
+    directory = tmp_path / "model"
+    booster.save_model(chunked, directory, shard=True)
+    weights = {k: v.clone() for k, v in chunked.state_dict().items()}
+    intact = read_metadata(directory)
+    for target, attribute, value in _PATCHES:
+        _forge_in_directory(directory, ".metadata", _patching_metadata(directory, target, attribute, value))
+        before = _class_attributes()
+        try:
+            with pytest.raises(CheckpointCorruptedError, match=r"refusing to read .*\.metadata") as caught:
+                booster.load_model(chunked, directory)  # verify=True: the forged manifest vouches for it
+        finally:
+            changed = _put_back(before)
+        assert changed == [], f"the load changed {changed}"
+        assert "Nothing from it was run or changed" in str(caught.value)
+        assert all(torch.equal(v, weights[k]) for k, v in chunked.state_dict().items())
+        intact.storage_meta = None
+        _forge_in_directory(directory, ".metadata", pickle.dumps(intact))
+
+
+def _patched_metadata_on_two_ranks(rank: int, world_size: int, directory: str) -> tuple[str, list[str]]:
+    chunked, _, booster = boost(gpt2(n_layer=1), adamw_two_groups, precision="fp32", chunk_size=8_000)
+    before = _class_attributes()
+    try:
+        with pytest.raises(CheckpointCorruptedError) as caught:
+            booster.load_model(chunked, Path(directory))
+    finally:
+        changed = _put_back(before)
+    return str(caught.value), changed
+
+
+@pytest.mark.multirank
+def test_a_metadata_cannot_change_classes_on_any_rank(tmp_path: Path) -> None:
+    chunked, _, booster = _trained()
+    directory = tmp_path / "model"
+    booster.save_model(chunked, directory, shard=True)
+    (target, attribute, value) = _PATCHES[0]
+    _forge_in_directory(directory, ".metadata", _patching_metadata(directory, target, attribute, value))
+    results = run_ranks(_patched_metadata_on_two_ranks, 2, (str(directory),))
+    assert all(changed == [] for _, changed in results), results
+    assert all("refusing to read" in message and ".metadata" in message for message, _ in results), results
+
+
 # --- verification by default ------------------------------------------------------------------
 def test_a_checkpoint_without_its_manifest_loads_only_when_told_and_is_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -171,7 +266,9 @@ def test_a_checkpoint_without_its_manifest_loads_only_when_told_and_is_logged(
     assert len(unverified) == 2 and "model.pt" in unverified[0] and "optim" in unverified[1], unverified
 
 
-def test_an_edited_step_is_refused_and_old_unsealed_manifests_still_load(tmp_path: Path) -> None:
+def test_an_edited_step_is_refused_and_an_unsealed_manifest_loads_only_when_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     chunked, _, booster = _trained()
     booster.save_model(chunked, tmp_path / "model.pt")
     booster.save_model(chunked, tmp_path / "model", shard=True)
@@ -182,10 +279,19 @@ def test_an_edited_step_is_refused_and_old_unsealed_manifests_still_load(tmp_pat
         target = tmp_path / ("model.pt" if side.parent == tmp_path else "model")
         with pytest.raises(CheckpointCorruptedError, match=r"changed after it was written"):
             booster.load_model(chunked, target)
-        # a manifest of version 1 (before manifests were sealed) still loads
-        legacy = {k: v for k, v in original.items() if k != "checksum"}
+        # an edit to version 1 (before manifests were sealed) is no way around the seal: such a
+        # manifest loads only with verify=False, logged, and its digests are still checked
+        legacy = {k: v for k, v in edited.items() if k != "checksum"}
         side.write_text(json.dumps({**legacy, "version": 1}))
-        booster.load_model(chunked, target)
+        with pytest.raises(CheckpointUnverifiedError, match=r"no seal \(version 1.*verify=False"):
+            booster.load_model(chunked, target)
+        with caplog.at_level("WARNING", logger="chunkmem"):
+            booster.load_model(chunked, target, verify=False)
+        assert any("unsealed" in r.getMessage() and str(target) in r.getMessage() for r in caplog.records)
+        data = next(p for p in sorted(target.iterdir()) if p.suffix == ".distcp") if target.is_dir() else target
+        data.write_bytes(data.read_bytes()[:-1])
+        with pytest.raises(CheckpointCorruptedError, match="truncated"):
+            booster.load_model(chunked, target, verify=False)
 
 
 @pytest.mark.parametrize("entry", ["../../secret.txt", "/etc/hostname", "link"])

@@ -257,14 +257,15 @@ def test_workspaces_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path)
     target = tmp_path / "model.pt"
     dead = dead_workspace(target)
     process, live = live_workspace(target)
-    try:
-        checkpoint.atomic_save({"w": torch.ones(3)}, target)
-        assert not dead.exists() and live.exists()
+    try:  # a save still running in another process: this one is refused, and touches nothing of it
+        with pytest.raises(CheckpointWriteError, match=r"another save to .*model.pt is running"):
+            checkpoint.atomic_save({"w": torch.ones(3)}, target)
+        assert not dead.exists() and live.exists() and not target.exists()
     finally:
         process.kill()
         process.wait()
-    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
     checkpoint.atomic_save({"w": torch.ones(3)}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 

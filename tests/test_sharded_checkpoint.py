@@ -363,8 +363,15 @@ def test_a_save_replaces_the_previous_directory_and_cleans_up_after_killed_saves
     process, live = live_workspace(target)
     try:
         train_chunked(chunked, optimizer, booster, batches(1, seed=8))
-        booster.save_model(chunked, target, shard=True)
+        # a save still running in another process: this one is refused, touching nothing of it
+        with pytest.raises(CheckpointWriteError, match=r"another save to .*model is running"):
+            booster.save_model(chunked, target, shard=True)
         assert not dead.exists() and live.exists()
+        assert json.loads((target / "chunkmem.json").read_text()) == first
+        process.kill()
+        process.wait()
+        booster.save_model(chunked, target, shard=True)
+        assert not live.exists()
         second = json.loads((target / "chunkmem.json").read_text())
         assert second["step"] == first["step"] + 1 and second["files"] != first["files"]
 
@@ -387,7 +394,7 @@ def test_a_save_replaces_the_previous_directory_and_cleans_up_after_killed_saves
         monkeypatch.undo()
         monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
         booster.save_model(chunked, target, shard=True)
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "model"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
         booster.load_model(chunked, target)
     finally:
         process.kill()

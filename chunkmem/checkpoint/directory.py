@@ -28,10 +28,12 @@ import sys
 from pathlib import Path
 
 from ..errors import CheckpointCorruptedError, CheckpointWriteError
+from .kept import check_keepable, keep_directory
 from .manifest import MANIFEST_NAME, Kind, Manifest, check_digest, digest_of, plain_name, read_manifest
 from .workspace import (
     PREVIOUS,
     Workspace,
+    check_only_saver,
     fsync_directory,
     interrupted_saves,
     remove_dead_workspaces,
@@ -110,7 +112,12 @@ def make_workspace(target: Path, kind: Kind) -> Workspace:
     remove_dead_workspaces(target)
     check_replaceable(target, kind)
     workspace = Workspace(target)
-    (workspace / WRITE_INTO).mkdir()
+    try:
+        check_only_saver(workspace)
+        (workspace / WRITE_INTO).mkdir()
+    except BaseException:
+        workspace.remove()
+        raise
     return workspace
 
 
@@ -134,21 +141,28 @@ def _exchange(first: Path, second: Path) -> bool:
 
 def install(workspace: Workspace, target: Path, manifest: Manifest) -> None:
     """On the first rank: write the manifest into the new directory (durably), then put it in
-    place of ``target`` atomically and delete the previous checkpoint with the workspace."""
+    place of ``target`` atomically; the previous checkpoint is kept (:mod:`.kept`) when it holds
+    another step, else deleted with the workspace."""
     check_replaceable(target, manifest.kind)
+    replaced = read_manifest(target, directory=True) if target.exists() else None
+    if replaced is not None and replaced.step != manifest.step:
+        check_keepable(target)
     new = workspace / WRITE_INTO
     write_durably(new / MANIFEST_NAME, manifest.model_dump_json(indent=1))
     fsync_directory(new)
+    old = new
     if not target.exists():
         os.rename(new, target)
     elif not _exchange(new, target):
-        os.rename(target, workspace / PREVIOUS)
+        old = workspace / PREVIOUS
+        os.rename(target, old)
         try:
             os.rename(new, target)
         except OSError:
-            os.rename(workspace / PREVIOUS, target)
+            os.rename(old, target)
             raise
     fsync_directory(target.parent)
+    keep_directory(target, old, replaced, manifest.step)
     workspace.remove()
 
 

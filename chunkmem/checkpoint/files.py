@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError
+from .kept import keep_file
 from .manifest import (
     FileDigest,
     Kind,
@@ -33,6 +34,7 @@ from .manifest import (
     Record,
     check_digest,
     check_kind,
+    check_sealed,
     digest_of,
     manifest_path,
     read_manifest,
@@ -41,6 +43,7 @@ from .manifest import (
 from .workspace import (
     KEEP_READING,
     Workspace,
+    check_only_saver,
     first_line,
     fsync_directory,
     kept_replacing,
@@ -106,6 +109,7 @@ def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_dead_workspaces(target)
         workspace = Workspace(target)
+        check_only_saver(workspace)
         for source, destination in fill(workspace):
             os.replace(source, destination)
         fsync_directory(target.parent)
@@ -151,6 +155,7 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
     def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         digest = _write_into(obj, workspace / "data")
+        keep_file(target, record.step)
         manifest = record.manifest(file=target.name, digest=digest, previous=_current_manifest(target))
         write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
         written.append(manifest)
@@ -214,6 +219,7 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
                 if _identity(target) == identity:
                     return obj, None
                 continue
+            check_sealed(manifest, manifest_path(target), target, verify)
             actual = digest_of(held)
             chosen = manifest
             if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:

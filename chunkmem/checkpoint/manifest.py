@@ -46,6 +46,7 @@ __all__ = [
     "TensorEntry",
     "check_digest",
     "check_kind",
+    "check_sealed",
     "digest_of",
     "manifest_path",
     "plain_name",
@@ -102,7 +103,8 @@ class Manifest(BaseModel):
 
     format: Literal["chunkmem-checkpoint", "chunkmem-sharded-checkpoint"] = _FILE
     version: Literal[1, 2] = 2
-    """2: sealed by ``checksum``; 1: written before manifests were sealed (still loaded)."""
+    """2: sealed by ``checksum``; 1: written before manifests were sealed (loaded only with
+    ``verify=False``: nothing tells an old manifest from one edited to say ``version: 1``)."""
     checksum: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """SHA-256 of every other field (:func:`seal`): an edited step, digest or file list is refused."""
     layout: Literal["torch.distributed.checkpoint"] | None = None
@@ -231,6 +233,21 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
             "fields (step, digests, model). Restore it from the same checkpoint, or load an earlier checkpoint."
         )
     return manifest
+
+
+def check_sealed(manifest: Manifest, side: Path, subject: Path, verify: bool) -> None:
+    """Refuse a manifest without a seal (``version: 1``) unless ``verify`` is false, and then log it:
+    an edit to ``version: 1`` must not be a way around the seal."""
+    if manifest.version != 1:
+        return
+    if verify:
+        raise CheckpointUnverifiedError(
+            f"the manifest {side} has no seal (version 1: written by a chunkmem from before manifests were sealed, or "
+            f"edited to say so), so chunkmem cannot check that its step, digests and model were not changed. If it "
+            f"is yours, load {subject} with verify=False (its checksums are still checked; the load is logged as "
+            "unverified) and save again to write a sealed manifest."
+        )
+    log.warning("loading %s with an unsealed (version 1) manifest %s (verify=False)", subject, side)
 
 
 def unverified(target: Path, manifest_name: str, verify: bool) -> None:

@@ -3,7 +3,8 @@ directory (:mod:`.sharded`, written and read with ``torch.distributed.checkpoint
 imported only when a sharded checkpoint is saved or loaded).
 
 Saving records the step and the model's fingerprint with the state (a :class:`Record`) and writes
-it: gathered to rank 0 and written there, or each rank writing its own pieces. Loading reads and
+it: gathered to rank 0 and written there, or each rank writing its own pieces; what a save replaced
+is kept until its set is whole again (:mod:`.kept`). Loading reads and
 verifies the checkpoint on every rank, checks what it was saved for (this model, the step of what
 was loaded with it), lets the state's own checks stage it, has the ranks agree, and only then
 installs it and continues from its step. What a state is, how it is checked and installed, is the
@@ -21,6 +22,8 @@ from ..errors import CheckpointError, CheckpointWriteError
 from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
 from .identity import model_fingerprint
+from .kept import check_pairing, drop_kept
+from .loadable import check_loadable
 from .manifest import Kind, Manifest, Record, TensorEntry
 
 if TYPE_CHECKING:
@@ -37,6 +40,7 @@ __all__ = ["load", "save"]
 S = TypeVar("S")
 R = TypeVar("R")
 _NOUN = {"model": "model", "optimizer": "optimizer", "lr_scheduler": "LR scheduler"}
+_STATE = {kind: f"{kind.removeprefix('lr_')}.state_dict()" for kind in _NOUN}
 
 
 def save(
@@ -57,15 +61,17 @@ def save(
         from .sharded import save_directory
 
         save_directory(comm, target, record, pieces)
-        return
-    state = full_state()
-    on_first_rank(
-        comm,
-        f"saving {_NOUN[kind]} checkpoint",
-        lambda: write_checkpoint(state, target, record),
-        CheckpointWriteError,
-        str(target),
-    )
+    else:
+        state = full_state()
+
+        def write() -> None:
+            check_loadable(state, _STATE[kind], f"{_NOUN[kind]} checkpoint {target}")
+            write_checkpoint(state, target, record)
+
+        on_first_rank(comm, f"saving {_NOUN[kind]} checkpoint", write, CheckpointWriteError, str(target))
+    for whole in progress.saved(kind, target):
+        if comm.rank == 0:
+            drop_kept(whole)
 
 
 def load(
@@ -90,7 +96,8 @@ def load(
         if manifest is not None:
             saved_for(manifest)
             if progress is not None:
-                progress.check_pairing(kind, manifest.step, target)
+                conflicts = progress.pairing_conflicts(kind, manifest.step)
+                check_pairing(_NOUN[kind], manifest.step, target, conflicts, progress.reloading(kind))
 
     if plan is not None and is_sharded(target):
         from .sharded import load_directory

@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..agreement import agree, on_first_rank
 from ..comm import Communicator
 from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
-from .dcp_layout import LoadTarget, SaveEntry, dcp_load, dcp_save
+from .dcp_layout import Blob, LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
+from .loadable import check_loadable
 from .manifest import (
     DCP_LAYOUT,
     DIRECTORY_FORMAT,
@@ -52,6 +53,7 @@ from .manifest import (
     Manifest,
     Record,
     check_kind,
+    check_sealed,
     digest_of,
     read_manifest,
     unverified,
@@ -126,6 +128,9 @@ def save_directory(
                     "rank must save to the same directory, on a filesystem all ranks share"
                 )
             entries.update(build())
+            for name, entry in entries.items():
+                if isinstance(entry, Blob):
+                    check_loadable(entry.value, name, f"the sharded {record.kind} checkpoint {target}")
 
         agree(comm, f"{what} (preparing)", ready, CheckpointWriteError, subject)
 
@@ -214,6 +219,7 @@ def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[M
             f"{DCP_METADATA}"
         )
     if manifest is not None:
+        check_sealed(manifest, target / MANIFEST_NAME, target, verify)
         check_kind(target, manifest, kind)
         verify_files(target, manifest, comm.rank, comm.world_size)
     else:
