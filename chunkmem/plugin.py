@@ -68,6 +68,20 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
         )
 
 
+def _check_host_budget_on_cpu(placement: StaticPlacementConfig | AutoPlacementConfig, device: torch.device) -> None:
+    """On a CPU compute device the "device" is host memory too: ``host_budget`` caps only what a
+    placement offloads from the compute device, and nothing caps the chunks kept on it, which
+    with the defaults is all of them, so a ``host_budget`` alone would silently cap nothing."""
+    if device.type != "cpu" or placement.host_budget is None or placement.device_budget is not None:
+        return
+    raise ValueError(
+        f"host_budget={int(placement.host_budget)} without a device_budget caps nothing here: the compute device is "
+        "the CPU, so chunks kept on the compute device are in host memory too, and only device_budget caps them "
+        "(host_budget caps what the placement offloads from it). Give device_budget as well (chunks then take at "
+        "most device_budget + host_budget of this machine's memory), or drop host_budget."
+    )
+
+
 def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
     """fp32 on a CPU (16-bit matmuls are emulated there, many times slower), bf16 on a GPU that
     supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user."""
@@ -248,6 +262,7 @@ class ChunkPlugin:
             else Communicator(self._process_group, _compute_device(), check_plans=self.check_plans)
         )
         device = comm.device
+        _check_host_budget_on_cpu(self.placement, device)
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
