@@ -68,17 +68,20 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
         )
 
 
-def _check_host_budget_on_cpu(placement: StaticPlacementConfig | AutoPlacementConfig, device: torch.device) -> None:
-    """On a CPU compute device the "device" is host memory too: ``host_budget`` caps only what a
-    placement offloads from the compute device, and nothing caps the chunks kept on it, which
-    with the defaults is all of them, so a ``host_budget`` alone would silently cap nothing."""
-    if device.type != "cpu" or placement.host_budget is None or placement.device_budget is not None:
+def _check_host_budget_on_cpu(
+    placement: StaticPlacementConfig | AutoPlacementConfig, device: torch.device, host_need: int
+) -> None:
+    """On a CPU compute device the "device" is host memory too: ``host_budget`` caps only what the
+    placement offloads from the compute device. Where it offloads nothing (``host_need`` 0) and no
+    ``device_budget`` caps the chunks kept on it, a ``host_budget`` would silently cap nothing."""
+    if device.type != "cpu" or placement.host_budget is None or placement.device_budget is not None or host_need:
         return
     raise ValueError(
-        f"host_budget={int(placement.host_budget)} without a device_budget caps nothing here: the compute device is "
-        "the CPU, so chunks kept on the compute device are in host memory too, and only device_budget caps them "
-        "(host_budget caps what the placement offloads from it). Give device_budget as well (chunks then take at "
-        "most device_budget + host_budget of this machine's memory), or drop host_budget."
+        f"host_budget={int(placement.host_budget)} caps nothing here: the compute device is the CPU, so the chunks "
+        "kept on it are in host memory too, yet only device_budget caps them (host_budget caps what the placement "
+        "offloads from the compute device, and this placement offloads nothing). Give a device_budget as well (chunks "
+        "then take at most device_budget + host_budget of this machine's memory), offload (offload_optim_frac), or "
+        "drop host_budget."
     )
 
 
@@ -262,7 +265,6 @@ class ChunkPlugin:
             else Communicator(self._process_group, _compute_device(), check_plans=self.check_plans)
         )
         device = comm.device
-        _check_host_budget_on_cpu(self.placement, device)
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
@@ -281,6 +283,7 @@ class ChunkPlugin:
             raise BudgetTooSmallError.from_placement(error) from None
         except placement_pkg.HostBudgetTooSmallError as error:
             raise HostBudgetTooSmallError.from_placement(error) from None
+        _check_host_budget_on_cpu(self.placement, device, policy.host_need(layout))
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
         disk = self._open_disk(layout, specs, comm, stats, backing)

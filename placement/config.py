@@ -146,8 +146,9 @@ class StaticPlacementConfig(_Config):
     there, with 16-bit compute the 16-bit copies gathers read, and the buffers chunks on disk are
     stepped in), in bytes or a string such as ``"16GiB"``. ``None`` means no cap. A placement that
     does not fit is refused when boosting, with the minimum, and with the ``offload_disk_frac`` that
-    would fit it where one does. On a CPU compute device it needs a ``device_budget`` too (the
-    compute device is host memory there; see the README)."""
+    would fit it where one does. On a CPU compute device (host memory too) it caps only what is
+    offloaded from it: where nothing is and no ``device_budget`` is given, it is refused (see the
+    README)."""
 
     @model_validator(mode="after")
     def _disk_needs_offload(self) -> StaticPlacementConfig:

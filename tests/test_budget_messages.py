@@ -69,8 +69,17 @@ def test_a_host_budget_no_disk_fraction_fits_keeps_the_plain_advice() -> None:
     "placement",
     [StaticPlacementConfig(host_budget="1GiB"), AutoPlacementConfig(host_budget="1GiB")],
 )
-def test_a_host_budget_alone_on_a_cpu_compute_device_is_refused(placement: Any) -> None:
+def test_a_host_budget_that_caps_nothing_on_a_cpu_compute_device_is_refused(placement: Any) -> None:
+    """Nothing is offloaded from the compute device (the CPU: host memory too), which no
+    device_budget caps: the host_budget would cap nothing, silently."""
     if torch.cuda.is_available():
         pytest.skip("the compute device is a GPU here")
-    with pytest.raises(ValueError, match=r"host_budget=1073741824 without a device_budget caps nothing.*device_budget"):
+    with pytest.raises(ValueError, match=r"host_budget=1073741824 caps nothing here.*device_budget"):
         _boost(placement, "fp32")
+
+
+def test_a_host_budget_over_what_is_offloaded_from_a_cpu_compute_device_caps_it() -> None:
+    with pytest.raises(HostBudgetTooSmallError):
+        _boost(StaticPlacementConfig(offload_optim_frac=1.0, host_budget=100), "fp32")
+    chunked, *_ = _boost(StaticPlacementConfig(offload_optim_frac=1.0, host_budget="1GiB"), "fp32")
+    assert chunked.manager.ledger.host_bytes > 0

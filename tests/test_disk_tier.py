@@ -138,7 +138,7 @@ def test_the_auto_policy_spills_to_disk_what_the_host_budget_cannot_hold(tmp_pat
 
 def test_the_static_policy_refuses_a_host_budget_its_fractions_do_not_fit() -> None:
     with pytest.raises(HostBudgetTooSmallError, match="offload_disk_frac"):
-        _boost(StaticPlacementConfig(offload_optim_frac=1.0, device_budget="1GiB", host_budget=10_000), "bf16", None)
+        _boost(StaticPlacementConfig(offload_optim_frac=1.0, host_budget=10_000), "bf16", None)
 
 
 def test_a_placement_on_disk_needs_a_disk_dir_that_exists_and_is_writable(tmp_path: Path) -> None:
