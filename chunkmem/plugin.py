@@ -27,10 +27,11 @@ from placement import (
 
 from .accounting import Location
 from .backing import Backing, TrainingBacking
+from .boosted_params import already_boosted, note_boosted, the_fix
 from .chunk import Chunk
 from .comm import Communicator
 from .disk import DISK_BLOCK, SidesFile
-from .errors import BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
+from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .model import ChunkedModel
@@ -252,8 +253,12 @@ class ChunkPlugin:
         weights: str | os.PathLike[str] | None,
         backing: Backing,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
-        if isinstance(model, ChunkedModel):
-            raise ValueError("this model is already boosted")
+        already_boosted(model, optimizer, model.manager if isinstance(model, ChunkedModel) else None)
+        if isinstance(optimizer, ChunkOptimizer):
+            raise AlreadyBoostedError(
+                "this optimizer is what booster.boost returned: an optimizer is boosted once, with its model. Build a "
+                f"new model and optimizer and boost them together: {the_fix(None)}"
+            )
         named = list(model.named_parameters())  # each shared parameter once, first name
         if not named:
             raise ValueError("the model has no parameters to manage")
@@ -318,6 +323,7 @@ class ChunkPlugin:
             if optimizer is not None
             else None
         )
+        note_boosted(manager, (optimizer, wrapped_optim))
         return boosted, wrapped_optim
 
     def _open_disk(
