@@ -11,6 +11,7 @@ from .booster import Booster
 from .chunk import Chunk, ChunkState, GradState
 from .comm import Communicator, PendingGather
 from .errors import (
+    AlreadyBoostedError,
     BudgetExceededError,
     BudgetTooSmallError,
     CheckpointCorruptedError,
@@ -25,6 +26,7 @@ from .errors import (
     IllegalTransition,
     MaterializeError,
     NotSupportedError,
+    OptimizerAfterBoostError,
     ShardedGradientError,
     StateDictMismatchError,
     TraceDivergenceError,
@@ -45,6 +47,7 @@ from .step_config import StepAfterBackward, StepDuringBackward
 from .tensor_state import TensorInfo, TensorState
 
 __all__ = [
+    "AlreadyBoostedError",
     "Booster",
     "BudgetExceededError",
     "BudgetTooSmallError",
@@ -74,6 +77,7 @@ __all__ = [
     "MemoryKind",
     "MemoryLedger",
     "NotSupportedError",
+    "OptimizerAfterBoostError",
     "PendingGather",
     "Plan",
     "PlanningCommunicator",

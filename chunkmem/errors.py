@@ -8,6 +8,7 @@ from __future__ import annotations
 import placement
 
 __all__ = [
+    "AlreadyBoostedError",
     "BudgetExceededError",
     "BudgetTooSmallError",
     "CheckpointCorruptedError",
@@ -21,6 +22,7 @@ __all__ = [
     "IllegalTransition",
     "MaterializeError",
     "NotSupportedError",
+    "OptimizerAfterBoostError",
     "ShardedGradientError",
     "StateDictMismatchError",
     "TraceDivergenceError",
@@ -92,6 +94,18 @@ class NotSupportedError(ChunkmemError, RuntimeError):
     """Something plain PyTorch allows that a boosted model or optimizer cannot do; the message
     names the supported way (``model.to()`` after boosting, stepping the optimizer object that was
     passed to ``boost``...)."""
+
+
+class OptimizerAfterBoostError(NotSupportedError):
+    """A torch optimizer built from a boosted model's parameters (``AdamW(model.parameters())``
+    after boosting) was stepped: those parameters hold placeholders, so its update would be lost.
+    Raised before the step changes anything; the message gives the one-line fix (build the
+    optimizer before boosting and pass it to ``booster.boost``)."""
+
+
+class AlreadyBoostedError(ChunkmemError, ValueError):
+    """``booster.boost`` was given a model that is already boosted (or whose parameters are in a
+    boosted model's chunks); the message says how to boost a model with its optimizer."""
 
 
 class ShardedGradientError(NotSupportedError):

@@ -4,6 +4,7 @@
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
         --disk-bandwidth 3GB/s      # the auto policy spills to disk what 48 GiB of RAM cannot hold
+    python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --grad-accum 8   # 8 micro-batches a step
 
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
 ``llama-13b``, ``llama-70b``), or a path to a ``config.json`` / model directory. The model is
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ByteSize, TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from placement import AutoPlacementConfig, StaticPlacementConfig
+from placement.config import Budget
 
+from .errors import ChunkmemError
+from .memory import process_capacity
 from .planner import Plan, plan
 from .plugin import ChunkPlugin
 
@@ -127,25 +131,68 @@ def _at_least(minimum: int) -> Any:
     return parse
 
 
-def _bytes(text: str) -> int:
+def _fraction(text: str) -> float:
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 1.5e9 (bytes), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
+    return value
+
+
+_BUDGET: TypeAdapter[Any] = TypeAdapter(Budget)
+
+
+def _bytes(text: str) -> int:
+    """A size as placement configs read it (whole strings; no digit separators, nan or inf)."""
+    try:
+        return int(_BUDGET.validate_python(text))
+    except ValidationError as error:
+        reason = error.errors()[0]["msg"].removeprefix("Value error, ")
+        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 1.5e9 (bytes): {reason}") from None
 
 
 def _bandwidth(text: str) -> float:
     return float(_bytes(text.lower().removesuffix("/s")))
 
 
-def main(argv: list[str] | None = None) -> Plan:
-    parser = argparse.ArgumentParser(prog="python -m chunkmem.plan", description=__doc__.splitlines()[0])
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except where there is none (``None``): the help says what happens then."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# What ChunkPlugin(precision=None) picks when training on each device (chunkmem.plugin).
+_DEFAULT_PRECISION = {"cuda": "bf16", "cpu": "fp32"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m chunkmem.plan", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter
+    )
     parser.add_argument("--hf-config", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model dir")
-    parser.add_argument("--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB")
-    parser.add_argument("--device-memory", type=_bytes, default=None, help="what each rank may use of its device")
-    parser.add_argument("--batch", type=_batch, default=(1, 2048), help="per-rank micro-batch, BATCHxSEQUENCE")
-    parser.add_argument("--world-size", type=_at_least(1), default=1)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument(
+        "--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB (default: no cap)"
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=_bytes,
+        default=None,
+        help="what each rank may use of its device (default: 80GiB, an H100's, on cuda; this machine's memory on cpu)",
+    )
+    parser.add_argument("--batch", type=_batch, default="1x2048", help="per-rank micro-batch, BATCHxSEQUENCE")
+    parser.add_argument("--world-size", type=_at_least(1), default=1, help="data-parallel ranks")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device training computes on")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="compute dtype (default: what ChunkPlugin picks when training on --device: bf16 on cuda, fp32 on cpu)",
+    )
     parser.add_argument(
         "--policy",
         choices=["auto", "static", "offload"],
@@ -153,48 +200,102 @@ def main(argv: list[str] | None = None) -> Plan:
         help="auto: AutoPlacementConfig; static: StaticPlacementConfig, everything on the device; offload: "
         "StaticPlacementConfig with masters and optimizer state in host memory (offload fractions 1)",
     )
-    parser.add_argument("--max-prefetch", type=_at_least(0), default=2)
-    parser.add_argument("--chunk-size", type=_at_least(1), default=None)
-    parser.add_argument("--bandwidth", type=_bandwidth, default=25e9, help="host-device bytes/s, e.g. 25GB/s")
-    parser.add_argument("--host-budget", type=_bytes, default=None, help="chunk bytes in host memory, e.g. 16GiB")
+    parser.add_argument("--max-prefetch", type=_at_least(0), default=2, help="chunks gathered ahead of use")
     parser.add_argument(
-        "--disk-frac", type=float, default=0.0, help="static/offload: fraction of chunk memory on disk (0-1)"
+        "--chunk-size", type=_at_least(1), default=None, help="elements per chunk (default: searched, as boost does)"
     )
-    parser.add_argument("--disk-bandwidth", type=_bandwidth, default=2e9, help="disk bytes/s, e.g. 2GB/s")
+    parser.add_argument(
+        "--grad-accum",
+        type=_at_least(1),
+        default=1,
+        help="micro-batches per optimizer step, all but the last in booster.no_sync; above 1 the plan is for "
+        "ChunkPlugin(gradient_accumulation=True)",
+    )
+    parser.add_argument("--bandwidth", type=_bandwidth, default="25GB/s", help="host-device bytes/s")
+    parser.add_argument(
+        "--host-budget", type=_bytes, default=None, help="chunk bytes in host memory, e.g. 16GiB (default: no cap)"
+    )
+    parser.add_argument(
+        "--disk-frac",
+        type=_fraction,
+        default=0.0,
+        help="--policy static/offload: fraction of chunk memory whose optimizer side is on disk (with auto, "
+        "--host-budget decides what goes to disk)",
+    )
+    parser.add_argument("--disk-bandwidth", type=_bandwidth, default="2GB/s", help="disk bytes/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = parser.parse_args(argv)
-    batch, sequence = args.batch
+    return parser
+
+
+def _placement(args: argparse.Namespace) -> StaticPlacementConfig | AutoPlacementConfig:
     if args.policy == "auto":
-        placement: Any = AutoPlacementConfig(
+        return AutoPlacementConfig(
             device_budget=args.device_budget, max_prefetch=args.max_prefetch, host_budget=args.host_budget
         )
-    else:
-        offload = 1.0 if args.policy == "offload" else 0.0
-        placement = StaticPlacementConfig(
-            device_budget=args.device_budget,
-            max_prefetch=args.max_prefetch,
-            offload_optim_frac=max(offload, args.disk_frac),
-            offload_param_frac=offload,
-            offload_disk_frac=args.disk_frac,
-            host_budget=args.host_budget,
-        )
-    model = build_meta_model(args.hf_config, sequence)
-    plugin = ChunkPlugin(placement=placement, precision=args.precision, chunk_size=args.chunk_size)
-    ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
-    result = plan(
-        model,
-        plugin,
-        {"input_ids": ids, "labels": ids},
-        world_size=args.world_size,
-        device_capacity=args.device_memory,
-        bandwidth=args.bandwidth,
-        disk_bandwidth=args.disk_bandwidth,
+    offload = 1.0 if args.policy == "offload" else 0.0
+    return StaticPlacementConfig(
+        device_budget=args.device_budget,
+        max_prefetch=args.max_prefetch,
+        offload_optim_frac=max(offload, args.disk_frac),
+        offload_param_frac=offload,
+        offload_disk_frac=args.disk_frac,
+        host_budget=args.host_budget,
     )
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
+    return " ".join(str(error).split())
+
+
+def main(argv: list[str] | None = None) -> Plan:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.policy == "auto" and args.disk_frac > 0:
+        parser.error(
+            "argument --disk-frac: applies to --policy static or offload; with --policy auto, --host-budget decides "
+            "what goes to disk"
+        )
+    precision = args.precision or _DEFAULT_PRECISION[args.device]
+    capacity = args.device_memory
+    if capacity is None and args.device == "cpu":
+        capacity = process_capacity(torch.device("cpu"))
+    batch, sequence = args.batch
+    try:
+        model = build_meta_model(args.hf_config, sequence)
+    except SystemExit as refused:  # what build_meta_model says of --hf-config, as argparse says it
+        parser.error(f"argument {refused.code}")
+    try:
+        plugin = ChunkPlugin(
+            placement=_placement(args),
+            precision=precision,
+            chunk_size=args.chunk_size,
+            gradient_accumulation=args.grad_accum > 1,
+        )
+        ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
+        result = plan(
+            model,
+            plugin,
+            {"input_ids": ids, "labels": ids},
+            world_size=args.world_size,
+            device_capacity=capacity,
+            bandwidth=args.bandwidth,
+            disk_bandwidth=args.disk_bandwidth,
+            grad_accum=args.grad_accum,
+        )
+    except (ChunkmemError, ValueError) as error:  # a ValidationError is a ValueError
+        parser.error(_one_line(error))
     if args.json:
         json.dump({**result.as_dict(), "model": args.hf_config, "batch": [batch, sequence]}, sys.stdout, indent=2)
         print()
     else:
-        print(f"{args.hf_config}, batch {batch}x{sequence} per rank, {args.precision}, {args.policy} placement")
+        chosen = "" if args.precision else f" (the default on {args.device})"
+        print(
+            f"{args.hf_config}, batch {batch}x{sequence} per rank, {precision}{chosen}, {args.policy} placement, "
+            f"on {args.device}"
+        )
         print(result.table())
     return result
 

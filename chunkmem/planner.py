@@ -20,10 +20,8 @@ autograd saves for backward), which on a GPU leaves out the temporaries inside o
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -33,11 +31,12 @@ from placement.policy import format_bytes
 
 from .comm import Communicator
 from .disk import PlannedDiskFile, SidesFile
-from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError
+from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError, HostBudgetTooSmallError
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
 from .optim_probe import hyperparameters
 from .param_values import LiveValues, ParamValues
+from .plan_report import Plan, StepCounters
 from .plugin import ChunkPlugin
 from .stats import Stats
 
@@ -121,141 +120,6 @@ class PlanningBacking:
         return PlannedDiskFile(nbytes, stats)
 
 
-@dataclass(frozen=True)
-class StepCounters:
-    """What one training step did (differences of ``Stats`` over the step)."""
-
-    gathers: int
-    prefetches: int
-    evictions: int
-    h2d_bytes: int
-    d2h_bytes: int
-    allgather_bytes: int
-    reduce_scatter_bytes: int
-    peak_device_bytes: int
-    """Highest accounted device bytes during the step."""
-    disk_read_bytes: int = 0
-    disk_write_bytes: int = 0
-    peak_host_bytes: int = 0
-    """Highest accounted host bytes during the step."""
-
-    @classmethod
-    def between(cls, before: Stats, after: Stats, peak: int, peak_host: int = 0) -> StepCounters:
-        return cls(
-            gathers=after.gathers - before.gathers,
-            prefetches=after.prefetches - before.prefetches,
-            evictions=after.evictions - before.evictions,
-            h2d_bytes=after.h2d_bytes - before.h2d_bytes,
-            d2h_bytes=after.d2h_bytes - before.d2h_bytes,
-            allgather_bytes=after.allgather_bytes - before.allgather_bytes,
-            reduce_scatter_bytes=after.reduce_scatter_bytes - before.reduce_scatter_bytes,
-            peak_device_bytes=peak,
-            disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
-            disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
-            peak_host_bytes=peak_host,
-        )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The prediction for one rank (every rank makes the same decisions). Per-step figures are
-    those of the last planned step, after the trace is recorded and the policy has settled."""
-
-    fits: bool
-    """Training runs within ``device_budget`` (and within ``device_capacity``)."""
-    why_not: str
-    """When it does not fit, the refusal chunkmem would raise."""
-    world_size: int
-    device_budget: int | None
-    device_capacity: int
-    min_device_budget: int
-    """The smallest budget a real run accepts for this placement (placement and one op's
-    working set, raised where ops overlap, e.g. activation-checkpointing recomputation)."""
-    peak_device_bytes: int
-    """Highest accounted chunk bytes on the device in a step (the budget's measure)."""
-    non_model_bytes: int
-    """Peak activations saved for backward, as measured in the first step."""
-    host_bytes_per_rank: int
-    """Chunk bytes in host memory on each rank between steps (16-bit copies, masters, gradient
-    shards, optimizer states kept there)."""
-    peak_host_bytes: int
-    """Highest accounted chunk bytes in host memory in a step (the host budget's measure)."""
-    min_host_budget: int
-    """The host budget this placement needs (what stays in host memory, and the buffers chunks on
-    disk are stepped in)."""
-    disk_bytes_per_rank: int
-    """Bytes each rank keeps on disk (optimizer sides of the disk tier)."""
-    disk_read_bytes_per_step: int
-    disk_write_bytes_per_step: int
-    h2d_bytes_per_step: int
-    d2h_bytes_per_step: int
-    allgather_bytes_per_step: int
-    reduce_scatter_bytes_per_step: int
-    gathers_per_step: int
-    prefetches_per_step: int
-    chunks: int
-    chunk_size: int
-    parameters: int
-    bandwidth: float
-    """Host-device bytes per second assumed for ``transfer_seconds_per_step``."""
-    disk_bandwidth: float
-    """Disk bytes per second (reads and writes alike) assumed for ``disk_seconds_per_step``."""
-    steps: tuple[StepCounters, ...]
-    """Every planned step, the recording one first."""
-
-    @property
-    def transfer_seconds_per_step(self) -> float:
-        """Host-device transfer time per step at ``bandwidth`` (both directions serialised)."""
-        return (self.h2d_bytes_per_step + self.d2h_bytes_per_step) / self.bandwidth
-
-    @property
-    def disk_seconds_per_step(self) -> float:
-        """Disk time per step at ``disk_bandwidth`` (reads and writes serialised)."""
-        return (self.disk_read_bytes_per_step + self.disk_write_bytes_per_step) / self.disk_bandwidth
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
-        out["disk_seconds_per_step"] = self.disk_seconds_per_step
-        return out
-
-    def table(self) -> str:
-        """A table for people."""
-        rows = [
-            ("fits", "yes" if self.fits else f"no: {self.why_not}"),
-            ("world size", str(self.world_size)),
-            ("parameters", f"{self.parameters / 1e9:.2f} B in {self.chunks} chunks of {self.chunk_size:,} elements"),
-            ("device budget", "none" if self.device_budget is None else format_bytes(self.device_budget)),
-            ("device capacity", format_bytes(self.device_capacity)),
-            ("minimum device budget", format_bytes(self.min_device_budget)),
-            ("peak device bytes (chunks)", format_bytes(self.peak_device_bytes)),
-            ("activations (non-model) peak", format_bytes(self.non_model_bytes)),
-            ("host bytes per rank", format_bytes(self.host_bytes_per_rank)),
-            ("peak host bytes (chunks)", format_bytes(self.peak_host_bytes)),
-            ("minimum host budget", format_bytes(self.min_host_budget)),
-            ("disk bytes per rank", format_bytes(self.disk_bytes_per_rank)),
-            (
-                "disk read + write per step",
-                f"{format_bytes(self.disk_read_bytes_per_step)} + {format_bytes(self.disk_write_bytes_per_step)}",
-            ),
-            ("host-to-device per step", format_bytes(self.h2d_bytes_per_step)),
-            ("device-to-host per step", format_bytes(self.d2h_bytes_per_step)),
-            ("all-gather per step", format_bytes(self.allgather_bytes_per_step)),
-            ("reduce-scatter per step", format_bytes(self.reduce_scatter_bytes_per_step)),
-            ("gathers + prefetches per step", f"{self.gathers_per_step} + {self.prefetches_per_step}"),
-            (
-                "transfer time per step",
-                f"{self.transfer_seconds_per_step:.3f} s at {self.bandwidth / 1e9:.0f} GB/s host-device",
-            ),
-            (
-                "disk time per step",
-                f"{self.disk_seconds_per_step:.3f} s at {self.disk_bandwidth / 1e9:.1f} GB/s",
-            ),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
 def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.to(_META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
 
@@ -323,8 +187,10 @@ def _run(
     capacity: int,
     steps: int,
     budget: int | None,
+    grad_accum: int = 1,
 ) -> tuple[ChunkedModel, list[StepCounters]]:
-    """Boost a copy of the meta model over a planning communicator and train ``steps`` steps."""
+    """Boost a copy of the meta model over a planning communicator and train ``steps`` steps of
+    ``grad_accum`` micro-batches each (all but the last under ``no_sync``)."""
     comm = PlanningCommunicator(world_size, capacity)
     local = copy.deepcopy(model)
     optimizer = make_optimizer(local.parameters())
@@ -339,12 +205,20 @@ def _run(
     for _ in range(steps):
         before = chunked.stats()
         ledger.reset_peak()
-        loss = _loss(chunked(**inputs))
-        chunk_optimizer.backward(loss)
+        with chunked.runtime.no_sync():
+            for _ in range(grad_accum - 1):
+                chunk_optimizer.backward(_loss(chunked(**inputs)))
+        chunk_optimizer.backward(_loss(chunked(**inputs)))
         chunk_optimizer.step()
         chunk_optimizer.zero_grad()
         counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes))
     return chunked, counters
+
+
+def _with_host_budget(plugin: ChunkPlugin, host_budget: int | None) -> ChunkPlugin:
+    other = copy.copy(plugin)
+    other.placement = plugin.placement.model_copy(update={"host_budget": host_budget})
+    return other
 
 
 def _minimum_budget(
@@ -354,9 +228,13 @@ def _minimum_budget(
     inputs: Mapping[str, Any],
     world_size: int,
     capacity: int,
+    grad_accum: int,
 ) -> int:
     """The smallest budget a run accepts: what the placement needs under a budget of one byte,
-    raised until two training steps run (ops overlap where a working set alone does not say)."""
+    raised until two training steps run (ops overlap where a working set alone does not say).
+    Without the host budget: it moves optimizer sides between host and disk, never onto the
+    device, and a one-byte device budget would leave more on the host than the real one."""
+    plugin = _with_host_budget(plugin, None)
     try:
         _run(model, plugin, make_optimizer, inputs, world_size, capacity, 0, 1)
     except BudgetTooSmallError as refused:
@@ -365,7 +243,7 @@ def _minimum_budget(
         return 1
     for _ in range(8):
         try:
-            _run(model, plugin, make_optimizer, inputs, world_size, capacity, 2, minimum)
+            _run(model, plugin, make_optimizer, inputs, world_size, capacity, 2, minimum, grad_accum)
             return minimum
         except BudgetTooSmallError as refused:
             minimum = max(minimum + 1, refused.minimum)
@@ -387,6 +265,7 @@ def plan(
     bandwidth: float = 25e9,
     disk_bandwidth: float = 2e9,
     steps: int = 3,
+    grad_accum: int = 1,
 ) -> Plan:
     """Predict a training run of ``model`` (on the meta device; nothing is allocated) boosted with
     ``plugin`` at ``world_size`` ranks, each step a forward on ``example_inputs`` (the keyword
@@ -394,9 +273,18 @@ def plan(
     optimizer step (``optimizer(params)``, AdamW by default). ``device_capacity`` is what each
     rank may use of its device (default 80 GiB, an H100's); ``bandwidth`` the
     host-device copy speed for the modelled transfer time, ``disk_bandwidth`` the disk's for the
-    disk tier's (the defaults: a PCIe 4 x16 link, an NVMe drive). See the module docstring."""
+    disk tier's (the defaults: a PCIe 4 x16 link, an NVMe drive). With ``grad_accum`` N, a step is
+    N micro-batches, all but the last under ``no_sync`` (as ``booster.no_sync`` runs them), then the
+    optimizer step; pass the ``ChunkPlugin(gradient_accumulation=...)`` the run will use. A host
+    budget below what the placement needs is reported as not fitting (``why_not``), planned at the
+    minimum, as a device budget is. See the module docstring."""
     if steps < 2:
         raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"plan: grad_accum must be a whole number of micro-batches of at least 1, got {grad_accum!r}")
+    for name, speed in (("bandwidth", bandwidth), ("disk_bandwidth", disk_bandwidth)):
+        if not speed > 0 or speed == float("inf"):
+            raise ValueError(f"plan: {name} must be a positive, finite number of bytes per second, got {speed!r}")
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError(
             "plan: build the model on the meta device (with torch.device('meta'): model = ...); a model that "
@@ -410,18 +298,27 @@ def plan(
     quiet = log.level
     log.setLevel(logging.ERROR)  # the search runs at budgets nobody asked for: say nothing of them
     try:
-        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, world_size, capacity)
+        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, world_size, capacity, grad_accum)
     finally:
         log.setLevel(quiet)
-    why_not = ""
-    try:
-        chunked, counters = _run(model, plugin, make_optimizer, inputs, world_size, capacity, steps, budget)
-    except (BudgetTooSmallError, BudgetExceededError) as refused:
-        why_not = str(refused)
-        # What it would need: plan at the minimum, and say it does not fit.
-        chunked, counters = _run(model, plugin, make_optimizer, inputs, world_size, capacity, steps, minimum)
-    except ChunkmemError:
-        raise
+    refusals: list[str] = []
+    planned_budget = budget
+    for _ in range(3):  # a host budget and a device budget may each be refused once
+        try:
+            chunked, counters = _run(
+                model, plugin, make_optimizer, inputs, world_size, capacity, steps, planned_budget, grad_accum
+            )
+            break
+        except HostBudgetTooSmallError as refused:
+            # What it would need: plan at the minimum, and say it does not fit.
+            refusals.append(str(refused))
+            plugin = _with_host_budget(plugin, refused.minimum)
+        except (BudgetTooSmallError, BudgetExceededError) as refused:
+            refusals.append(str(refused))
+            planned_budget = minimum
+    else:  # pragma: no cover - each budget is raised to its minimum once
+        raise ChunkmemError(f"plan: no placement runs: {'; '.join(refusals)}")
+    why_not = "; ".join(refusals)
     last = counters[-1]
     peak = max(c.peak_device_bytes for c in counters)
     policy = chunked.runtime.policy
@@ -457,6 +354,7 @@ def plan(
         chunks=len(manager.chunks),
         chunk_size=max(c.capacity for c in manager.chunks),
         parameters=sum(info.numel for info in manager.infos),
+        grad_accum=grad_accum,
         bandwidth=bandwidth,
         disk_bandwidth=disk_bandwidth,
         steps=tuple(counters),

@@ -27,11 +27,12 @@ from placement import (
 
 from .accounting import Location
 from .backing import Backing, TrainingBacking
+from .boosted_params import already_boosted, note_boosted, the_fix
 from .chunk import Chunk
 from .comm import Communicator
 from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
-from .errors import BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
+from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
 from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .model import ChunkedModel
@@ -67,6 +68,23 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
             "optimizer over the meta model without state, boost, then load the state with booster.load_optimizer "
             "(or optimizer.load_state_dict on the optimizer boost returns)."
         )
+
+
+def _check_host_budget_on_cpu(
+    placement: StaticPlacementConfig | AutoPlacementConfig, device: torch.device, host_need: int
+) -> None:
+    """On a CPU compute device the "device" is host memory too: ``host_budget`` caps only what the
+    placement offloads from the compute device. Where it offloads nothing (``host_need`` 0) and no
+    ``device_budget`` caps the chunks kept on it, a ``host_budget`` would silently cap nothing."""
+    if device.type != "cpu" or placement.host_budget is None or placement.device_budget is not None or host_need:
+        return
+    raise ValueError(
+        f"host_budget={int(placement.host_budget)} caps nothing here: the compute device is the CPU, so the chunks "
+        "kept on it are in host memory too, yet only device_budget caps them (host_budget caps what the placement "
+        "offloads from the compute device, and this placement offloads nothing). Give a device_budget as well (chunks "
+        "then take at most device_budget + host_budget of this machine's memory), offload (offload_optim_frac), or "
+        "drop host_budget."
+    )
 
 
 def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
@@ -225,8 +243,12 @@ class ChunkPlugin:
         weights: str | os.PathLike[str] | None,
         backing: Backing,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
-        if isinstance(model, ChunkedModel):
-            raise ValueError("this model is already boosted")
+        already_boosted(model, optimizer, model.manager if isinstance(model, ChunkedModel) else None)
+        if isinstance(optimizer, ChunkOptimizer):
+            raise AlreadyBoostedError(
+                "this optimizer is what booster.boost returned: an optimizer is boosted once, with its model. Build a "
+                f"new model and optimizer and boost them together: {the_fix(None)}"
+            )
         named = list(model.named_parameters())  # each shared parameter once, first name
         if not named:
             raise ValueError("the model has no parameters to manage")
@@ -256,6 +278,7 @@ class ChunkPlugin:
             raise BudgetTooSmallError.from_placement(error) from None
         except placement_pkg.HostBudgetTooSmallError as error:
             raise HostBudgetTooSmallError.from_placement(error) from None
+        _check_host_budget_on_cpu(self.placement, device, policy.host_need(layout))
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
         disk = self._open_disk(layout, specs, comm, stats, backing)
@@ -290,6 +313,7 @@ class ChunkPlugin:
             if optimizer is not None
             else None
         )
+        note_boosted(manager, (optimizer, wrapped_optim))
         return boosted, wrapped_optim
 
     def _open_disk(

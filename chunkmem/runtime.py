@@ -367,10 +367,12 @@ class ChunkRuntime(ParamOpHook):
     def mutating_op(self, params: Sequence[torch.Tensor], op_name: str) -> None:
         """Refuse: the master shard is the source of truth, an in-place write would be lost."""
         names = [self._manager.info(p).name for p in params]
-        raise RuntimeError(
-            f"rank {self._rank}: in-place op '{op_name}' on managed parameter(s) {names} would be lost: chunkmem "
-            "keeps each parameter's fp32 master shard as the source of truth and rebuilds the parameter from "
-            "it. Change parameters through the optimizer, or with model.load_state_dict()."
+        where = f"rank {self._rank}: " if self._comm.world_size > 1 else ""
+        raise NotSupportedError(
+            f"{where}in-place op '{op_name}' on managed parameter(s) {names} would be lost: chunkmem keeps each "
+            "parameter's fp32 master shard as the source of truth and rebuilds the parameter from it. Change "
+            "parameters through the optimizer booster.boost returned (build the optimizer from the model before "
+            "boosting and pass it to booster.boost), or with model.load_state_dict()."
         )
 
     def _before(self, params: Sequence[torch.Tensor], phase: Phase) -> None:

@@ -6,8 +6,9 @@ decides; ``chunkmem`` executes what the policy decides.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -35,36 +37,64 @@ Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 Count = Annotated[int, Field(ge=0, strict=True)]
 
 
-_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 _BUDGET_FORM = "a number of bytes > 0 or a string such as '3GiB' or '512MiB'"
 
 
-def _byte_count(value: Any) -> Any:
+# A whole string: a number (digits with an optional decimal part and exponent) and an optional
+# unit. pydantic's ByteSize matches a prefix only, so "2,048MiB" was 2 bytes and "3GiB!" 3 GiB.
+_BUDGET_TEXT = re.compile(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+_SEPARATED = re.compile(r"\d[,_' ]\d")
+
+
+def _byte_count(value: Any, info: ValidationInfo) -> Any:
     """Say what a budget must look like, instead of pydantic's "could not parse value and unit"
-    for a negative number or a malformed string."""
+    for a negative number or a malformed string, and refuse what ByteSize would misread."""
+    field = info.field_name or "budget"
     if isinstance(value, bool):
         raise ValueError(f"must be {_BUDGET_FORM}, not a bool")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field}={value!r} is not a number of bytes; give {_BUDGET_FORM}")
     if isinstance(value, int | float) and value <= 0:
         raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be zero or negative)")
-    bare = value
     if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            bare = float(value)
-    if isinstance(bare, float) and not bare.is_integer():
+        value = _budget_text(value, field)
+    if isinstance(value, float) and not value.is_integer():
         raise ValueError(
             f"must be {_BUDGET_FORM}, got {value!r}: a number without a unit counts bytes, so it must be whole "
-            f"(for {bare:g} gibibytes write '{bare:g}GiB')"
+            f"(for {value:g} gibibytes write '{value:g}GiB')"
         )
-    if isinstance(bare, float):
-        return int(bare)  # a whole number of bytes, written as a float or a string ("2e9")
-    if isinstance(value, str):
-        if value.strip().startswith("-"):
-            raise ValueError(f"must be {_BUDGET_FORM}, got {value!r} (a budget cannot be negative)")
-        try:
-            _BYTES.validate_python(value)
-        except ValidationError:
-            raise ValueError(f"must be {_BUDGET_FORM}, got {value!r}") from None
+    if isinstance(value, float):
+        return int(value)  # a whole number of bytes, written as a float or a string ("2e9")
     return value
+
+
+def _budget_text(text: str, field: str) -> Any:
+    """A budget string as a float (a bare number of bytes) or as the string ByteSize parses
+    whole (a number and a unit); refused with the field and the value otherwise."""
+    if text.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        raise ValueError(f"{field}={text!r} is not a number of bytes; give {_BUDGET_FORM}")
+    if _SEPARATED.search(text):
+        # "1,5GiB" is 1.5 GiB in some locales and "2,048MiB" 2048 MiB in others: refuse both.
+        raise ValueError(
+            f"{field}={text!r} has a digit separator (',', '_', \"'\" or a space): write the number without one, "
+            "with a '.' for a decimal part, such as '2048MiB' or '1.5GiB'"
+        )
+    if text.strip().startswith("-"):
+        raise ValueError(f"must be {_BUDGET_FORM}, got {text!r} (a budget cannot be negative)")
+    match = _BUDGET_TEXT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"must be {_BUDGET_FORM}, got {text!r}")
+    number, unit = match.groups()
+    if not unit:
+        bare = float(number)
+        if not math.isfinite(bare):
+            raise ValueError(f"{field}={text!r} is not a number of bytes; give {_BUDGET_FORM}")
+        return bare
+    if unit.lower() not in ByteSize.byte_sizes:
+        raise ValueError(f"must be {_BUDGET_FORM}, got {text!r} (unknown unit {unit!r})")
+    if "e" in number.lower():
+        raise ValueError(f"must be {_BUDGET_FORM}, got {text!r} (no exponent with a unit: write the digits)")
+    return text
 
 
 Budget = Annotated[ByteSize, BeforeValidator(_byte_count), Field(gt=0)]
@@ -112,10 +142,13 @@ class StaticPlacementConfig(_Config):
     """Cap on chunk memory (parameters, gradients and optimizer states held in chunks) on the compute
     device, in bytes or a string such as ``"3GiB"``. ``None`` means no cap beyond the device."""
     host_budget: Budget | None = None
-    """Cap on chunk memory in host memory (16-bit copies, fp32 masters, gradient shards and
-    optimizer states kept there, and the buffers chunks on disk are stepped in), in bytes or a
-    string such as ``"16GiB"``. ``None`` means no cap. A placement that does not fit is refused when
-    boosting, with the minimum; raise ``offload_disk_frac`` to fit a smaller one."""
+    """Cap on chunk memory in host memory (fp32 masters, gradient shards and optimizer states kept
+    there, with 16-bit compute the 16-bit copies gathers read, and the buffers chunks on disk are
+    stepped in), in bytes or a string such as ``"16GiB"``. ``None`` means no cap. A placement that
+    does not fit is refused when boosting, with the minimum, and with the ``offload_disk_frac`` that
+    would fit it where one does. On a CPU compute device (host memory too) it caps only what is
+    offloaded from it: where nothing is and no ``device_budget`` is given, it is refused (see the
+    README)."""
 
     @model_validator(mode="after")
     def _disk_needs_offload(self) -> StaticPlacementConfig:

@@ -112,13 +112,20 @@ class PlacementPolicy(ABC):
             window = need - at_rest
             raise HostBudgetTooSmallError(
                 f"host_budget={budget} ({format_bytes(budget)}) is below the {need} ({format_bytes(need)}) this "
-                f"placement keeps in host memory: {format_bytes(at_rest)} of 16-bit copies, fp32 masters, gradient "
-                f"shards and optimizer states stay there between steps"
+                f"placement keeps in host memory: {format_bytes(at_rest)} of {self._host_contents()} stay there "
+                "between steps"
                 + (f", and {format_bytes(window)} hold the chunks stepped from disk" if window else "")
                 + f". Raise host_budget, {fix}.",
                 budget,
                 need,
             )
+
+    def _host_contents(self) -> str:
+        """What an offloaded chunk keeps in host memory: with 16-bit compute, the 16-bit copy
+        gathers read beside the fp32 master; with fp32 compute the master is what they read."""
+        if all(spec.master_is_compute for spec in self._specs):
+            return "fp32 masters (what gathers read), gradient shards and optimizer states"
+        return "16-bit copies (what gathers read), fp32 masters, gradient shards and optimizer states"
 
     @property
     def layout_decided(self) -> Layout:

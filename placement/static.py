@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .config import StaticPlacementConfig
-from .policy import PlacementPolicy
+from .policy import PlacementPolicy, format_bytes
 from .snapshot import ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace, Phase
 
@@ -47,6 +47,14 @@ class StaticPolicy(PlacementPolicy):
         return self._config
 
     def _decide_layout(self, working_sets: Sequence[WorkingSet]) -> Layout:
+        layout = self._layout_with_disk(self._config.offload_disk_frac)
+        fix = "offload more to disk (offload_disk_frac) or to the device"
+        if self._host_budget is not None and self.host_need(layout) > self._host_budget:
+            fix = self._disk_fix() or fix
+        self._check_host_budget(layout, fix)
+        return layout
+
+    def _layout_with_disk(self, disk_fraction: float) -> Layout:
         specs = self._specs
         keep = _first_fraction(specs, 1.0 - self._config.shard_param_frac)
         sharded = [s for s in specs if s.chunk_id not in keep]
@@ -56,8 +64,8 @@ class StaticPolicy(PlacementPolicy):
         offload_optim = _first_fraction(sharded, optim_frac)
         offload_param = _first_fraction(specs, self._config.offload_param_frac) & offload_optim
         offloaded = [s for s in sharded if s.chunk_id in offload_optim]
-        disk_frac = min(1.0, self._config.offload_disk_frac * total / max(1, sum(s.gathered_bytes for s in offloaded)))
-        on_disk = _first_fraction(offloaded, disk_frac) if self._config.offload_disk_frac > 0 else set()
+        disk_frac = min(1.0, disk_fraction * total / max(1, sum(s.gathered_bytes for s in offloaded)))
+        on_disk = _first_fraction(offloaded, disk_frac) if disk_fraction > 0 else set()
         placements = []
         for spec in specs:
             optim_on_device = spec.chunk_id not in offload_optim
@@ -69,9 +77,24 @@ class StaticPolicy(PlacementPolicy):
                     optim_on_disk=spec.chunk_id in on_disk,
                 )
             )
-        layout = Layout(tuple(placements))
-        self._check_host_budget(layout, "offload more to disk (offload_disk_frac) or to the device")
-        return layout
+        return Layout(tuple(placements))
+
+    def _disk_fix(self) -> str | None:
+        """The smallest ``offload_disk_frac`` (in hundredths, up to ``offload_optim_frac``) whose
+        layout fits the host budget, said as the fix; ``None`` when even that does not fit."""
+        budget = self._host_budget
+        assert budget is not None, "only asked under a host budget"
+        most = self._config.offload_optim_frac
+        for hundredths in range(int(self._config.offload_disk_frac * 100) + 1, int(most * 100) + 2):
+            fraction = min(most, hundredths / 100)
+            layout = self._layout_with_disk(fraction)
+            if self.host_need(layout) <= budget:
+                return (
+                    f"or set offload_disk_frac={fraction:g} and ChunkPlugin(disk_dir=...) to put "
+                    f"{format_bytes(layout.disk_bytes(self._specs))} on disk (host memory then "
+                    f"{format_bytes(self.host_need(layout))})"
+                )
+        return None
 
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
         """Release a chunk once no op of the current pass uses it again (so it is gathered once

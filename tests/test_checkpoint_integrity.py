@@ -237,7 +237,7 @@ def test_a_file_of_the_wrong_kind_is_named(tmp_path: Path) -> None:
     _save_all(chunked, optimizer, booster, tmp_path)
     with pytest.raises(CheckpointMismatchError, match=r"holds a model state.*load it with load_model"):
         booster.load_optimizer(optimizer, tmp_path / "model.pt")
-    with pytest.raises(CheckpointMismatchError, match=r"holds a optimizer state.*load it with load_optimizer"):
+    with pytest.raises(CheckpointMismatchError, match=r"holds an optimizer state.*load it with load_optimizer"):
         booster.load_model(chunked, tmp_path / "optim.pt")
     for name in ("model.pt", "optim.pt"):
         (tmp_path / f"{name}.chunkmem.json").unlink()

@@ -410,3 +410,36 @@ def test_a_key_given_twice_in_a_file_is_refused(tmp_path: Path, name: str, conte
     path.write_text(content)
     with pytest.raises(ValueError, match=r"twice"):
         load_placement_config(path)
+
+
+# --- what pydantic's ByteSize misreads (it parses a prefix: "2,048MiB" was 2 bytes) -------------
+
+
+@pytest.mark.parametrize("field", ["device_budget", "host_budget"])
+@pytest.mark.parametrize("value", ["2,048MiB", "1,5GiB", "1_000MiB", "2 048MiB", "1'000MiB"])
+def test_a_budget_with_a_digit_separator_is_refused_naming_field_and_value(field: str, value: str) -> None:
+    """A comma is a thousands separator in some locales and a decimal point in others: refused,
+    not read as the digits before it."""
+    with pytest.raises(pydantic.ValidationError) as exc:
+        StaticPlacementConfig(**{field: value})
+    _assert_names_field(exc, field)
+    message = exc.value.errors()[0]["msg"]
+    assert f"{field}={value!r}" in message and "separator" in message
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", float("nan"), float("inf")])
+def test_a_budget_that_is_not_a_number_is_refused_as_such(value: object) -> None:
+    with pytest.raises(pydantic.ValidationError) as exc:
+        AutoPlacementConfig(host_budget=value)
+    _assert_names_field(exc, "host_budget")
+    message = exc.value.errors()[0]["msg"]
+    assert "not a number of bytes" in message
+    assert "nanGiB" not in message and "infGiB" not in message
+
+
+@pytest.mark.parametrize("value", ["3GiB!", "3 GiB extra", "3..5GiB", "1e3GiB", "3 parsecs"])
+def test_a_budget_string_is_read_whole(value: str) -> None:
+    """Text after the number and unit used to be ignored ("3GiB!" was 3 GiB, "3..5GiB" 3 bytes)."""
+    with pytest.raises(pydantic.ValidationError) as exc:
+        StaticPlacementConfig(device_budget=value)
+    _assert_names_field(exc, "device_budget")

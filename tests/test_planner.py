@@ -48,17 +48,23 @@ PLACEMENTS: dict[str, Any] = {
 }
 
 
-def _count_steps(rank: int, world_size: int, model: Any, plugin: ChunkPlugin) -> tuple[list[dict[str, int]], Any]:
-    """Three training steps of ``model`` boosted with ``plugin``: each step's counters, and the ledger."""
+def _count_steps(
+    rank: int, world_size: int, model: Any, plugin: ChunkPlugin, accumulation: int = 1
+) -> tuple[list[dict[str, int]], Any]:
+    """Three training steps of ``model`` boosted with ``plugin``, each of ``accumulation``
+    micro-batches (all but the last in ``booster.no_sync``): each step's counters, and the ledger."""
     booster = Booster(plugin)
     chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
     ledger = chunked.manager.ledger
     steps = []
-    for ids in batches(3, batch=4):
+    for ids in batches(3 * accumulation, batch=4)[::accumulation]:
         local = ids.chunk(world_size)[rank]
         before = chunked.stats()
         ledger.reset_peak()
-        booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+        with booster.no_sync(chunked, optimizer):
+            for _ in range(accumulation - 1):
+                booster.backward(chunked(input_ids=local, labels=local).loss / accumulation, optimizer)
+        booster.backward(chunked(input_ids=local, labels=local).loss / accumulation, optimizer)
         optimizer.step()
         optimizer.zero_grad()
         counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
@@ -229,9 +235,92 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
         "batch 0": (["--hf-config", "gpt2", "--batch", "0x16"], "at least 1"),
         "world size 0": (["--hf-config", "gpt2", "--world-size", "0"], "must be at least 1"),
         "budget": (["--hf-config", "gpt2", "--device-budget", "lots"], "24GiB"),
+        "separator": (["--hf-config", "gpt2", "--device-budget", "2,048MiB"], "argument --device-budget"),
+        "nan": (["--hf-config", "gpt2", "--host-budget", "nan"], "argument --host-budget"),
+        "disk fraction": (["--hf-config", "gpt2", "--policy", "static", "--disk-frac", "2"], "argument --disk-frac"),
+        "disk with auto": (["--hf-config", "gpt2", "--disk-frac", "0.5"], "with --policy auto, --host-budget decides"),
+        "no bandwidth": (["--hf-config", "gpt2", "--bandwidth", "0"], "argument --bandwidth"),
+        "no disk bandwidth": (["--hf-config", "gpt2", "--disk-bandwidth", "0"], "argument --disk-bandwidth"),
+        "accumulation": (["--hf-config", "gpt2", "--grad-accum", "0"], "argument --grad-accum"),
+        "chunk": (["--hf-config", str(tmp_path / "small.json"), "--chunk-size", str(2**40)], "chunk_size="),
     }
     for name, (argv, message) in refusals.items():
         with pytest.raises(SystemExit) as exit_:
             plan_cli.main(argv)
-        err = capsys.readouterr().err + str(exit_.value.code)  # argparse prints; ours carry the text
-        assert message in err, (name, err)
+        err = capsys.readouterr().err  # argparse prints the usage, then one line
+        assert exit_.value.code == 2, (name, exit_.value.code)
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("python -m chunkmem.plan: error:")
+        assert message in err.strip().splitlines()[-1], (name, err)
+
+
+def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fitting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_cli = importlib.import_module("chunkmem.plan")
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 1x2048)", "(default: auto)", "(default: 25GB/s)", "(default: cuda)", "bf16 on cuda"):
+        assert default in shown, default
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x16"]
+    # The precision a training run on that device picks (ChunkPlugin's default there).
+    assert plan_cli.main([*common, "--device", "cpu"]).table()  # fp32 on a CPU
+    assert "fp32 (the default on cpu)" in capsys.readouterr().out
+    plan_cli.main(common)
+    assert "bf16 (the default on cuda)" in capsys.readouterr().out
+    tight = plan_cli.main([*common, "--device-budget", "200000", "--host-budget", "1000"])
+    assert not tight.fits and "host_budget=1000" in tight.why_not
+    assert tight.peak_host_bytes <= tight.min_host_budget  # planned at the host budget it needs
+    with torch.device("meta"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        count = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**small)).parameters())
+    assert f"parameters                     {count / 1e3:.3g}K ({count:,})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"), [(950, "950"), (120_576, "121K"), (5_800_000, "5.8M"), (124_439_808, "124M"), (1.2e9, "1.2B")]
+)
+def test_parameter_counts_read_as_people_write_them(count: int, shown: str) -> None:
+    from chunkmem.plan_report import format_count
+
+    assert format_count(int(count)) == shown
+
+
+ACCUMULATION = {
+    "static-offload-budget": (PLACEMENTS["static-offload-budget"], False),
+    "auto-budget-hint": (AutoPlacementConfig(device_budget=400_000), True),
+    "auto-tight": (AutoPlacementConfig(device_budget=250_000, max_prefetch=1), False),
+}
+
+
+def _measured_accumulating(rank: int, world_size: int, name: str) -> list[dict[str, int]]:
+    placement, hint = ACCUMULATION[name]
+    plugin = ChunkPlugin(placement=placement, precision="fp32", chunk_size=CHUNK, gradient_accumulation=hint)
+    return _count_steps(rank, world_size, gpt2(n_layer=3), plugin, accumulation=3)[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("name", list(ACCUMULATION))
+def test_a_prediction_with_gradient_accumulation_equals_a_run(name: str, world_size: int) -> None:
+    """Three micro-batches a step, two of them in no_sync: the plan's counters are the run's (they
+    differ from a one-micro-batch plan: each micro-batch gathers again, and under a tight budget
+    gradient buffers move to the host and back)."""
+    placement, hint = ACCUMULATION[name]
+    with torch.device("meta"):
+        model = gpt2(n_layer=3)
+    ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
+    plugin = ChunkPlugin(placement=placement, precision="fp32", chunk_size=CHUNK, gradient_accumulation=hint)
+    inputs = {"input_ids": ids, "labels": ids}
+    kwargs: dict[str, Any] = {"world_size": world_size, "optimizer": adamw_groups, "device_capacity": CAPACITY}
+    predicted = plan(model, plugin, inputs, grad_accum=3, **kwargs)
+    measured = run_ranks(_measured_accumulating, world_size, args=(name,))
+    for steps in measured:
+        assert [vars(s) for s in predicted.steps] == steps
+    single = plan(model, plugin, inputs, **kwargs)
+    assert predicted.allgather_bytes_per_step + predicted.h2d_bytes_per_step > (
+        single.allgather_bytes_per_step + single.h2d_bytes_per_step
+    )

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..errors import CheckpointCorruptedError, CheckpointWriteError
 from .kept import check_keepable, keep_directory
-from .manifest import MANIFEST_NAME, Kind, Manifest, check_digest, digest_of, plain_name, read_manifest
+from .manifest import MANIFEST_NAME, Kind, Manifest, a_kind, check_digest, digest_of, plain_name, read_manifest
 from .workspace import (
     PREVIOUS,
     Workspace,
@@ -94,8 +94,8 @@ def check_replaceable(target: Path, kind: Kind) -> None:
     assert manifest is not None and manifest.files is not None, f"{MANIFEST_NAME} is present"
     if manifest.kind != kind:
         raise CheckpointWriteError(
-            f"cannot write a sharded {kind} checkpoint at {target}: it holds a {manifest.kind} checkpoint, which this "
-            f"save would replace. Give each state its own directory (e.g. {target / kind})."
+            f"cannot write a sharded {kind} checkpoint at {target}: it holds {a_kind(manifest.kind)} checkpoint, "
+            f"which this save would replace. Give each state its own directory (e.g. {target / kind})."
         )
     extra = sorted(present - set(manifest.files) - {MANIFEST_NAME})
     if extra:

@@ -261,12 +261,21 @@ def unverified(target: Path, manifest_name: str, verify: bool) -> None:
     log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
 
 
+_A_KIND: dict[str, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
+
+
+def a_kind(kind: Kind) -> str:
+    """The kind with its article, for messages ("an optimizer", not "a optimizer")."""
+    return _A_KIND[kind]
+
+
 def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
     """Refuse a checkpoint that another kind of save wrote."""
     if manifest.kind != kind:
         save, load = _SAVE_WITH[manifest.kind]
         raise CheckpointMismatchError(
-            f"{target} holds a {manifest.kind} state (written by {save}), not a {kind} state; load it with {load}"
+            f"{target} holds {a_kind(manifest.kind)} state (written by {save}), not {a_kind(kind)} state; load it "
+            f"with {load}"
         )
 
 

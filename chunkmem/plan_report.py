@@ -1,0 +1,167 @@
+"""What ``chunkmem.plan`` reports: each planned step's counters, and the plan (a table for people,
+a dict for JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from placement.policy import format_bytes
+
+from .stats import Stats
+
+__all__ = ["Plan", "StepCounters", "format_count"]
+
+
+def format_count(n: int) -> str:
+    """A count for people: 5.8M, 1.2B, 124M, 950."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """What one training step did (differences of ``Stats`` over the step)."""
+
+    gathers: int
+    prefetches: int
+    evictions: int
+    h2d_bytes: int
+    d2h_bytes: int
+    allgather_bytes: int
+    reduce_scatter_bytes: int
+    peak_device_bytes: int
+    """Highest accounted device bytes during the step."""
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    peak_host_bytes: int = 0
+    """Highest accounted host bytes during the step."""
+
+    @classmethod
+    def between(cls, before: Stats, after: Stats, peak: int, peak_host: int = 0) -> StepCounters:
+        return cls(
+            gathers=after.gathers - before.gathers,
+            prefetches=after.prefetches - before.prefetches,
+            evictions=after.evictions - before.evictions,
+            h2d_bytes=after.h2d_bytes - before.h2d_bytes,
+            d2h_bytes=after.d2h_bytes - before.d2h_bytes,
+            allgather_bytes=after.allgather_bytes - before.allgather_bytes,
+            reduce_scatter_bytes=after.reduce_scatter_bytes - before.reduce_scatter_bytes,
+            peak_device_bytes=peak,
+            disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
+            disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
+            peak_host_bytes=peak_host,
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The prediction for one rank (every rank makes the same decisions). Per-step figures are
+    those of the last planned step, after the trace is recorded and the policy has settled."""
+
+    fits: bool
+    """Training runs within ``device_budget`` (and within ``device_capacity``)."""
+    why_not: str
+    """When it does not fit, the refusal chunkmem would raise."""
+    world_size: int
+    device_budget: int | None
+    device_capacity: int
+    min_device_budget: int
+    """The smallest budget a real run accepts for this placement (placement and one op's
+    working set, raised where ops overlap, e.g. activation-checkpointing recomputation)."""
+    peak_device_bytes: int
+    """Highest accounted chunk bytes on the device in a step (the budget's measure)."""
+    non_model_bytes: int
+    """Peak activations saved for backward, as measured in the first step."""
+    host_bytes_per_rank: int
+    """Chunk bytes in host memory on each rank between steps (fp32 masters, gradient shards,
+    optimizer states kept there, and with 16-bit compute the 16-bit copies gathers read)."""
+    peak_host_bytes: int
+    """Highest accounted chunk bytes in host memory in a step (the host budget's measure)."""
+    min_host_budget: int
+    """The host budget this placement needs (what stays in host memory, and the buffers chunks on
+    disk are stepped in)."""
+    disk_bytes_per_rank: int
+    """Bytes each rank keeps on disk (optimizer sides of the disk tier)."""
+    disk_read_bytes_per_step: int
+    disk_write_bytes_per_step: int
+    h2d_bytes_per_step: int
+    d2h_bytes_per_step: int
+    allgather_bytes_per_step: int
+    reduce_scatter_bytes_per_step: int
+    gathers_per_step: int
+    prefetches_per_step: int
+    chunks: int
+    chunk_size: int
+    parameters: int
+    grad_accum: int
+    """Micro-batches per optimizer step (all but the last under ``no_sync``)."""
+    bandwidth: float
+    """Host-device bytes per second assumed for ``transfer_seconds_per_step``."""
+    disk_bandwidth: float
+    """Disk bytes per second (reads and writes alike) assumed for ``disk_seconds_per_step``."""
+    steps: tuple[StepCounters, ...]
+    """Every planned step, the recording one first."""
+
+    @property
+    def transfer_seconds_per_step(self) -> float:
+        """Host-device transfer time per step at ``bandwidth`` (both directions serialised)."""
+        return (self.h2d_bytes_per_step + self.d2h_bytes_per_step) / self.bandwidth
+
+    @property
+    def disk_seconds_per_step(self) -> float:
+        """Disk time per step at ``disk_bandwidth`` (reads and writes serialised)."""
+        return (self.disk_read_bytes_per_step + self.disk_write_bytes_per_step) / self.disk_bandwidth
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
+        out["disk_seconds_per_step"] = self.disk_seconds_per_step
+        return out
+
+    def table(self) -> str:
+        """A table for people."""
+        rows = [
+            ("fits", "yes" if self.fits else f"no: {self.why_not}"),
+            ("world size", str(self.world_size)),
+            (
+                "parameters",
+                f"{format_count(self.parameters)} ({self.parameters:,}) in {self.chunks} chunks of "
+                f"{self.chunk_size:,} elements",
+            ),
+            (
+                "micro-batches per step",
+                f"{self.grad_accum}" + (" (no_sync for all but the last)" * (self.grad_accum > 1)),
+            ),
+            ("device budget", "none" if self.device_budget is None else format_bytes(self.device_budget)),
+            ("device capacity", format_bytes(self.device_capacity)),
+            ("minimum device budget", format_bytes(self.min_device_budget)),
+            ("peak device bytes (chunks)", format_bytes(self.peak_device_bytes)),
+            ("activations (non-model) peak", format_bytes(self.non_model_bytes)),
+            ("host bytes per rank", format_bytes(self.host_bytes_per_rank)),
+            ("peak host bytes (chunks)", format_bytes(self.peak_host_bytes)),
+            ("minimum host budget", format_bytes(self.min_host_budget)),
+            ("disk bytes per rank", format_bytes(self.disk_bytes_per_rank)),
+            (
+                "disk read + write per step",
+                f"{format_bytes(self.disk_read_bytes_per_step)} + {format_bytes(self.disk_write_bytes_per_step)}",
+            ),
+            ("host-to-device per step", format_bytes(self.h2d_bytes_per_step)),
+            ("device-to-host per step", format_bytes(self.d2h_bytes_per_step)),
+            ("all-gather per step", format_bytes(self.allgather_bytes_per_step)),
+            ("reduce-scatter per step", format_bytes(self.reduce_scatter_bytes_per_step)),
+            ("gathers + prefetches per step", f"{self.gathers_per_step} + {self.prefetches_per_step}"),
+            (
+                "transfer time per step",
+                f"{self.transfer_seconds_per_step:.3f} s at {self.bandwidth / 1e9:.0f} GB/s host-device",
+            ),
+            (
+                "disk time per step",
+                f"{self.disk_seconds_per_step:.3f} s at {self.disk_bandwidth / 1e9:.1f} GB/s",
+            ),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
