@@ -26,6 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 from placement import AutoPlacementConfig, StaticPlacementConfig
 from placement.config import Budget
 
+from .device import PLANNED_DEVICES, planned_precision
 from .errors import ChunkmemError
 from .memory import process_capacity
 from .planner import Plan, plan
@@ -166,10 +167,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# What ChunkPlugin(precision=None) picks when training on each device (chunkmem.plugin).
-_DEFAULT_PRECISION = {"cuda": "bf16", "cpu": "fp32"}
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m chunkmem.plan", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter
@@ -186,7 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch", type=_batch, default="1x2048", help="per-rank micro-batch, BATCHxSEQUENCE")
     parser.add_argument("--world-size", type=_at_least(1), default=1, help="data-parallel ranks")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device training computes on")
+    parser.add_argument(
+        "--device", choices=PLANNED_DEVICES, default=PLANNED_DEVICES[0], help="the device training computes on"
+    )
     parser.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> Plan:
             "argument --disk-frac: applies to --policy static or offload; with --policy auto, --host-budget decides "
             "what goes to disk"
         )
-    precision = args.precision or _DEFAULT_PRECISION[args.device]
+    precision = args.precision or planned_precision(args.device)
     capacity = args.device_memory
     if capacity is None and args.device == "cpu":
         capacity = process_capacity(torch.device("cpu"))

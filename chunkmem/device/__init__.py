@@ -4,6 +4,7 @@ host memory, memory capacity and the allocator's statistics); see ``layer`` and 
 from .choice import device_layer
 from .layer import AcceleratorLayer, DeviceLayer, is_accelerator
 from .probes import (
+    PLANNED_DEVICES,
     DeviceMemory,
     accelerator_available,
     accelerator_lines,
@@ -14,11 +15,13 @@ from .probes import (
     gpu_device,
     nvml_memory,
     peak_allocated,
+    planned_precision,
     reset_peak,
 )
 from .simulated import SIMULATED
 
 __all__ = [
+    "PLANNED_DEVICES",
     "SIMULATED",
     "AcceleratorLayer",
     "DeviceLayer",
@@ -34,5 +37,6 @@ __all__ = [
     "is_accelerator",
     "nvml_memory",
     "peak_allocated",
+    "planned_precision",
     "reset_peak",
 ]

@@ -13,6 +13,7 @@ import torch
 from .layer import is_accelerator
 
 __all__ = [
+    "PLANNED_DEVICES",
     "DeviceMemory",
     "accelerator_available",
     "accelerator_lines",
@@ -23,10 +24,20 @@ __all__ = [
     "gpu_device",
     "nvml_memory",
     "peak_allocated",
+    "planned_precision",
     "reset_peak",
 ]
 
 _CUDA = "cuda"
+# The device kinds the planner plans for (the machine it plans for need not be this one), the
+# accelerator first: what its CLI offers and defaults to.
+PLANNED_DEVICES: tuple[str, ...] = (_CUDA, "cpu")
+
+
+def planned_precision(device_type: str) -> str:
+    """What ``ChunkPlugin(precision=None)`` picks when training on a device of ``device_type``
+    that supports bf16 (every GPU the planner targets): bf16 on the GPU, fp32 on the CPU."""
+    return "bf16" if device_type == _CUDA else "fp32"
 
 
 @dataclass(frozen=True)
