@@ -39,6 +39,7 @@ from .early_steps import EarlySteps, group_settings, same_settings
 from .errors import DiskTierError, NotSupportedError, StateDictMismatchError, UnscaledBackwardError
 from .gather import Destination
 from .grad_markers import clear_markers
+from .grad_norm import flat_norm
 from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
@@ -484,11 +485,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         comm = self._manager.comm
 
         def norm_of(grad: torch.Tensor | GradOnDisk) -> float:
-            if isinstance(grad, GradOnDisk):
-                return grad.norm(norm_type)
-            if norm_type == float("inf"):
-                return float(grad.abs().max()) if grad.numel() else 0.0
-            return float(torch.linalg.vector_norm(grad, norm_type))
+            return grad.norm(norm_type) if isinstance(grad, GradOnDisk) else flat_norm(grad, norm_type)
 
         if norm_type == float("inf"):
             local = max((norm_of(g) for g in grads), default=0.0)
