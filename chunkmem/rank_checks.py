@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from placement import FetchPlan, Phase
 
+from .agreed_values import AgreedValues
 from .departure_search import Activity, Answer, DepartureSearch
 from .errors import TraceDivergenceError
 from .iteration import IterationKind, Where
@@ -61,7 +62,8 @@ _FIX = (
     "Every rank must run the same operations on the boosted model in the same order: run evaluation, "
     "generate() and save_pretrained() on every rank, or do rank-local work on a plain module with the full "
     "weights (model.plain_copy() on every rank returns one on rank 0); save with booster.save_model() on every "
-    "rank; keep rank-dependent branches out of the model."
+    "rank; call optimizer.clip_grad_norm() and enter booster.no_sync() on every rank; keep rank-dependent "
+    "branches out of the model."
 )
 
 
@@ -148,14 +150,23 @@ class RankChecks:
         return self._where() if self._where is not None else Where(IterationKind.TRAINING, -1, -1)
 
     # --- the three checks ---------------------------------------------------------------------
-    def entry(self, name: str, detail: str = "", where: Where | None = None, shown: str | None = None) -> None:
+    def entry(
+        self,
+        name: str,
+        detail: str = "",
+        where: Where | None = None,
+        shown: str | None = None,
+        values: AgreedValues | None = None,
+    ) -> None:
         """At a forward, backward, optimizer step or state-dict entry (``where`` it leads, by
-        default where the run is): agree with the others on ``name`` and ``detail``. ``shown`` is
-        what messages say instead (it may name things that differ between ranks, such as paths)."""
+        default where the run is): agree with the others on ``name``, ``detail`` and ``values``
+        (in the same fingerprint). ``shown`` is what messages say instead of ``name`` (it may name
+        things that differ between ranks, such as paths)."""
         where = where if where is not None else self._now()
         self.poll()
         text = f"{shown or name}{f' ({detail})' if detail else ''} {_at(where)}"
-        self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}"), text)
+        agreed = values.fingerprint_text() if values is not None else ""
+        self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}|{agreed}"), text, values)
 
     def collective(self, what: str, numel: int) -> None:
         """Before a chunk collective: agreed first while no trace is followed."""
@@ -272,7 +283,7 @@ class RankChecks:
                 return
             self._pending.append(alarm)
 
-    def _agree(self, kind: CheckKind, where: Where, value: int, text: str) -> None:
+    def _agree(self, kind: CheckKind, where: Where, value: int, text: str, values: AgreedValues | None = None) -> None:
         if self._failed is not None:
             raise TraceDivergenceError(self._failed)
         payload = torch.tensor(
@@ -297,14 +308,18 @@ class RankChecks:
             )
         if all(torch.equal(p, payload) for p in everyone):
             return
-        texts: list[Any] = [None] * self._world_size
+        gathered: list[Any] = [None] * self._world_size
         try:
-            dist.all_gather_object(texts, text, group=self._side)
+            dist.all_gather_object(gathered, (text, dict(values.values) if values else {}), group=self._side)
         except RuntimeError as error:  # a rank ended after its part of the fingerprints
             self._fail(
                 f"rank {self._rank}: the ranks are at different points (this rank: {text}), and the others could not "
                 f"say where ({str(error).strip().splitlines()[0]}). {_FIX}"
             )
+        texts = [t for t, _ in gathered]
+        differences = AgreedValues.differences([v for _, v in gathered])
+        if values is not None and len(set(texts)) == 1 and differences:
+            self._fail(f"rank {self._rank}: {values.fix} The ranks hold different values at {text}: {differences}.")
         values = [tuple(p.tolist()) for p in everyone]
         departed = [r for r, v in enumerate(values) if v[0] == CheckKind.DIVERGED]
         common, count = Counter(values).most_common(1)[0]
