@@ -21,9 +21,9 @@ small gloo group of their own (``side``), keep it so or say clearly where it bro
   a ``torch.distributed`` collective of the user's own that this rank will not join (a
   ``dist.barrier()`` after ``if rank == 0: booster.save_model(...)``) never comes, and every rank
   raises within seconds (``DepartureSearch``): the waiting ranks at once, the blocked one logs the
-  error at once and raises it at its next chunkmem call (its collective fails when the waiting
-  ranks' processes end). A rank that is merely slow is waited for, up to the process-group
-  timeout; one whose process ended fails the agreement at once.
+  error at once and raises it from its collective when that fails (the waiting ranks' processes
+  end), or else at its next chunkmem call. A rank that is merely slow is waited for, up to the
+  process-group timeout; one whose process ended fails the agreement at once.
 
 Check mode (``check_plans``) adds a fingerprint of every placement plan, agreed before it is
 carried out: a rank-local input to a decision becomes a test failure instead of a hang.
@@ -52,7 +52,7 @@ from .departure_search import Activity, Answer, DepartureSearch
 from .errors import TraceDivergenceError
 from .iteration import IterationKind, Where
 from .rank_channel import Message, RankChannel
-from .thread_activity import blocked_in_user_collective, where_thread_is
+from .thread_activity import blocked_in_user_collective, raise_in, where_thread_is
 
 __all__ = ["CheckKind", "RankChecks"]
 
@@ -250,10 +250,16 @@ class RankChecks:
             if self._failed is None:
                 self._failed = f"rank {self._rank}: {message.text}"
                 if self._agreeing is None:  # an agreement raises it itself; elsewhere nothing would say it
+                    blocked = blocked_in_user_collective(self._thread) is not None
+                    if blocked:  # it raises there once the collective fails (the others' processes end)
+                        blocked = raise_in(self._thread, TraceDivergenceError, self._failed)
                     log.error(
-                        "%s This rank's next chunkmem call raises this error; a collective of its own that it waits "
-                        "in fails when the other ranks' processes end (or at the process-group timeout).",
+                        "%s %s",
                         self._failed,
+                        "The collective this rank waits in raises this error when it fails (when the other ranks' "
+                        "processes end, or at the process-group timeout)."
+                        if blocked
+                        else "This rank's next chunkmem call raises this error.",
                     )
             self._channel.post(message.sender, _Note.RECORDED)
         elif message.kind == _Note.RECORDED:
@@ -339,8 +345,7 @@ class RankChecks:
         search = DepartureSearch(
             lambda to, round_: self._channel.post(to, _Note.QUESTION, (round_,)),
             self._rank,
-            self._ranks[self._rank],
-            self._world_size,
+            self._ranks,
             text,
             self._rounds,
             time.monotonic(),
@@ -353,7 +358,6 @@ class RankChecks:
                     search.answered(self._answers.get_nowait(), time.monotonic())
                 verdict = search.step(time.monotonic())
                 if verdict is not None:
-                    verdict = f"{verdict} {_FIX}"
                     self._announce(verdict)
                     self._fail(f"rank {self._rank}: {verdict}")
         finally:
