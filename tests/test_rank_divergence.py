@@ -206,6 +206,15 @@ class _ChunkmemErrors(logging.Handler):
         self.records.append((time.monotonic(), record.getMessage()))
 
 
+def _trained_a_step() -> tuple[Any, Any, Any]:
+    """A boosted model, its optimizer and booster, after one training step."""
+    chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+    booster.backward(chunked(torch.randn(4, 32)), optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    return chunked, optimizer, booster
+
+
 def _state_call(call: str, chunked: Any, optimizer: Any, booster: Any, path: str) -> None:
     if call == "save_model":
         booster.save_model(chunked, os.path.join(path, "model.pt"))
@@ -234,10 +243,7 @@ def _some_ranks_call(
     errors = _ChunkmemErrors()
     logging.getLogger("chunkmem").addHandler(errors)
     try:
-        chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
-        booster.backward(chunked(torch.randn(4, 32)), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        chunked, optimizer, booster = _trained_a_step()
         others_group = dist.new_group([r for r in range(world_size) if r not in callers])
         if call.startswith("load"):  # something to load, written by every rank
             _state_call("save_sharded" if call == "load_sharded" else "save_model", chunked, optimizer, booster, path)
@@ -398,10 +404,7 @@ def _gather_after_messages(rank: int, world_size: int, messages: str, path: str)
     errors = _ChunkmemErrors()
     logging.getLogger("chunkmem").addHandler(errors)
     try:
-        chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
-        booster.backward(chunked(torch.randn(4, 32)), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        chunked, optimizer, booster = _trained_a_step()
         last = world_size - 1
         if messages == "monitored_barrier":
             dist.monitored_barrier()
