@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
+from .grad_norm import flat_norm
 from .transfers import Direction, HostTransfers
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class GradOnDisk:
             self._norm2, self._largest, self._finite = 0.0, 0.0, True
             return
         # Computed as clip_grad_norm computes them for a shard in memory, so that both agree.
-        self._norm2 = float(torch.linalg.vector_norm(values, 2))
+        self._norm2 = flat_norm(values, 2.0)
         self._largest = float(values.abs().max()) if values.numel() else 0.0
         self._finite = bool(torch.isfinite(values).all())
         self._factor = 1.0
@@ -161,10 +162,7 @@ class GradOnDisk:
         if abs(mantissa) == 0.5 and norm_type in (2.0, math.inf):
             kept = self._norm2 if norm_type == 2.0 else self._largest
             return kept * abs(self._factor)
-        values = self._read_now().mul_(self._factor)
-        if norm_type == math.inf:
-            return float(values.abs().max()) if values.numel() else 0.0
-        return float(torch.linalg.vector_norm(values, norm_type))
+        return flat_norm(self._read_now().mul_(self._factor), norm_type)
 
     @property
     def finite(self) -> bool:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import Location, MemoryKind
+from .agreed_values import hyperparameters
 from .agreement import agree
 from .chunk import Chunk, GradState
 from .chunk_layout import ShardPiece
@@ -39,6 +40,7 @@ from .early_steps import EarlySteps, group_settings, same_settings
 from .errors import DiskTierError, NotSupportedError, StateDictMismatchError, UnscaledBackwardError
 from .gather import Destination
 from .grad_markers import clear_markers
+from .grad_norm import flat_norm
 from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
@@ -315,6 +317,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_groups()
+        agreed = hyperparameters(self._optim.param_groups) if self.communicator.checks is not None else None
+        self._runtime.agree_entry("optimizer step", values=agreed)
         self._prepare_grads()
         stats = self._runtime.stats_counters
         if self._found_inf:
@@ -477,18 +481,16 @@ class ChunkOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over all ranks to ``max_norm`` (like
-        ``torch.nn.utils.clip_grad_norm_``) and return the norm before clipping."""
+        ``torch.nn.utils.clip_grad_norm_``) and return the norm before clipping. A collective:
+        call it on every rank (to log the norm on one rank, log what every rank returns)."""
+        norm_type = float(norm_type)
+        self._runtime.agree_entry("clip_grad_norm", f"max_norm {float(max_norm)!r}, norm_type {norm_type!r}")
         self._prepare_grads()
         grads = self._reduced_grads()  # in chunk order: the sum below adds in the same order anywhere
-        norm_type = float(norm_type)
         comm = self._manager.comm
 
         def norm_of(grad: torch.Tensor | GradOnDisk) -> float:
-            if isinstance(grad, GradOnDisk):
-                return grad.norm(norm_type)
-            if norm_type == float("inf"):
-                return float(grad.abs().max()) if grad.numel() else 0.0
-            return float(torch.linalg.vector_norm(grad, norm_type))
+            return grad.norm(norm_type) if isinstance(grad, GradOnDisk) else flat_norm(grad, norm_type)
 
         if norm_type == float("inf"):
             local = max((norm_of(g) for g in grads), default=0.0)

@@ -21,9 +21,9 @@ small gloo group of their own (``side``), keep it so or say clearly where it bro
   a ``torch.distributed`` collective of the user's own that this rank will not join (a
   ``dist.barrier()`` after ``if rank == 0: booster.save_model(...)``) never comes, and every rank
   raises within seconds (``DepartureSearch``): the waiting ranks at once, the blocked one logs the
-  error at once and raises it at its next chunkmem call (its collective fails when the waiting
-  ranks' processes end). A rank that is merely slow is waited for, up to the process-group
-  timeout; one whose process ended fails the agreement at once.
+  error at once and raises it from its collective when that fails (the waiting ranks' processes
+  end), or else at its next chunkmem call. A rank that is merely slow is waited for, up to the
+  process-group timeout; one whose process ended fails the agreement at once.
 
 Check mode (``check_plans``) adds a fingerprint of every placement plan, agreed before it is
 carried out: a rank-local input to a decision becomes a test failure instead of a hang.
@@ -47,11 +47,12 @@ import torch.distributed as dist
 
 from placement import FetchPlan, Phase
 
+from .agreed_values import AgreedValues
 from .departure_search import Activity, Answer, DepartureSearch
 from .errors import TraceDivergenceError
 from .iteration import IterationKind, Where
 from .rank_channel import Message, RankChannel
-from .thread_activity import blocked_in_user_collective, where_thread_is
+from .thread_activity import blocked_in_user_collective, raise_in, where_thread_is
 
 __all__ = ["CheckKind", "RankChecks"]
 
@@ -61,7 +62,8 @@ _FIX = (
     "Every rank must run the same operations on the boosted model in the same order: run evaluation, "
     "generate() and save_pretrained() on every rank, or do rank-local work on a plain module with the full "
     "weights (model.plain_copy() on every rank returns one on rank 0); save with booster.save_model() on every "
-    "rank; keep rank-dependent branches out of the model."
+    "rank; call optimizer.clip_grad_norm() and enter booster.no_sync() on every rank; keep rank-dependent "
+    "branches out of the model."
 )
 
 
@@ -148,14 +150,23 @@ class RankChecks:
         return self._where() if self._where is not None else Where(IterationKind.TRAINING, -1, -1)
 
     # --- the three checks ---------------------------------------------------------------------
-    def entry(self, name: str, detail: str = "", where: Where | None = None, shown: str | None = None) -> None:
+    def entry(
+        self,
+        name: str,
+        detail: str = "",
+        where: Where | None = None,
+        shown: str | None = None,
+        values: AgreedValues | None = None,
+    ) -> None:
         """At a forward, backward, optimizer step or state-dict entry (``where`` it leads, by
-        default where the run is): agree with the others on ``name`` and ``detail``. ``shown`` is
-        what messages say instead (it may name things that differ between ranks, such as paths)."""
+        default where the run is): agree with the others on ``name``, ``detail`` and ``values``
+        (in the same fingerprint). ``shown`` is what messages say instead of ``name`` (it may name
+        things that differ between ranks, such as paths)."""
         where = where if where is not None else self._now()
         self.poll()
         text = f"{shown or name}{f' ({detail})' if detail else ''} {_at(where)}"
-        self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}"), text)
+        agreed = values.fingerprint_text() if values is not None else ""
+        self._agree(CheckKind.ENTRY, where, fingerprint(f"{name}|{detail}|{agreed}"), text, values)
 
     def collective(self, what: str, numel: int) -> None:
         """Before a chunk collective: agreed first while no trace is followed."""
@@ -239,10 +250,16 @@ class RankChecks:
             if self._failed is None:
                 self._failed = f"rank {self._rank}: {message.text}"
                 if self._agreeing is None:  # an agreement raises it itself; elsewhere nothing would say it
+                    blocked = blocked_in_user_collective(self._thread) is not None
+                    if blocked:  # it raises there once the collective fails (the others' processes end)
+                        blocked = raise_in(self._thread, TraceDivergenceError, self._failed)
                     log.error(
-                        "%s This rank's next chunkmem call raises this error; a collective of its own that it waits "
-                        "in fails when the other ranks' processes end (or at the process-group timeout).",
+                        "%s %s",
                         self._failed,
+                        "The collective this rank waits in raises this error when it fails (when the other ranks' "
+                        "processes end, or at the process-group timeout)."
+                        if blocked
+                        else "This rank's next chunkmem call raises this error.",
                     )
             self._channel.post(message.sender, _Note.RECORDED)
         elif message.kind == _Note.RECORDED:
@@ -272,7 +289,7 @@ class RankChecks:
                 return
             self._pending.append(alarm)
 
-    def _agree(self, kind: CheckKind, where: Where, value: int, text: str) -> None:
+    def _agree(self, kind: CheckKind, where: Where, value: int, text: str, values: AgreedValues | None = None) -> None:
         if self._failed is not None:
             raise TraceDivergenceError(self._failed)
         payload = torch.tensor(
@@ -297,14 +314,18 @@ class RankChecks:
             )
         if all(torch.equal(p, payload) for p in everyone):
             return
-        texts: list[Any] = [None] * self._world_size
+        gathered: list[Any] = [None] * self._world_size
         try:
-            dist.all_gather_object(texts, text, group=self._side)
+            dist.all_gather_object(gathered, (text, dict(values.values) if values else {}), group=self._side)
         except RuntimeError as error:  # a rank ended after its part of the fingerprints
             self._fail(
                 f"rank {self._rank}: the ranks are at different points (this rank: {text}), and the others could not "
                 f"say where ({str(error).strip().splitlines()[0]}). {_FIX}"
             )
+        texts = [t for t, _ in gathered]
+        differences = AgreedValues.differences([v for _, v in gathered])
+        if values is not None and len(set(texts)) == 1 and differences:
+            self._fail(f"rank {self._rank}: {values.fix} The ranks hold different values at {text}: {differences}.")
         values = [tuple(p.tolist()) for p in everyone]
         departed = [r for r, v in enumerate(values) if v[0] == CheckKind.DIVERGED]
         common, count = Counter(values).most_common(1)[0]
@@ -324,8 +345,7 @@ class RankChecks:
         search = DepartureSearch(
             lambda to, round_: self._channel.post(to, _Note.QUESTION, (round_,)),
             self._rank,
-            self._ranks[self._rank],
-            self._world_size,
+            self._ranks,
             text,
             self._rounds,
             time.monotonic(),
@@ -338,7 +358,6 @@ class RankChecks:
                     search.answered(self._answers.get_nowait(), time.monotonic())
                 verdict = search.step(time.monotonic())
                 if verdict is not None:
-                    verdict = f"{verdict} {_FIX}"
                     self._announce(verdict)
                     self._fail(f"rank {self._rank}: {verdict}")
         finally:

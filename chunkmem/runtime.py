@@ -30,6 +30,7 @@ from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
 from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
 
 from .accounting import Location
+from .agreed_values import AgreedValues
 from .backward_agreement import agree_backward
 from .chunk import Chunk
 from .errors import NotSupportedError
@@ -205,18 +206,24 @@ class ChunkRuntime(ParamOpHook):
         return self._stats.snapshot()
 
     # --- iterations -------------------------------------------------------------------------
-    def agree_entry(self, name: str, detail: str = "") -> None:
-        """Before an entry point that issues collectives (forward, backward, optimizer step, state
-        dict, checkpoint): every rank must be at the same one (see ``RankChecks``)."""
+    def agree_entry(self, name: str, detail: str = "", values: AgreedValues | None = None) -> None:
+        """Before an entry point that issues collectives (forward, backward, optimizer step,
+        gradient clipping, state dict, checkpoint): every rank must be at the same one, holding the
+        same ``values`` (see ``RankChecks``)."""
         if self._checks is not None:
-            self._checks.entry(name, detail)
+            self._checks.entry(name, detail, values=values)
+
+    def _sync_detail(self) -> str:
+        """Whether gradients are reduced (outside ``no_sync``): a backward inside ``no_sync`` on
+        one rank only would leave the others waiting in its reductions."""
+        return "" if self._executor.residency.can_reduce else ", no_sync"
 
     def begin_forward(self) -> None:
         """Called by the model wrapper when its forward starts."""
         self.cancel_early_steps()
         grad_enabled = torch.is_grad_enabled()
         if self._checks is not None:
-            detail = "grad enabled" if grad_enabled else "grad disabled"
+            detail = f"grad enabled{self._sync_detail()}" if grad_enabled else "grad disabled"
             self._checks.entry("forward", detail, self._tracker.next_forward(grad_enabled))
         if self._tracker.mode is Mode.BACKWARD:
             self.finish_backward()
@@ -264,8 +271,8 @@ class ChunkRuntime(ParamOpHook):
     def prepare_step(self) -> None:
         """Before the optimizer reads gradients: finish the backward, reduce buffers still pending
         (the last backward ran under ``no_sync``), and release gathered chunks: the step makes
-        them stale, and its optimizer state needs the room the placement reserved for it."""
-        self.agree_entry("optimizer step")
+        them stale, and its optimizer state needs the room the placement reserved for it. The
+        caller has agreed the entry (a step, or a gradient clipping) with the other ranks."""
         self.finish_backward()
         if self._executor.residency.unreduced:
             self._executor.reduce_all()
@@ -357,7 +364,7 @@ class ChunkRuntime(ParamOpHook):
         if mode is Mode.BACKWARD:
             return
         if mode is Mode.FORWARD:
-            self.agree_entry("backward")
+            self.agree_entry("backward", self._sync_detail().removeprefix(", "))
         self._tracker.begin_backward()
 
     def post_backward(self, params: Sequence[torch.Tensor]) -> None:

@@ -8,10 +8,16 @@ next call until that collective completes. It is read from the thread's Python s
 function, and the group's sequence number says which of the group's operations it is (the number
 of operations this process has issued on the group, the blocked one included), which the asking
 rank compares with its own.
+
+A rank found departed while blocked in such a collective gets chunkmem's error raised in that
+thread (``raise_in``): Python raises it as soon as the thread runs Python code again, which is when
+the collective fails (the other ranks' processes end), so the script dies with chunkmem's
+explanation rather than only gloo's "Connection closed by peer".
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -26,7 +32,7 @@ import torch.distributed.distributed_c10d as c10d
 import hooks
 import placement
 
-__all__ = ["UserCollective", "blocked_in_user_collective", "own_operations", "where_thread_is"]
+__all__ = ["UserCollective", "blocked_in_user_collective", "own_operations", "raise_in", "where_thread_is"]
 
 _TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
 _C10D = str(Path(c10d.__file__).resolve())
@@ -148,3 +154,13 @@ def own_operations(group_name: str) -> int | None:
     except Exception:
         return None
     return None
+
+
+def raise_in(thread_id: int, error: type[BaseException], message: str) -> bool:
+    """Have the thread raise ``error(message)`` when it next runs Python code; returns whether
+    the thread exists. CPython raises such an error by class, so a subclass carrying ``message``
+    (with ``error``'s name) is raised."""
+    carrying = type(error.__name__, (error,), {"__init__": lambda self, *_: error.__init__(self, message)})
+    carrying.__module__ = error.__module__
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(carrying))
+    return bool(done)

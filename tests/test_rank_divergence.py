@@ -206,6 +206,15 @@ class _ChunkmemErrors(logging.Handler):
         self.records.append((time.monotonic(), record.getMessage()))
 
 
+def _trained_a_step() -> tuple[Any, Any, Any]:
+    """A boosted model, its optimizer and booster, after one training step."""
+    chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
+    booster.backward(chunked(torch.randn(4, 32)), optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    return chunked, optimizer, booster
+
+
 def _state_call(call: str, chunked: Any, optimizer: Any, booster: Any, path: str) -> None:
     if call == "save_model":
         booster.save_model(chunked, os.path.join(path, "model.pt"))
@@ -234,10 +243,7 @@ def _some_ranks_call(
     errors = _ChunkmemErrors()
     logging.getLogger("chunkmem").addHandler(errors)
     try:
-        chunked, optimizer, booster = boost(_Blocks(), _adamw, precision="fp32", chunk_size=1_100)
-        booster.backward(chunked(torch.randn(4, 32)), optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        chunked, optimizer, booster = _trained_a_step()
         others_group = dist.new_group([r for r in range(world_size) if r not in callers])
         if call.startswith("load"):  # something to load, written by every rank
             _state_call("save_sharded" if call == "load_sharded" else "save_model", chunked, optimizer, booster, path)
@@ -282,9 +288,12 @@ def _some_ranks_call(
 
 
 def _check_named(message: str, rank: int, callers: tuple[int, ...], waiting: list[int]) -> None:
-    assert message.startswith(f"rank {rank}:"), message
+    # The fix first (issue 28 item 16), then where each rank is.
+    assert message.startswith(f"rank {rank}: make the chunkmem call that ranks {list(callers)} are in ("), message
+    assert message.index("on every rank:") < message.index("wait in a torch.distributed collective"), message
     assert f"ranks {waiting} wait in a torch.distributed collective of their own" in message, message
     assert f"ranks {list(callers)} will not join" in message, message
+    assert "generate()" not in message, message  # not the list of every other fix
     for other in waiting:
         assert f"rank {other}: waits in torch.distributed.barrier() called at " in message, message
         assert "test_rank_divergence.py:" in message, message  # the script's line that called it
@@ -308,9 +317,10 @@ def test_a_state_call_on_one_rank_while_the_other_waits_in_its_own_barrier_raise
     assert caller["error"] == "TraceDivergenceError", caller
     assert caller["raised"] < SOON, caller
     _check_named(caller["message"], 0, (0,), [1])
-    # The waiting rank logs the same error within seconds, its barrier fails once the calling rank's
-    # process ends, and its next chunkmem call raises the error.
-    assert waiter["error"] is not None and waiter["raised"] < SOON, waiter
+    # The waiting rank logs the same error within seconds, and its barrier raises it once the calling
+    # rank's process ends (issue 28 item 16), as does its next chunkmem call.
+    assert waiter["error"] == "TraceDivergenceError" and waiter["raised"] < SOON, waiter
+    _check_named(waiter["message"], 1, (0,), [1])
     assert waiter["next_error"] == "TraceDivergenceError", waiter
     _check_named(waiter["next_message"], 1, (0,), [1])
     logged = [(at, message) for at, message in waiter["logged"] if "wait in a torch.distributed collective" in message]
@@ -318,15 +328,22 @@ def test_a_state_call_on_one_rank_while_the_other_waits_in_its_own_barrier_raise
     _check_named(logged[0][1], 1, (0,), [1])
 
 
-def test_two_ranks_save_while_two_wait_in_their_own_barrier_every_rank_raises(tmp_path: Any) -> None:
+@pytest.mark.parametrize(("world_size", "callers"), [(3, (0,)), (4, (0, 1))])
+def test_ranks_save_while_the_others_wait_in_their_own_barrier_every_rank_raises(
+    world_size: int, callers: tuple[int, ...], tmp_path: Any
+) -> None:
     results = run_ranks(
-        _some_ranks_call, 4, args=("save_model", (0, 1), "barrier", str(tmp_path)), timeout=200, pg_timeout=PG_TIMEOUT
+        _some_ranks_call,
+        world_size,
+        args=("save_model", callers, "barrier", str(tmp_path)),
+        timeout=200,
+        pg_timeout=PG_TIMEOUT,
     )
+    waiting = [r for r in range(world_size) if r not in callers]
     for rank, result in enumerate(results):
-        assert result["error"] is not None and result["raised"] < SOON, (rank, result)
-        message = result["message"] if rank < 2 else result["next_message"]
-        assert rank < 2 or result["next_error"] == "TraceDivergenceError", (rank, result)
-        _check_named(message, rank, (0, 1), [2, 3])
+        assert result["error"] == "TraceDivergenceError" and result["raised"] < SOON, (rank, result)
+        _check_named(result["message"], rank, callers, waiting)
+        assert rank in callers or result["next_error"] == "TraceDivergenceError", (rank, result)
 
 
 def test_a_save_on_one_rank_while_the_other_ends_its_script_raises_at_once(tmp_path: Any) -> None:
@@ -376,3 +393,48 @@ def test_a_save_on_one_rank_raises_everywhere_when_the_other_trains_on(tmp_path:
         assert result["error"] == "TraceDivergenceError", (rank, result)
         assert "rank 0: gathering a state dict" in result["message"], result  # the save gathers first
         assert "rank 1: forward" in result["message"], result
+
+
+# --- point-to-point traffic, then a rank waiting in a collective for a slow rank ----------------
+# Issue 28 item 7: operation numbers count a point-to-point call on its own side only. After
+# ``dist.monitored_barrier()`` (or a send from rank 0), rank 0 waiting as the root of a gather for a
+# slow last rank has a higher number than rank 1, which gave its part and went on into a save: rank
+# 1 must not find rank 0 departed while the gather still waits for the last rank.
+def _gather_after_messages(rank: int, world_size: int, messages: str, path: str) -> dict[str, Any]:
+    errors = _ChunkmemErrors()
+    logging.getLogger("chunkmem").addHandler(errors)
+    try:
+        chunked, optimizer, booster = _trained_a_step()
+        last = world_size - 1
+        if messages == "monitored_barrier":
+            dist.monitored_barrier()
+        elif rank == 0:
+            dist.send(torch.ones(1), dst=last)
+        elif rank == last:
+            dist.recv(torch.ones(1), src=0)
+        start = time.monotonic()
+        if rank == last:
+            time.sleep(6)
+        gathered = [torch.zeros(1) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(torch.full((1,), float(rank)), gathered, dst=0)
+        gave = time.monotonic() - start
+        try:
+            booster.save_model(chunked, os.path.join(path, "model.pt"))
+            booster.backward(chunked(torch.randn(4, 32)), optimizer)  # training goes on
+            optimizer.step()
+        except Exception as error:
+            return {"error": type(error).__name__, "message": str(error)}
+        return {"error": None, "gave": gave, "logged": [message for _, message in errors.records]}
+    finally:
+        logging.getLogger("chunkmem").removeHandler(errors)
+
+
+@pytest.mark.parametrize(("world_size", "messages"), [(3, "monitored_barrier"), (3, "send"), (4, "monitored_barrier")])
+def test_a_rank_waiting_for_a_slow_rank_after_point_to_point_traffic_is_waited_for(
+    world_size: int, messages: str, tmp_path: Any
+) -> None:
+    results = run_ranks(_gather_after_messages, world_size, args=(messages, str(tmp_path)), timeout=150)
+    for result in results:
+        assert result["error"] is None, result
+        assert result["logged"] == [], result
+    assert results[1]["gave"] < 3 < results[0]["gave"]  # rank 1 went into the save while rank 0 waited
