@@ -382,3 +382,24 @@ def test_a_load_stages_what_goes_to_disk_in_files_of_the_scratch_directory(tmp_p
     for chunk in in_memory:
         for staged in (optimizer.state_staging(chunk, 10, torch.float32), chunk.store.staging_for_master(10)):
             assert staged.untyped_storage().filename is None
+
+
+def _boost_train_and_drop(rank: int, world_size: int, disk_dir: str) -> tuple[int, int]:
+    """Boosts with sides on disk, takes a step, drops model and optimizer; returns the scratch
+    directories of this rank while the model lives and after it was collected."""
+    mine = Path(disk_dir) / f"r{rank}"
+    mine.mkdir(exist_ok=True)
+    chunked, optimizer, booster = _boost(ON_DISK, "fp32", mine)
+    _train(chunked, optimizer, booster, 1)
+    alive = len(_scratch(mine))
+    del chunked, optimizer, booster
+    gc.collect()
+    return alive, len(_scratch(mine))
+
+
+@pytest.mark.multirank
+@pytest.mark.fast_tier
+def test_the_scratch_directories_go_with_a_collected_model_at_two_ranks(tmp_path: Path) -> None:
+    for rank, (alive, after) in enumerate(run_ranks(_boost_train_and_drop, 2, args=(str(tmp_path),))):
+        assert alive == 1, f"rank {rank}: {alive} scratch directories while the model lives"
+        assert after == 0, f"rank {rank}: the scratch directory outlived the collected model and optimizer"
