@@ -167,41 +167,6 @@ def test_a_disk_without_room_for_the_placement_is_refused_at_boost(
     assert _scratch(tmp_path) == [], "a refused boost left its scratch directory"
 
 
-def test_only_scratch_directories_of_dead_runs_are_removed(tmp_path: Path) -> None:
-    stale = tmp_path / ".chunkmem-scratch-0123456789abcdef-rank0"
-    stale.mkdir()
-    (stale / "chunkmem-scratch.json").write_text("{}")
-    (stale / "lock").write_text("")
-    (stale / "sides.bin").write_bytes(b"x" * 100)
-    look_alike = tmp_path / ".chunkmem-scratch-mine"  # no marker: not chunkmem's
-    look_alike.mkdir()
-    (look_alike / "notes.txt").write_text("keep me")
-    alive = tmp_path / ".chunkmem-scratch-fedcba9876543210-rank0"
-    alive.mkdir()
-    (alive / "chunkmem-scratch.json").write_text("{}")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-            str(alive / "lock"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        _alive_run = _boost(ON_DISK, "fp32", tmp_path)
-        assert not stale.exists()
-        assert (look_alike / "notes.txt").read_text() == "keep me"
-        assert alive.exists(), "the scratch directory of a running process was removed"
-        assert len(_scratch(tmp_path)) == 3  # this run's, the look-alike and the live one
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 _KILLED = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
