@@ -229,7 +229,8 @@ def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_pat
 
 def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[Any]:
     """Trains with sides on disk; with ``fail_at`` >= 0, rank 1's writes fail (disk full) at that
-    step. Returns each step's outcome, and whether the model still equals the in-RAM run."""
+    step. Returns each step's outcome, and whether the model (its state, its forward, its step
+    count) still equals the in-RAM run's."""
     chunked, optimizer, booster = _boost(ON_DISK, "bf16", Path(disk_dir) / f"r{rank}")
     ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
     real_pwritev = os.pwritev
@@ -257,7 +258,11 @@ def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[
         for opt in (optimizer, ram_optimizer):
             opt.zero_grad()
     state, reference = chunked.state_dict(), ram.state_dict()
-    outcomes.append(all(torch.equal(state[k], reference[k]) for k in reference))
+    probe = torch.randn(4, WIDTH, generator=g)
+    with torch.no_grad():  # the model the next forward uses too, and the steps counted
+        same_forward = torch.equal(chunked(probe), ram(probe))
+    same_steps = chunked.stats().optimizer_steps == ram.stats().optimizer_steps == 4
+    outcomes.append(all(torch.equal(state[k], reference[k]) for k in reference) and same_forward and same_steps)
     return outcomes
 
 
@@ -268,7 +273,7 @@ def test_two_ranks_with_sides_on_disk_and_a_disk_that_fills_up(tmp_path: Path, f
         (tmp_path / f"r{rank}").mkdir()
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path), fail_at))
     for rank, outcomes in enumerate(results):
-        assert outcomes[-1] is True, f"rank {rank}: the masters differ from the in-memory run"
+        assert outcomes[-1] is True, f"rank {rank}: the model differs from the in-memory run"
         for step, outcome in enumerate(outcomes[:-1]):
             if step != fail_at:
                 assert outcome == "ok", (rank, step, outcome)
