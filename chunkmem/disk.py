@@ -165,7 +165,14 @@ class DiskFile(_Regions):
         checkpoint reads them without bringing the whole region into memory at once). Writes
         must have landed (the pipeline waits for its own)."""
         if self._mapped is None:
-            self._mapped = torch.from_file(str(self._path), shared=False, size=self._size, dtype=torch.uint8)
+            try:
+                self._mapped = torch.from_file(str(self._path), shared=False, size=self._size, dtype=torch.uint8)
+            except (RuntimeError, OSError) as error:
+                raise DiskTierError(
+                    f"cannot map the disk tier's file {self._path} to read the optimizer states it holds ({error}); "
+                    "was its scratch directory removed while the run uses it? The states on disk cannot be saved: "
+                    "leave the .chunkmem-scratch-* directories of a running job alone"
+                ) from error
         return self._mapped[offset : offset + numel * dtype.itemsize].view(dtype)
 
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -618,6 +618,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
     def _on_disk(self, chunk: Chunk) -> bool:
         return self._disk is not None and self._disk.holds(chunk)
 
+    def state_on_disk(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s optimizer state lives on disk (the same on every rank): reading it
+        can fail there."""
+        return self._on_disk(chunk)
+
     def _state_location(self, chunk: Chunk) -> Location:
         """Where ``chunk``'s optimizer state lives between steps."""
         if self._on_disk(chunk):
