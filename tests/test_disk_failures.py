@@ -76,7 +76,7 @@ def _unreadable(fd: int, buffers: Any, offset: int) -> int:
 
 def _save_with_a_failing_disk(rank: int, world_size: int, tmp: str, how: str, call: str) -> Any:
     """Rank 1's disk tier fails (``how``: its reads fail, or its scratch directory is removed)
-    before ``call`` (a full save, or ``state_dict``); returns what each rank saw, and how fast."""
+    before ``call`` (a full or sharded save, or ``state_dict``); returns what each rank saw, and how fast."""
     disk_dir = Path(tmp) / f"r{rank}"
     disk_dir.mkdir()
     chunked, optimizer, booster = _boost(ON_DISK, "fp32", disk_dir)
@@ -92,6 +92,8 @@ def _save_with_a_failing_disk(rank: int, world_size: int, tmp: str, how: str, ca
     try:
         if call == "save":
             booster.save_optimizer(optimizer, Path(tmp) / "optimizer.pt")
+        elif call == "sharded save":
+            booster.save_optimizer(optimizer, Path(tmp) / "optimizer.pt", shard=True)
         else:
             optimizer.state_dict()
     except DiskTierError as error:
@@ -111,6 +113,7 @@ def _save_with_a_failing_disk(rank: int, world_size: int, tmp: str, how: str, ca
         ("unreadable", "state_dict"),
         ("removed", "save"),
         ("removed", "state_dict"),
+        ("removed", "sharded save"),
     ],
 )
 def test_a_disk_tier_file_that_cannot_be_read_while_saving_raises_on_every_rank(
