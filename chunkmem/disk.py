@@ -2,12 +2,14 @@
 pool of I/O threads.
 
 Each rank keeps the optimizer sides it puts on disk in one file, ``<disk_dir>/.chunkmem-scratch-
-<token>/rank<r>.bin``, preallocated to the size the placement needs (so a disk that fills up later
-cannot take those blocks). The directory carries a marker file that says chunkmem made it and a lock
-file this process holds (``flock``) for as long as it runs. It is removed when the process exits or
-the model is collected; one left by a killed run is removed by the next boost into the same
-``disk_dir``, which removes only directories carrying the marker whose lock nobody holds, never
-anything else. The files are scratch, not checkpoints: they mean nothing after the run.
+<token>-rank<r>/sides.bin``, preallocated to the size the placement needs (so a disk that fills up
+later cannot take those blocks). The directory is one chunkmem owns (:mod:`chunkmem.owned_dir`, as a
+checkpoint save's workspace): its marker file, locked before its text is written, says what the
+directory's name says, and this process holds the lock for as long as it uses the directory. It is
+removed when the process exits or the model is collected; one left by a killed run is removed by
+the next boost into the same ``disk_dir`` (ranks may share one), which removes only dead ones
+(marker as its name says, lock held by nobody), never one being created, never anything else. The
+files are scratch, not checkpoints: they mean nothing after the run.
 
 Reads and writes copy between a tensor's own memory and its region of the file (``os.preadv`` /
 ``os.pwritev`` into the tensor's bytes, no intermediate buffer); they run on I/O threads and return
@@ -19,12 +21,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
-import socket
 import threading
 import time
 import weakref
@@ -37,51 +38,33 @@ import torch
 from placement import DISK_WINDOW
 
 from .errors import DiskTierError
+from .owned_dir import OwnedDir, remove_if_dead
 from .stats import Stats
 
 __all__ = ["DISK_BLOCK", "DiskFile", "PlannedDiskFile", "ScratchDir", "SidesFile", "remove_stale_scratch"]
 
 _PREFIX = ".chunkmem-scratch-"
+_NAME = re.compile(re.escape(_PREFIX) + r"([0-9a-f]{16})-rank(\d+)")
 _MARKER = "chunkmem-scratch.json"
-_LOCK = "lock"
 DISK_BLOCK = 4096
 """Regions of the disk tier's files start on a multiple of this."""
 _ALIGN = DISK_BLOCK
 
 
-def _locked_by_someone(lock: Path) -> bool:
-    """Whether a process holds ``lock`` (an advisory ``flock``)."""
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+def _marker_text(token: str, rank: int) -> bytes:
+    return json.dumps({"chunkmem": "disk tier scratch", "token": token, "rank": rank}).encode()
 
 
 def remove_stale_scratch(disk_dir: Path) -> list[Path]:
-    """Remove scratch directories a killed run left in ``disk_dir``: those carrying chunkmem's
-    marker whose lock no process holds. Returns what was removed."""
+    """Remove the scratch directories in ``disk_dir`` that nobody uses any more (a killed run's):
+    named as chunkmem names them, their marker as the name says, its lock held by nobody.
+    Returns what was removed."""
     removed = []
     for candidate in sorted(disk_dir.glob(f"{_PREFIX}*")):
-        if not candidate.is_dir() or candidate.is_symlink() or not (candidate / _MARKER).is_file():
-            continue
-        if _locked_by_someone(candidate / _LOCK):
-            continue
-        shutil.rmtree(candidate, ignore_errors=True)
-        removed.append(candidate)
+        named = _NAME.fullmatch(candidate.name)
+        if named and remove_if_dead(candidate, _MARKER, _marker_text(named[1], int(named[2]))):
+            removed.append(candidate)
     return removed
-
-
-def _remove(path: Path, lock_fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(lock_fd)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class ScratchDir:
@@ -99,17 +82,13 @@ class ScratchDir:
                 f"rank {rank}: disk_dir {parent} is not writable by this process; pass another disk_dir"
             )
         remove_stale_scratch(parent)
-        self._path = parent / f"{_PREFIX}{secrets.token_hex(8)}-rank{rank}"
+        token = secrets.token_hex(8)
         try:
-            self._path.mkdir()
-            marker = {"made_by": "chunkmem", "host": socket.gethostname(), "pid": os.getpid(), "rank": rank}
-            (self._path / _MARKER).write_text(json.dumps(marker))
-            self._lock = os.open(self._path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            owned = OwnedDir(parent / f"{_PREFIX}{token}-rank{rank}", _MARKER, _marker_text(token, rank))
         except OSError as error:
-            shutil.rmtree(self._path, ignore_errors=True)
             raise DiskTierError(f"rank {rank}: cannot create scratch space in disk_dir {parent}: {error}") from error
-        self._finalizer = weakref.finalize(self, _remove, self._path, self._lock)
+        self._path = owned.path
+        self._finalizer = weakref.finalize(self, owned.remove)
 
     @property
     def path(self) -> Path:
@@ -186,7 +165,14 @@ class DiskFile(_Regions):
         checkpoint reads them without bringing the whole region into memory at once). Writes
         must have landed (the pipeline waits for its own)."""
         if self._mapped is None:
-            self._mapped = torch.from_file(str(self._path), shared=False, size=self._size, dtype=torch.uint8)
+            try:
+                self._mapped = torch.from_file(str(self._path), shared=False, size=self._size, dtype=torch.uint8)
+            except (RuntimeError, OSError) as error:
+                raise DiskTierError(
+                    f"cannot map the disk tier's file {self._path} to read the optimizer states it holds ({error}); "
+                    "was its scratch directory removed while the run uses it? The states on disk cannot be saved: "
+                    "leave the .chunkmem-scratch-* directories of a running job alone"
+                ) from error
         return self._mapped[offset : offset + numel * dtype.itemsize].view(dtype)
 
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -321,6 +321,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._runtime.agree_entry("optimizer step", values=agreed)
         self._prepare_grads()
         stats = self._runtime.stats_counters
+        disk_failure: DiskTierError | None = None
         if self._found_inf:
             self.cancel_early_steps()
             stats.skipped_steps += 1
@@ -355,7 +356,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             ]
             self._step_with_grads(stepped, reduced)
             if self._disk is not None:
-                self._step_from_disk(has_grad, reduced)
+                disk_failure = self._step_from_disk(has_grad, reduced)
             self._account_state()
             self._runtime.check_budget(f"{type(self._optim).__name__}.step creating its state")
             stats.optimizer_steps += 1
@@ -365,6 +366,8 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._found_inf = False
         self._runtime.after_step()
+        if disk_failure is not None:  # raised once the step is finished (README, "the disk tier")
+            raise disk_failure
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -578,9 +581,13 @@ class ChunkOptimizer(torch.optim.Optimizer):
             for run in runs:
                 run.tensor.grad = None
 
-    def _step_from_disk(self, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[Chunk, Any]]) -> None:
-        """The chunks on disk, through the disk pipeline. A read or write that fails on one rank
-        raises on every rank (the ranks agree after it; one small exchange a step)."""
+    def _step_from_disk(
+        self, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[Chunk, Any]]
+    ) -> DiskTierError | None:
+        """The chunks on disk, through the disk pipeline. Returns the error of a read or write that
+        failed on any rank, the same on every rank (the ranks agree after it; one small exchange a
+        step): ``step`` finishes the step before raising it. A chunk whose write failed was stepped
+        and keeps its values in memory; one whose read failed was left as it was."""
         disk = self._disk
         assert disk is not None, "only with chunks on disk"
         chunks = {run.chunk.chunk_id: run.chunk for run in self._runs.runs() if disk.holds(run.chunk)}
@@ -589,7 +596,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
         def run() -> None:
             disk.step(ordered, lambda chunk: self._step_chunk_from_disk(chunk, has_grad, reduced))
 
-        agree(self.communicator, "stepping optimizer states on disk", run, DiskTierError)
+        try:
+            agree(self.communicator, "stepping optimizer states on disk", run, DiskTierError)
+        except DiskTierError as error:
+            return error
+        return None
 
     def _step_chunk_from_disk(
         self, chunk: Chunk, has_grad: Mapping[int, bool], reduced: Mapping[int, tuple[Chunk, Any]]
@@ -608,6 +619,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
 
     def _on_disk(self, chunk: Chunk) -> bool:
         return self._disk is not None and self._disk.holds(chunk)
+
+    def state_on_disk(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s optimizer state lives on disk (the same on every rank): reading it
+        can fail there."""
+        return self._on_disk(chunk)
 
     def _state_location(self, chunk: Chunk) -> Location:
         """Where ``chunk``'s optimizer state lives between steps."""

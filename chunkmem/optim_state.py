@@ -8,7 +8,9 @@ plain PyTorch, or into chunkmem at any world size, chunk size or placement.
 
 Saving gathers chunk by chunk: one small exchange of per-parameter scalars (``step``) and of which
 elementwise keys each chunk has, then one all-gather per chunk and state key into a transient
-buffer (never a collective per parameter). Loading validates everything against the model (group
+buffer (never a collective per parameter). What is read from the disk tier is agreed across ranks
+before the collectives that follow it (one small exchange, and one per chunk on disk): a file that
+cannot be read on one rank raises ``DiskTierError`` on every rank. Loading validates everything against the model (group
 sizes, ids, state shapes, the state keys the optimizer class keeps, the loss scaler) on every rank
 and agrees across ranks before anything is installed: a refused load changes nothing.
 
@@ -29,12 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import StateDictMismatchError
+from .agreement import agree
+from .errors import DiskTierError, StateDictMismatchError
 from .gather import Destination, gather_full
 from .optim_probe import state_keys
 from .tensor_state import TensorInfo
 
 if TYPE_CHECKING:
+    from .chunk import Chunk
     from .optim import ChunkOptimizer, Piece
 
 __all__ = [
@@ -89,19 +93,9 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     runtime = optimizer.runtime
     runtime.enter_state_access("gathering an optimizer state")
     comm = optimizer.manager.comm
-    elementwise: dict[int, dict[str, str]] = {}
-    scalars: dict[_Where, dict[str, Any]] = {}
-    for piece in optimizer.pieces:
-        state = optimizer.piece_state(piece)
-        if not state:
-            continue
-        entry = scalars.setdefault(_where(piece.info), {})
-        for key, value in state.items():
-            if _elementwise(value, piece):
-                elementwise.setdefault(piece.chunk.chunk_id, {})[key] = str(value.dtype).removeprefix("torch.")
-                entry.setdefault(key, None)  # keeps the class's key order; filled after the gather
-            else:
-                entry[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    elementwise, scalars = agree(
+        comm, "reading the optimizer state", lambda: _keys_and_scalars(optimizer), DiskTierError
+    )
     merged_keys: dict[int, dict[str, str]] = {}
     merged: dict[_Where, dict[str, Any]] = {}
     for their_keys, their_scalars in comm.all_gather_object((elementwise, scalars)):
@@ -117,13 +111,20 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     for piece in optimizer.pieces:
         pieces_of.setdefault(piece.chunk.chunk_id, []).append(piece)
     for chunk in optimizer.manager.chunks:
-        for key, dtype_name in sorted(merged_keys.get(chunk.chunk_id, {}).items()):
-            shard = torch.zeros(chunk.shard_numel, dtype=getattr(torch, dtype_name))
-            with optimizer.resident_state(chunk):  # one chunk in memory at a time when on disk
-                for piece in pieces_of.get(chunk.chunk_id, []):
-                    value = optimizer.piece_state(piece).get(key)
-                    if value is not None:
-                        shard[piece.shard_slice] = value.detach().to("cpu")
+        keys = merged_keys.get(chunk.chunk_id, {})
+        if not keys:
+            continue
+
+        def read(chunk: Chunk = chunk, keys: dict[str, str] = keys) -> dict[str, torch.Tensor]:
+            return _state_shards(optimizer, chunk, keys, pieces_of.get(chunk.chunk_id, []))
+
+        if optimizer.state_on_disk(chunk):
+            shards = agree(
+                comm, f"reading the optimizer state of chunk {chunk.chunk_id} from disk", read, DiskTierError
+            )
+        else:
+            shards = read()
+        for key, shard in sorted(shards.items()):
             full = gather_full(runtime, comm, chunk, shard, destination, f"gathering optimizer state '{key}'")
             if full is None:
                 continue
@@ -149,6 +150,41 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     if optimizer.loss_scaler is not None:
         out["loss_scaler"] = optimizer.loss_scaler.state_dict()
     return out
+
+
+def _keys_and_scalars(optimizer: ChunkOptimizer) -> tuple[dict[int, dict[str, str]], dict[_Where, dict[str, Any]]]:
+    """This rank's elementwise state keys (with their dtype) per chunk, and each parameter's other
+    state values (``None`` placeholders for the elementwise ones, in the class's key order)."""
+    elementwise: dict[int, dict[str, str]] = {}
+    scalars: dict[_Where, dict[str, Any]] = {}
+    for piece in optimizer.pieces:
+        state = optimizer.piece_state(piece)
+        if not state:
+            continue
+        entry = scalars.setdefault(_where(piece.info), {})
+        for key, value in state.items():
+            if _elementwise(value, piece):
+                elementwise.setdefault(piece.chunk.chunk_id, {})[key] = str(value.dtype).removeprefix("torch.")
+                entry.setdefault(key, None)  # keeps the class's key order; filled after the gather
+            else:
+                entry[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    return elementwise, scalars
+
+
+def _state_shards(
+    optimizer: ChunkOptimizer, chunk: Chunk, keys: Mapping[str, str], pieces: Sequence[Piece]
+) -> dict[str, torch.Tensor]:
+    """This rank's shard of each elementwise state ``keys`` names (key -> dtype name) of ``chunk``,
+    on the CPU (zero where this rank's pieces have none), read in one pass when on disk."""
+    shards = {key: torch.zeros(chunk.shard_numel, dtype=getattr(torch, name)) for key, name in keys.items()}
+    with optimizer.resident_state(chunk):  # one chunk in memory at a time when on disk
+        for piece in pieces:
+            state = optimizer.piece_state(piece)
+            for key, shard in shards.items():
+                value = state.get(key)
+                if value is not None:
+                    shard[piece.shard_slice] = value.detach().to("cpu")
+    return shards
 
 
 # --- loading ----------------------------------------------------------------------------------

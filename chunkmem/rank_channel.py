@@ -11,6 +11,10 @@ at the same time; one thread sends all messages of a kind, so a header and its t
 A gloo send completes only once the receiving rank has posted its receive, so nothing here waits
 for a send unless told to: two listeners answering each other at once would each wait for the
 other to come back to receiving.
+
+The listener holds what it hands messages to weakly: it waits in a receive for as long as the
+process runs, and a strong reference from it would keep the boosted model that owns the channel
+(its chunks, its disk tier's scratch files) alive after the user dropped it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +61,12 @@ class RankChannel:
         self._receive = receive
         self._sending = threading.Lock()  # a header and its text leave one after the other
         self._in_flight: list[Any] = []  # sends not waited for, kept until they complete
-        self._listener = threading.Thread(target=self._listen, name="chunkmem-alarms", daemon=True)
+        self._listener = threading.Thread(
+            target=_listen,
+            args=(self._group, self._ranks, weakref.WeakMethod(receive)),
+            name="chunkmem-alarms",
+            daemon=True,
+        )
         self._listener.start()
 
     def send(self, to: int, kind: int, numbers: Sequence[int] = (), text: str = "") -> list[Any]:
@@ -88,20 +98,26 @@ class RankChannel:
             return False
         return True
 
-    def _listen(self) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        while True:
-            try:
-                dist.irecv(header, src=None, group=self._group, tag=_HEADER_TAG).wait()
-                kind, sender, *numbers, length = (int(v) for v in header.tolist())
-                text = ""
-                if length:
-                    payload = torch.empty(length, dtype=torch.uint8)
-                    dist.recv(payload, src=self._ranks[sender], group=self._group, tag=kind)
-                    text = bytes(payload.tolist()).decode()
-            except Exception:  # the group is gone (shutdown, a rank's process ended): stop listening
-                return
-            try:
-                self._receive(Message(kind, sender, tuple(numbers), text))
-            except Exception:  # a message that cannot be handled must not stop the listener
-                log.exception("chunkmem: handling a message from rank %d failed", sender)
+
+def _listen(group: Any, ranks: Sequence[int], receiver: weakref.WeakMethod[Callable[[Message], None]]) -> None:
+    """The listener thread: every message to ``receiver`` while it lives (see the module docstring)."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    while True:
+        try:
+            dist.irecv(header, src=None, group=group, tag=_HEADER_TAG).wait()
+            kind, sender, *numbers, length = (int(v) for v in header.tolist())
+            text = ""
+            if length:
+                payload = torch.empty(length, dtype=torch.uint8)
+                dist.recv(payload, src=ranks[sender], group=group, tag=kind)
+                text = bytes(payload.tolist()).decode()
+        except Exception:  # the group is gone (shutdown, a rank's process ended): stop listening
+            return
+        receive = receiver()
+        if receive is None:  # its model was collected
+            return
+        try:
+            receive(Message(kind, sender, tuple(numbers), text))
+        except Exception:  # a message that cannot be handled must not stop the listener
+            log.exception("chunkmem: handling a message from rank %d failed", sender)
+        del receive

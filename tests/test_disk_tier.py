@@ -167,41 +167,6 @@ def test_a_disk_without_room_for_the_placement_is_refused_at_boost(
     assert _scratch(tmp_path) == [], "a refused boost left its scratch directory"
 
 
-def test_only_scratch_directories_of_dead_runs_are_removed(tmp_path: Path) -> None:
-    stale = tmp_path / ".chunkmem-scratch-0123456789abcdef-rank0"
-    stale.mkdir()
-    (stale / "chunkmem-scratch.json").write_text("{}")
-    (stale / "lock").write_text("")
-    (stale / "sides.bin").write_bytes(b"x" * 100)
-    look_alike = tmp_path / ".chunkmem-scratch-mine"  # no marker: not chunkmem's
-    look_alike.mkdir()
-    (look_alike / "notes.txt").write_text("keep me")
-    alive = tmp_path / ".chunkmem-scratch-fedcba9876543210-rank0"
-    alive.mkdir()
-    (alive / "chunkmem-scratch.json").write_text("{}")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-            str(alive / "lock"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        _alive_run = _boost(ON_DISK, "fp32", tmp_path)
-        assert not stale.exists()
-        assert (look_alike / "notes.txt").read_text() == "keep me"
-        assert alive.exists(), "the scratch directory of a running process was removed"
-        assert len(_scratch(tmp_path)) == 3  # this run's, the look-alike and the live one
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 _KILLED = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
@@ -264,7 +229,8 @@ def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_pat
 
 def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[Any]:
     """Trains with sides on disk; with ``fail_at`` >= 0, rank 1's writes fail (disk full) at that
-    step. Returns each step's outcome, and whether the model still equals the in-RAM run."""
+    step. Returns each step's outcome, and whether the model (its state, its forward, its step
+    count) still equals the in-RAM run's."""
     chunked, optimizer, booster = _boost(ON_DISK, "bf16", Path(disk_dir) / f"r{rank}")
     ram, ram_optimizer, ram_booster = _boost(IN_RAM, "bf16", None)
     real_pwritev = os.pwritev
@@ -292,7 +258,11 @@ def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[
         for opt in (optimizer, ram_optimizer):
             opt.zero_grad()
     state, reference = chunked.state_dict(), ram.state_dict()
-    outcomes.append(all(torch.equal(state[k], reference[k]) for k in reference))
+    probe = torch.randn(4, WIDTH, generator=g)
+    with torch.no_grad():  # the model the next forward uses too, and the steps counted
+        same_forward = torch.equal(chunked(probe), ram(probe))
+    same_steps = chunked.stats().optimizer_steps == ram.stats().optimizer_steps == 4
+    outcomes.append(all(torch.equal(state[k], reference[k]) for k in reference) and same_forward and same_steps)
     return outcomes
 
 
@@ -303,7 +273,7 @@ def test_two_ranks_with_sides_on_disk_and_a_disk_that_fills_up(tmp_path: Path, f
         (tmp_path / f"r{rank}").mkdir()
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path), fail_at))
     for rank, outcomes in enumerate(results):
-        assert outcomes[-1] is True, f"rank {rank}: the masters differ from the in-memory run"
+        assert outcomes[-1] is True, f"rank {rank}: the model differs from the in-memory run"
         for step, outcome in enumerate(outcomes[:-1]):
             if step != fail_at:
                 assert outcome == "ok", (rank, step, outcome)
@@ -382,3 +352,24 @@ def test_a_load_stages_what_goes_to_disk_in_files_of_the_scratch_directory(tmp_p
     for chunk in in_memory:
         for staged in (optimizer.state_staging(chunk, 10, torch.float32), chunk.store.staging_for_master(10)):
             assert staged.untyped_storage().filename is None
+
+
+def _boost_train_and_drop(rank: int, world_size: int, disk_dir: str) -> tuple[int, int]:
+    """Boosts with sides on disk, takes a step, drops model and optimizer; returns the scratch
+    directories of this rank while the model lives and after it was collected."""
+    mine = Path(disk_dir) / f"r{rank}"
+    mine.mkdir(exist_ok=True)
+    chunked, optimizer, booster = _boost(ON_DISK, "fp32", mine)
+    _train(chunked, optimizer, booster, 1)
+    alive = len(_scratch(mine))
+    del chunked, optimizer, booster
+    gc.collect()
+    return alive, len(_scratch(mine))
+
+
+@pytest.mark.multirank
+@pytest.mark.fast_tier
+def test_the_scratch_directories_go_with_a_collected_model_at_two_ranks(tmp_path: Path) -> None:
+    for rank, (alive, after) in enumerate(run_ranks(_boost_train_and_drop, 2, args=(str(tmp_path),))):
+        assert alive == 1, f"rank {rank}: {alive} scratch directories while the model lives"
+        assert after == 0, f"rank {rank}: the scratch directory outlived the collected model and optimizer"

@@ -2,11 +2,11 @@
 wrote is made durable, and what a failed write says.
 
 A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/`` (a random token),
-which holds a marker file naming the target and the token. The saving process holds an exclusive
-``flock`` on the marker for as long as the workspace lives, so a workspace is *dead* exactly when
-its marker is there, says what its name says, and nobody holds its lock: its save was killed (a
-lock dies with its process). Cleanup removes only dead workspaces; anything else beside a
-checkpoint, whatever its name, is never removed, renamed or overwritten.
+a directory chunkmem owns (:mod:`chunkmem.owned_dir`, as the disk tier's scratch space): its marker
+file names the target and the token, and the saving process holds its lock for as long as the
+workspace lives, so a workspace is *dead* exactly when its save was killed. Cleanup removes only
+dead workspaces; anything else beside a checkpoint, whatever its name, is never removed, renamed or
+overwritten.
 
 A workspace also keeps the previous checkpoint while a save swaps the new one in without an atomic
 exchange (``previous`` inside it): a save killed between its two renames leaves the previous
@@ -18,18 +18,16 @@ and why, the space left on its disk, and that the previous checkpoint at the tar
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
+from ..owned_dir import OwnedDir, if_dead, remove_if_dead
 
 __all__ = [
     "KEEP_READING",
@@ -63,33 +61,14 @@ class Workspace:
         token = secrets.token_hex(8)
         self.target = target
         self.path = target.parent / f".{target.name}{_INFIX}{token}"
-        self.path.mkdir()
-        fd = os.open(self.path / _MARKER, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            # Written once locked: a marker without its text is never taken for a dead workspace.
-            os.write(fd, _marker_text(target.name, token))
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise
-        self._fd: int | None = fd
+        self._owned = OwnedDir(self.path, _MARKER, _marker_text(target.name, token))
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
 
     def remove(self) -> None:
         """Delete the workspace and what is left in it, then let go of its lock."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
+        self._owned.remove()
 
 
 def _workspaces(target: Path) -> list[Path]:
@@ -100,30 +79,9 @@ def _workspaces(target: Path) -> list[Path]:
     return sorted(p for p in target.parent.iterdir() if pattern.fullmatch(p.name))
 
 
-@contextlib.contextmanager
-def _if_dead(candidate: Path, target: Path) -> Iterator[bool]:
-    """Yields whether ``candidate`` is a dead workspace of ``target``, holding its lock meanwhile."""
-    token = candidate.name.rsplit(_INFIX, 1)[1]
-    fd = -1
-    try:
-        if candidate.is_symlink() or not candidate.is_dir():
-            yield False
-            return
-        fd = os.open(candidate / _MARKER, os.O_RDONLY | os.O_NOFOLLOW)
-        if os.read(fd, 4096) != _marker_text(target.name, token):
-            yield False
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False  # its save is still running
-            return
-        yield True
-    except OSError:
-        yield False
-    finally:
-        if fd >= 0:
-            os.close(fd)
+def _marker_of(candidate: Path, target: Path) -> bytes:
+    """What the marker of ``candidate``, named like a workspace of ``target``, must say."""
+    return _marker_text(target.name, candidate.name.rsplit(_INFIX, 1)[1])
 
 
 def _running(candidate: Path, target: Path) -> bool:
@@ -175,7 +133,7 @@ def restore_interrupted(target: Path) -> None:
     if target.exists() or target.is_symlink():
         return
     for workspace in _workspaces(target):
-        with _if_dead(workspace, target) as dead:
+        with if_dead(workspace, _MARKER, _marker_of(workspace, target)) as dead:
             previous = workspace / PREVIOUS
             if dead and (previous.exists() and not previous.is_symlink()) and not target.exists():
                 os.rename(previous, target)
@@ -185,13 +143,7 @@ def remove_dead_workspaces(target: Path) -> list[Path]:
     """Put back an interrupted save's previous checkpoint, then delete the workspaces of ``target``
     whose saves are gone. Returns what was deleted."""
     restore_interrupted(target)
-    removed = []
-    for workspace in _workspaces(target):
-        with _if_dead(workspace, target) as dead:
-            if dead:
-                shutil.rmtree(workspace, ignore_errors=True)
-                removed.append(workspace)
-    return removed
+    return [w for w in _workspaces(target) if remove_if_dead(w, _MARKER, _marker_of(w, target))]
 
 
 def fsync_directory(directory: Path) -> None:
