@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["OwnedDir", "if_dead", "remove_if_dead"]
+__all__ = ["OwnedDir", "if_dead", "in_use", "remove_if_dead"]
 
 
 def _release(fd: int) -> None:
@@ -89,6 +89,30 @@ def _locked_if_dead(candidate: Path, marker: str, text: bytes) -> int:
         pass
     os.close(fd)
     return -1
+
+
+def in_use(candidate: Path, marker: str, text: bytes) -> bool:
+    """Whether ``candidate`` is an owned directory whose marker holds ``text`` and whose process
+    still holds its lock (a shared probe of the lock fails)."""
+    if candidate.is_symlink() or not candidate.is_dir():
+        return False
+    try:
+        fd = os.open(candidate / marker, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.read(fd, len(text) + 1) != text:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def remove_if_dead(candidate: Path, marker: str, text: bytes) -> bool:

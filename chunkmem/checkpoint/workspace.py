@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
-from ..owned_dir import OwnedDir, if_dead, remove_if_dead
+from ..owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
 __all__ = [
     "KEEP_READING",
@@ -84,35 +84,16 @@ def _marker_of(candidate: Path, target: Path) -> bytes:
     return _marker_text(target.name, candidate.name.rsplit(_INFIX, 1)[1])
 
 
-def _running(candidate: Path, target: Path) -> bool:
-    """Whether ``candidate`` is the workspace of a save to ``target`` that is still running: its
-    marker says what its name says and its process holds the lock (a shared probe fails)."""
-    token = candidate.name.rsplit(_INFIX, 1)[1]
-    try:
-        if candidate.is_symlink() or not candidate.is_dir():
-            return False
-        fd = os.open(candidate / _MARKER, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        if os.read(fd, 4096) != _marker_text(target.name, token):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
-
-
 def check_only_saver(workspace: Workspace) -> None:
     """Refuse a save while another save to the same target runs (another job saving to the same
     path): their renames would interleave, mixing one's manifest with the other's file. Checked
     once this save's workspace exists and is locked, so of two saves starting together at least
     one sees the other."""
-    others = [w for w in _workspaces(workspace.target) if w != workspace.path and _running(w, workspace.target)]
+    others = [
+        w
+        for w in _workspaces(workspace.target)
+        if w != workspace.path and in_use(w, _MARKER, _marker_of(w, workspace.target))
+    ]
     if others:
         raise CheckpointWriteError(
             f"another save to {workspace.target} is running (its workspace {others[0].name} is locked by its process): "
