@@ -272,8 +272,8 @@ class Chunk:
         self._set_state(info, TensorState.READY_FOR_REDUCE)
 
     def spill_grad(self) -> None:
-        """Move the gradient buffer's accumulation to the host and free it (inside ``no_sync``,
-        where it cannot be reduced); the next reduction adds it back."""
+        """Move the gradient buffer's sum to the host and free it (where it may not be reduced
+        yet); the chunk's next buffer starts from it."""
         self._grads.spill()
 
     def start_reduce(self) -> None:

@@ -14,11 +14,15 @@ States (``GradState``), changed only through the transition table below:
 * ``zero`` drops everything (not while a reduction is in flight).
 
 Inside ``no_sync`` at world size > 1 a buffer cannot be reduced, and when the device needs its room
-it is **moved to the host** instead (``spill``): what it holds is added, in fp32, to a host buffer
-of the whole chunk (``HostGrads.HOLDS``) and the device buffer is freed (back to ``NONE``, or to
-``REDUCED`` on top of a reduced shard); later gradients go to a fresh device buffer. The next
-reduction first folds the host buffer into the device one (through the host: no device memory
-beyond the buffer), so what is reduced is every micro-batch's sum, as ZeRO-Offload accumulates.
+it is **moved to the host** instead (``spill``): the buffer is copied, in fp32, into a host buffer
+of the whole chunk (``HostGrads.HOLDS``) and freed (back to ``NONE``, or to ``REDUCED`` on top of a
+reduced shard); so is a buffer of such a chunk in the backward after ``no_sync`` until its
+gradients are complete, so that its sum is reduced once. The chunk's next device buffer starts as
+a copy of the host one (``HostGrads.LOADED``: the host buffer is kept for the next move), so the
+running sum of the chunk's gradients is in one buffer at a time and every gradient autograd
+accumulates is added to it, in arrival order: the same additions, in the same order, as plain
+PyTorch's ``.grad += new`` per parameter (bit-exact; adding a buffer that held several
+micro-batches to a host sum would associate them differently).
 
 At world size 1 with the master on the device the gradient shard is the whole chunk: gradients
 accumulate straight into it and reducing moves nothing.
@@ -92,11 +96,16 @@ _REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
 
 
 class HostGrads(enum.Enum):
-    """A chunk's gradients accumulated in host memory under ``no_sync`` (see the module docstring)."""
+    """A chunk's gradients moved to host memory under ``no_sync`` (see the module docstring)."""
 
     EMPTY = "empty"
+    """No host buffer."""
     HOLDS = "holds"
-    """The host buffer holds gradients not reduced yet; the next reduction adds them."""
+    """The host buffer holds the chunk's gradients not reduced yet (there is no device buffer);
+    the next device buffer starts from them."""
+    LOADED = "loaded"
+    """They were copied back into the device buffer, which goes on accumulating; the host buffer
+    is kept for the next move and given back at the reduction."""
 
 
 class ChunkGrads:
@@ -119,7 +128,7 @@ class ChunkGrads:
         self._transfers = transfers
         self._machine = StateMachine(GradState.NONE, _TABLE, owner, kind="gradient state")
         self._host_state = HostGrads.EMPTY
-        self._host: torch.Tensor | None = None  # the host buffer while HOLDS
+        self._host: torch.Tensor | None = None  # the host buffer while HOLDS or LOADED
         self._store: ShardStore | None = None
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
@@ -176,7 +185,8 @@ class ChunkGrads:
     def prepare(self) -> None:
         """Make the flat buffer ready to receive gradients. Nothing is zeroed here: each
         parameter's first gradient is copied into its slice, and slices that got none are zeroed
-        when the buffer is reduced."""
+        when the buffer is reduced. Gradients moved to the host are copied back into it first:
+        later gradients are added to their sum, as plain PyTorch adds them to ``.grad``."""
         self._require_trainable("allocate a gradient buffer")
         self._machine.require("allocate a gradient buffer")
         if self.buffer_is_shard:
@@ -187,7 +197,10 @@ class ChunkGrads:
         else:
             self._ledger.alloc(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
             self._buffer = torch.empty(self._layout.capacity, dtype=MASTER_DTYPE, device=self._comm.device)
-            self._filled = [False] * len(self._filled)
+            loaded = self._host_state is HostGrads.HOLDS
+            if loaded:
+                self._load_host(self._buffer)
+            self._filled = [loaded] * len(self._filled)
         self._machine.move("allocate a gradient buffer")
 
     def accumulate(self, info: TensorInfo, grad: torch.Tensor) -> None:
@@ -214,46 +227,35 @@ class ChunkGrads:
         buffer[self._layout.used :].zero_()
 
     def spill(self) -> None:
-        """Inside ``no_sync``, where the buffer cannot be reduced: add what it holds to the host
-        buffer (allocated at the first spill) and free it."""
+        """Where the buffer may not be reduced yet (inside ``no_sync``, or in the backward after it
+        before the chunk's gradients are complete): copy it to the host buffer (allocated at the
+        first move; it holds the chunk's whole sum, since the device buffer started from it) and
+        free it."""
         self._require_trainable("move its gradients to the host")
         self._machine.require("move its gradients to the host")
         buffer = self._buffer
         assert buffer is not None and not self.buffer_is_shard, f"{self._owner()}: spilling without a device buffer"
         self._zero_unfilled(buffer)
         transfers = self._transfers
-        if self._host_state is HostGrads.EMPTY:
+        host = self._host
+        if host is None:
             host = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
             self._ledger.alloc(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
-            transfers.before_host_write(host)
-            transfers.copy(host, buffer, Direction.TO_HOST)
             self._host = host
-            self._host_state = HostGrads.HOLDS
-        else:
-            self._add_to_host(buffer)
+        transfers.before_host_write(host)  # the copy that loaded the last device buffer may still read it
+        transfers.copy(host, buffer, Direction.TO_HOST)
+        self._host_state = HostGrads.HOLDS
         self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._machine.move("move its gradients to the host")
 
-    def _add_to_host(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Add ``buffer`` into the host buffer (copied to a staging buffer, added by the CPU once
-        the copy and any copy still into the host buffer are done); returns the host buffer."""
+    def _load_host(self, buffer: torch.Tensor) -> None:
+        """Copy the host buffer's gradients into a fresh device buffer, which continues their sum."""
         host = self._host
         assert host is not None, f"{self._owner()}: host gradients without a host buffer"
-        transfers = self._transfers
-        staged = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
-        transfers.copy(staged, buffer, Direction.TO_HOST)
-        transfers.before_host_read(staged)
-        transfers.before_host_write(host)
-        host.add_(staged)
-        transfers.give_back(staged)
-        return host
-
-    def _fold(self, buffer: torch.Tensor) -> None:
-        """Add the host buffer's gradients into ``buffer`` (through the host, so the device holds
-        nothing more than the buffer) and give the host buffer back."""
-        self._transfers.copy(buffer, self._add_to_host(buffer), Direction.TO_DEVICE)
-        self._drop_host()
+        self._transfers.before_host_read(host)  # the copy of the last move may still be writing it
+        self._transfers.copy(buffer, host, Direction.TO_DEVICE)
+        self._host_state = HostGrads.LOADED
 
     def _drop_host(self) -> None:
         if self._host is not None:
@@ -264,15 +266,14 @@ class ChunkGrads:
         self._host_state = HostGrads.EMPTY
 
     def start_reduce(self) -> None:
-        """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it), with
-        what the host buffer holds added first."""
+        """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it). The
+        buffer holds every gradient since the last reduction (it started from the host's)."""
         self._require_trainable("reduce gradients")
         self._machine.require("reduce gradients")
         buffer = self._buffer
         assert buffer is not None, f"{self._owner()}: reducing without a buffer"
         self._zero_unfilled(buffer)
-        if self._host_state is HostGrads.HOLDS:
-            self._fold(buffer)
+        assert self._host_state is not HostGrads.HOLDS, f"{self._owner()}: reducing without the host's gradients"
         accumulate = self._machine.state is GradState.REDUCED_ACCUMULATING
         what = self._what
         if not self.buffer_is_shard and self._comm.world_size > 1:
@@ -308,6 +309,7 @@ class ChunkGrads:
             self._sent = False
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
+        self._drop_host()  # its gradients are in what was reduced
         self._stats.grad_reductions += 1
         self._machine.move("finish reducing gradients")
 

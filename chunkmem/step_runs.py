@@ -1,8 +1,8 @@
 """``StepRuns``: the flat tensors the user's optimizer steps.
 
 This rank holds, of each parameter, a piece: a slice of its chunk's fp32 master shard. Pieces of
-one param group that sit next to each other in one shard form a **run**, a single view of the
-master shard, and the optimizer steps runs, not pieces: one tensor per run instead of one per
+one param group that sit next to each other in one shard form a **run** (of up to
+``RUN_ELEMENTS``), a single view of the master shard, and the optimizer steps runs, not pieces: one tensor per run instead of one per
 parameter, which is what makes a fused kernel (or any kernel) run at memory speed rather than at
 Python speed on models with many small parameters. For an elementwise optimizer, stepping a run is
 exactly stepping each of its pieces (the update of an element depends only on that element's own
@@ -80,18 +80,33 @@ def same_value(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+# The most elements a run gathers from several pieces (4 MiB of fp32; a larger piece is a run of its
+# own). An optimizer stepping tensor by tensor (PyTorch's default on a CPU) allocates temporaries
+# the size of two or three consecutive tensors (Adam: sqrt and quotient of one while the previous
+# denominator lives), so runs much larger than the model's parameters raised the step's peak host
+# memory above plain PyTorch's (GPT-2 124M at W=1: chunk-sized runs of 111 MiB after the 147 MiB
+# embedding, 369 MiB of temporaries against 295). Runs this large already step at memory speed.
+RUN_ELEMENTS = 1 << 20
+
+
 def _consecutive(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
     """Pieces of one group cut where the chunk changes or the shard has a gap between them (a
-    trainable parameter of no param group sits there)."""
+    trainable parameter of no param group sits there), and before a piece that would take a run
+    past ``RUN_ELEMENTS``."""
     ordered = sorted(pieces, key=lambda p: (p.chunk.chunk_id, p.shard_slice.start))
     current: list[Piece] = []
+    size = 0
     for piece in ordered:
+        span = piece.shard_slice.stop - piece.shard_slice.start
         if current and (
-            piece.chunk is not current[-1].chunk or piece.shard_slice.start != current[-1].shard_slice.stop
+            piece.chunk is not current[-1].chunk
+            or piece.shard_slice.start != current[-1].shard_slice.stop
+            or size + span > RUN_ELEMENTS
         ):
             yield current
-            current = []
+            current, size = [], 0
         current.append(piece)
+        size += span
     if current:
         yield current
 

@@ -63,9 +63,9 @@ class Verb(enum.Enum):
     REDUCE_EARLY = "reduce_early"
     """Start reducing a gradient buffer before all its gradients arrived, to make room."""
     SPILL_GRAD = "spill_grad"
-    """Inside ``no_sync``, where nothing may be reduced, move what a gradient buffer holds to the
-    host (added to what earlier spills left there) and free it, to make room; the chunk's next
-    reduction adds it back."""
+    """Move what a gradient buffer holds to the host and free it, to make room, where it may not
+    be reduced yet (inside ``no_sync``, or before the gradients of a chunk that accumulated there
+    are complete); the chunk's next buffer starts from it."""
     FINISH_REDUCE = "finish_reduce"
     """Wait for a reduction and free its buffer."""
     ZERO_GRAD = "zero_grad"
@@ -169,6 +169,9 @@ class DeviceResidency:
         self._accepting: dict[int, None] = {}
         self._reducing: dict[int, None] = {}  # in start order
         self._spilled: set[int] = set()  # chunks with gradients on the host, not reduced yet
+        # Chunks that got a gradient buffer inside no_sync, not reduced since: their sum over the
+        # micro-batches is reduced once, whole (see ``_reducible``).
+        self._carried: set[int] = set()
         self._last_use: dict[int, int] = {}
         self._awaited: list[tuple[int, int]] = []  # heap: (next use in the pass, chunk) of evicted chunks
         self._position = -1
@@ -195,10 +198,16 @@ class DeviceResidency:
             for c in self._buffers
         ]
         out += [ResidentChunk(c, BufferKind.REDUCING, self._grad_bytes[c], False, False, -1) for c in self._reducing]
-        # Flushing a gradient buffer reduces it early, or inside no_sync moves it to the host.
-        kind = BufferKind.GRAD if self.can_reduce else BufferKind.SPILL
+        # Flushing a gradient buffer reduces it early, or where it may not be reduced moves it to the host.
         out += [
-            ResidentChunk(c, kind, self._grad_bytes[c], self._holds[c] > 0, False, self._last_use.get(c, -1))
+            ResidentChunk(
+                c,
+                BufferKind.GRAD if self._reducible(c) else BufferKind.SPILL,
+                self._grad_bytes[c],
+                self._holds[c] > 0,
+                False,
+                self._last_use.get(c, -1),
+            )
             for c in self._accepting
             if self._grad_bytes[c] > 0
         ]
@@ -253,6 +262,13 @@ class DeviceResidency:
         finally:
             self._sync = previous
 
+    def _reducible(self, chunk_id: int) -> bool:
+        """Whether the chunk's buffer may be reduced before its gradients are complete. Not inside
+        ``no_sync`` at world size > 1, and not a buffer that accumulated there: plain PyTorch
+        reduces each parameter's sum over the micro-batches once, and reducing part of a chunk now
+        and the rest later would add the ranks' partial sums in another order."""
+        return self.can_reduce and chunk_id not in self._carried
+
     def _require(self, ok: bool, chunk_id: int, verb: str, fix: str) -> None:
         if not ok:
             raise RuntimeError(
@@ -293,6 +309,8 @@ class DeviceResidency:
         self._require(self._grad[chunk_id] is GradBuffer.NONE, chunk_id, "allocate a gradient buffer for", "it has one")
         self._grad[chunk_id] = GradBuffer.ACCEPTING
         self._accepting[chunk_id] = None
+        if not self.can_reduce:
+            self._carried.add(chunk_id)
         self._bytes += self._grad_bytes[chunk_id]
         yield Action(Verb.ALLOCATE_GRAD, chunk_id)
 
@@ -301,7 +319,8 @@ class DeviceResidency:
         self._grad[chunk_id] = GradBuffer.REDUCING
         del self._accepting[chunk_id]
         self._reducing[chunk_id] = None
-        self._spilled.discard(chunk_id)  # the reduction adds the host's part
+        self._spilled.discard(chunk_id)
+        self._carried.discard(chunk_id)
         yield Action(verb, chunk_id)
 
     def _finish(self, chunk_id: int) -> Iterator[Action]:
@@ -312,9 +331,10 @@ class DeviceResidency:
         yield Action(Verb.FINISH_REDUCE, chunk_id)
 
     def _flush(self, chunk_id: int) -> Iterator[Action]:
-        """Free a gradient buffer now: reduce it early, or inside ``no_sync`` move it to the host
-        (later gradients go to a fresh one either way), or finish its reduction in flight."""
-        if self._grad[chunk_id] is GradBuffer.ACCEPTING and not self.can_reduce:
+        """Free a gradient buffer now: reduce it early, or where it may not be reduced yet move it
+        to the host (later gradients go to a fresh one either way), or finish its reduction in
+        flight."""
+        if self._grad[chunk_id] is GradBuffer.ACCEPTING and not self._reducible(chunk_id):
             self._grad[chunk_id] = GradBuffer.NONE
             del self._accepting[chunk_id]
             self._bytes -= self._grad_bytes[chunk_id]
@@ -504,6 +524,7 @@ class DeviceResidency:
             self._bytes -= self._grad_bytes[c]
         self._accepting.clear()
         self._spilled.clear()
+        self._carried.clear()
         for c in range(len(self._grad)):
             yield Action(Verb.ZERO_GRAD, c)
 

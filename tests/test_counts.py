@@ -5,6 +5,7 @@ PyTorch measured the same way."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -140,45 +141,65 @@ def test_full_offload_fetches_each_chunk_at_most_twice_per_step(offload: dict[st
 
 
 # --- host memory after boosting ------------------------------------------------------------------------
-def _host_memory(kind: str) -> dict[str, int]:
-    """RSS after building (and, for chunkmem, boosting) and peak RSS over three steps, in a fresh
-    process: GPT-2 4x512 with a 16k vocabulary, about 21M parameters (84 MB fp32)."""
+VOCAB_21M = 16_384
+
+
+def _fix_mmap_threshold() -> None:
+    """Buffers of 1 MiB and more are mapped and unmapped when freed (a fixed threshold: glibc's own
+    grows after the first free and keeps later ones in its heap), so peak RSS follows live memory
+    rather than the allocator's history, which moved it by 3% between identical runs."""
     import ctypes
-    import resource
 
-    import psutil
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    # Buffers of 1 MiB and more are mapped and unmapped when freed (a fixed threshold: glibc's own
-    # grows after the first free and keeps later ones in its heap), so peak RSS follows live memory
-    # rather than the allocator's history, which moved it by 3% between identical runs.
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _gpt2_21m(kind: str, chunk_size: int | None = None) -> tuple[Any, Any, Booster | None]:
+    """GPT-2 4x512 with a 16k vocabulary, about 21M parameters (84 MB fp32), with AdamW: plain, or
+    boosted with the static placement (``chunk_size`` elements a chunk, else the default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     import chunkmem  # noqa: F401  both processes import the same modules
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=16_384, n_positions=64, n_embd=512, n_layer=4, n_head=8, bos_token_id=0, eos_token_id=0
+        vocab_size=VOCAB_21M, n_positions=64, n_embd=512, n_layer=4, n_head=8, bos_token_id=0, eos_token_id=0
     )
     model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if kind == "chunkmem":
-        booster = Booster(ChunkPlugin(placement=StaticPlacementConfig(), precision="fp32"))
-        model, optimizer, *_ = booster.boost(model, optimizer)
-    import gc
+    if kind != "chunkmem":
+        return model, optimizer, None
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    booster = Booster(ChunkPlugin(placement=StaticPlacementConfig(), precision="fp32", **extra))
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return model, optimizer, booster
 
+
+def _backward(model: Any, optimizer: Any, booster: Booster | None, g: torch.Generator) -> None:
+    ids = torch.randint(0, VOCAB_21M, (2, 32), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    if booster is not None:
+        booster.backward(loss, optimizer)
+    else:
+        loss.backward()
+
+
+def _host_memory(kind: str) -> dict[str, int]:
+    """RSS after building (and, for chunkmem, boosting) and peak RSS over three steps, in a fresh
+    process."""
+    import gc
+    import resource
+
+    import psutil
+
+    _fix_mmap_threshold()
+    model, optimizer, booster = _gpt2_21m(kind)
     gc.collect()
     after_setup = psutil.Process().memory_info().rss
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
-        ids = torch.randint(0, 16_384, (2, 32), generator=g)
-        loss = model(input_ids=ids, labels=ids).loss
-        if kind == "chunkmem":
-            booster.backward(loss, optimizer)
-        else:
-            loss.backward()
+        _backward(model, optimizer, booster, g)
         optimizer.step()
         optimizer.zero_grad()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -224,3 +245,51 @@ def test_host_memory_after_boost_and_at_peak_within_5_percent_of_plain(
     plain, chunked = host_memory["plain"], host_memory["chunkmem"]
     assert chunked["after_setup"] <= 1.05 * plain["after_setup"], (chunked, plain)
     assert chunked["peak"] <= 1.05 * plain["peak"], (chunked, plain)
+
+
+# --- host memory of the optimizer step ---------------------------------------------------------------
+STEP_CHUNK = 1 << 23  # 32 MiB chunks: the embedding (8M elements) fills one, the blocks fill the others
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _step_memory_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
+    """How far RSS rises above its level before ``optimizer.step()`` while the step runs, at the
+    third step (moments allocated): the temporaries of PyTorch's per-tensor CPU AdamW."""
+    import gc
+
+    _fix_mmap_threshold()
+    model, optimizer, booster = _gpt2_21m(kind, STEP_CHUNK)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        _backward(model, optimizer, booster, g)
+        if step == 2:
+            gc.collect()
+            before = _status_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # reset the peak RSS (VmHWM) to now
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"growth": _status_bytes("VmHWM") - before}
+
+
+@pytest.mark.multirank
+@HOST_TRAINING
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
+def test_the_optimizer_step_needs_no_more_host_memory_than_plain_pytorchs() -> None:
+    """PyTorch's per-tensor AdamW allocates temporaries the size of about two of the tensors it
+    steps (plain: twice the 32 MiB embedding). chunkmem's optimizer steps flat runs of several
+    parameters; runs as large as its 32 MiB chunks made the step peak 32 MiB higher than plain."""
+    plain, chunked = (
+        run_ranks(_step_memory_rank, world_size=1, args=(kind,), fresh=True)[0]["growth"]
+        for kind in ("plain", "chunkmem")
+    )
+    embedding = VOCAB_21M * 512 * 4
+    assert plain >= 1.8 * embedding, "the probe sees plain PyTorch's temporaries"
+    assert chunked <= plain + 4 * 2**20, (chunked, plain)
