@@ -2,9 +2,9 @@
 
 This rank holds, of each parameter, a piece: a slice of its chunk's fp32 master shard. Pieces of
 one param group that sit next to each other in one shard form a **run** (of up to
-``RUN_ELEMENTS``), a single view of the master shard, and the optimizer steps runs, not pieces: one tensor per run instead of one per
-parameter, which is what makes a fused kernel (or any kernel) run at memory speed rather than at
-Python speed on models with many small parameters. For an elementwise optimizer, stepping a run is
+``RUN_ELEMENTS``), a single view of the master shard, and the optimizer steps runs, not pieces: one
+tensor per run instead of one per parameter, which is what makes a fused kernel (or any kernel) run
+at memory speed rather than at Python speed on models with many small parameters. For an elementwise optimizer, stepping a run is
 exactly stepping each of its pieces (the update of an element depends only on that element's own
 history and on per-parameter scalars such as Adam's step count).
 
