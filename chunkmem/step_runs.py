@@ -1,12 +1,12 @@
 """``StepRuns``: the flat tensors the user's optimizer steps.
 
-This rank holds, of each parameter, a piece: a slice of its chunk's fp32 master shard. Pieces of
-one param group that sit next to each other in one shard form a **run** (of up to
-``RUN_ELEMENTS``), a single view of the master shard, and the optimizer steps runs, not pieces: one
-tensor per run instead of one per parameter, which is what makes a fused kernel (or any kernel) run
-at memory speed rather than at Python speed on models with many small parameters. For an elementwise optimizer, stepping a run is
-exactly stepping each of its pieces (the update of an element depends only on that element's own
-history and on per-parameter scalars such as Adam's step count).
+This rank holds, of each parameter, a piece: a slice of its chunk's fp32 master shard. Pieces of one
+param group that sit next to each other in one shard form a **run** (of up to ``RUN_ELEMENTS``), a
+single view of the master shard, and the optimizer steps runs, not pieces: one tensor per run
+instead of one per parameter, which is what makes a fused kernel (or any kernel) run at memory speed
+rather than at Python speed on models with many small parameters. For an elementwise optimizer,
+stepping a run is exactly stepping each of its pieces (the update of an element depends only on that
+element's own history and on per-parameter scalars such as Adam's step count).
 
 So a run only holds pieces that share every non-elementwise state value. PyTorch skips a parameter
 without a gradient (its step count stays behind), so a step on which some of a run's pieces have a
