@@ -306,12 +306,14 @@ class ChunkGrads:
         if not self.buffer_is_shard:
             if not self._sent:
                 self._send(self._machine.state is not GradState.REDUCING, self._what)
-            self._sent = False
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._drop_host()  # its gradients are in what was reduced
         self._stats.grad_reductions += 1
         self._machine.move("finish reducing gradients")
+        # Cleared only once the state says reduced: an early step on the host-step worker reads
+        # ``shard`` meanwhile, and a sent slot must count as reduced at every instant in between.
+        self._sent = False
 
     def zero(self) -> None:
         """Forget gradients: the buffer is dropped and the shard's content no longer counts."""
