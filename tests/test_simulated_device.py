@@ -70,8 +70,7 @@ def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() 
 # can catch, and why.
 CATCHES = {
     "chunk_grads.py: spill: transfers.before_host_write(host)": None,
-    "chunk_grads.py: _add_to_host: transfers.before_host_read(staged)": "w2-no-sync-spill",
-    "chunk_grads.py: _add_to_host: transfers.before_host_write(host)": None,
+    "chunk_grads.py: _load_host: self._transfers.before_host_read(host)": "w2-no-sync-spill",
     "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
     "comm.py: wait: self._comm.layer.wait_event(self._event)": "offload-p3-bf16",
     "comm.py: side_stream: self._layer.wait_stream(self._side_stream, self._layer.current_stream())": "offload-p3-bf16",
@@ -88,10 +87,9 @@ CATCHES = {
     "transfers.py: before_host_write: self.before_host_read(host)": None,
 }
 UNCATCHABLE = {
-    "chunk_grads.py: spill: transfers.before_host_write(host)": "a staging buffer from the pool: it was given "
-    "back only after its user waited for its copies, and the copy into it is queued after the host's last use",
-    "chunk_grads.py: _add_to_host: transfers.before_host_write(host)": "the copies into the host buffer are "
-    "queued on the copy stream before the staged copy waited for just before (before_host_read(staged))",
+    "chunk_grads.py: spill: transfers.before_host_write(host)": "the host buffer is written by the copy out of "
+    "the device buffer, on the copy stream after the compute stream, where the copy that last read it (into the "
+    "device buffer it loaded) was queued: stream order already puts the write after that read",
     "shard.py: _before_write: self._transfers.before_host_write(buffer)": "the copy that then writes the buffer "
     "is queued after the host's last use of it and on the copy stream after the compute stream; no copy on "
     "another stream reads a master or gradient shard it guards",
