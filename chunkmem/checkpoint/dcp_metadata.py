@@ -17,6 +17,7 @@ and ``REDUCE`` calls it with any arguments. So no real object is ever given to t
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections.abc import Callable
@@ -277,13 +278,16 @@ class _Rebuild:
         )
         entries = self._typed(fields["state_dict_metadata"], dict, "state_dict_metadata")
         storage = self._typed(fields.get("storage_data") or {}, dict, "storage_data")
-        return Metadata(
-            state_dict_metadata={self._typed(k, str, "key"): self._storage(v) for k, v in entries.items()},
-            planner_data=self.plain(fields.get("planner_data"), "planner_data"),
-            storage_data={self._index(k): self._storage_info(v) for k, v in storage.items()},
-            storage_meta=self._optional(fields.get("storage_meta"), self._storage_meta),
-            version=self._typed(fields.get("version"), (str, type(None)), "version"),
-        )
+        rebuilt = {
+            "state_dict_metadata": {self._typed(k, str, "key"): self._storage(v) for k, v in entries.items()},
+            "planner_data": self.plain(fields.get("planner_data"), "planner_data"),
+            "storage_data": {self._index(k): self._storage_info(v) for k, v in storage.items()},
+            "storage_meta": self._optional(fields.get("storage_meta"), self._storage_meta),
+            "version": self._typed(fields.get("version"), (str, type(None)), "version"),
+        }
+        # Older releases' Metadata has no ``version`` (added in torch 2.9): only what it declares.
+        declared = {f.name for f in dataclasses.fields(Metadata)}
+        return Metadata(**{name: value for name, value in rebuilt.items() if name in declared})
 
 
 def unpickle_metadata(path: Path) -> Metadata:
