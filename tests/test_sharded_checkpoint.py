@@ -473,9 +473,13 @@ def _save_memory(rank: int, world_size: int, directory: str) -> dict[str, int]:
 def test_a_sharded_save_holds_no_more_than_a_small_part_of_its_shard(tmp_path: Path) -> None:
     model_bytes = 24 * 1024 * 1024 * 4
     shard_bytes = model_bytes // 2
+    chunk_bytes = (1 << 21) * 4
     results = run_ranks(_save_memory, args=(str(tmp_path),), fresh=True)
     for rank, grown in enumerate(results):
-        assert grown["sharded"] < shard_bytes / 4, (rank, grown)
+        # A sharded save streams its shard a chunk at a time: one chunk's copy in flight, plus what
+        # DCP allocates for its plan and metadata (measured up to 4.6 MB: 12.95 MB in all on CI).
+        # Holding the shard, as a save that copied it whole would, grows by 50 MB.
+        assert grown["sharded"] < chunk_bytes + 8 * 1024 * 1024 < shard_bytes / 2, (rank, grown)
     assert results[0]["full"] > model_bytes  # the full save gathers the model on rank 0
     # Both checkpoints hold the same weights (read by plain DCP and torch.load).
     full = torch.load(tmp_path / "full.pt", weights_only=True)
