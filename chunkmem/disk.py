@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -89,6 +90,11 @@ class ScratchDir:
             raise DiskTierError(f"rank {rank}: cannot create scratch space in disk_dir {parent}: {error}") from error
         self._path = owned.path
         self._finalizer = weakref.finalize(self, owned.remove)
+        # A rank started by multiprocessing's fork or forkserver (Lightning's ddp_fork, a
+        # start_processes(start_method="fork")) leaves through os._exit, which skips the atexit
+        # call of weakref.finalize; multiprocessing runs its own finalizers there. Calling the
+        # finalizer a second time does nothing; a child forked later does not inherit this one.
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=0)
 
     @property
     def path(self) -> Path:

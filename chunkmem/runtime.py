@@ -178,9 +178,8 @@ class ChunkRuntime(ParamOpHook):
 
     @property
     def observes_ops(self) -> bool:
-        """False when nothing can move (module docstring): no trace is recorded then. While
-        torch.compile traces, ops are observed so that it is refused as everywhere else."""
-        return not self._resident or torch.compiler.is_compiling()
+        """False when nothing can move (module docstring): no trace is recorded then."""
+        return not self._resident
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -382,13 +381,16 @@ class ChunkRuntime(ParamOpHook):
             "boosting and pass it to booster.boost), or with model.load_state_dict()."
         )
 
+    def traced_op(self, params: Sequence[torch.Tensor]) -> None:
+        """Refuse a compiler's trace, whether or not ops are observed: a graph would skip the
+        gathers, releases and gradient reductions of every later step."""
+        raise NotSupportedError(
+            f"rank {self._rank}: torch.compile is tracing an op on managed parameters: chunkmem gathers chunks "
+            "in Python hooks that a compiled graph cannot contain (tracing would issue real collectives on fake "
+            "tensors). Run the boosted model eagerly."
+        )
+
     def _before(self, params: Sequence[torch.Tensor], phase: Phase) -> None:
-        if torch.compiler.is_compiling():
-            raise NotSupportedError(
-                f"rank {self._rank}: torch.compile is tracing an op on managed parameters: chunkmem gathers chunks "
-                "in Python hooks that a compiled graph cannot contain (tracing would issue real collectives on fake "
-                "tensors). Run the boosted model eagerly."
-            )
         infos = [self._manager.info(p) for p in params]
         chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
         recompute = phase is Phase.FORWARD and _in_backward()

@@ -56,6 +56,11 @@ class ParamOpHook(ABC):
         """Before an op that writes into ``params`` in place. The default allows it; a hook that
         keeps the authoritative copy elsewhere raises here."""
 
+    def traced_op(self, params: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """A compiler (``torch.compile``, ``torch.export``) is tracing an op on ``params``, or
+        reading their metadata to build its graph. The default allows it; a hook whose work a
+        compiled graph would skip raises here."""
+
 
 class _BoundTable:
     """Hooks per parameter, keyed by identity, holding parameters weakly. Looked up on every op,

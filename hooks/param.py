@@ -127,6 +127,8 @@ class HookedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _compiler_tracing():
+            _report_tracing(args, kwargs)
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -144,6 +146,26 @@ class HookedParameter(torch.nn.Parameter):
             if not observing:
                 return func(*args, **kwargs)
             return _run_hooked(func, args, kwargs, leaves, spec, params, tuple(observing), written)
+
+
+def _compiler_tracing() -> bool:
+    """A compiler is building a graph. ``is_compiling`` is True only in code Dynamo traces
+    symbolically, where a hook's exception becomes a graph break and the op then runs eagerly with
+    it False (torch <= 2.12). The metadata Dynamo reads for real while it wraps a parameter (size,
+    stride, ``.data``) runs inside its ``TracingContext``: an exception there ends the compile
+    wherever it is raised."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+def _report_tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    leaves, _ = _flatten(args, kwargs)
+    params: list[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, HookedParameter) and not any(leaf is p for p in params):
+            params.append(leaf)
+    with torch._C.DisableTorchFunctionSubclass():
+        for hook, seen in hooks_for(params):
+            hook.traced_op(seen)
 
 
 def _guard_writes(
