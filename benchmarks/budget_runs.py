@@ -3,7 +3,7 @@
 Each row of the experiment is one run: plain PyTorch (DDP at world size > 1) or chunkmem with a
 placement config. Every run starts from the same base model (built once per process from a seed) and
 trains on the same tokens, so every row's loss must equal plain PyTorch's. The commands run in this
-process at world size 1 (``LocalRanks``) or in spawned ranks (``RankPool``); a run keeps its model
+process at world size 1 (``LocalRanks``) or in forked ranks (``RankPool``); a run keeps its model
 in the rank's ``state`` between commands, so runs can be interleaved step by step.
 """
 

@@ -426,7 +426,7 @@ def plot(rows: list[Row], path: Path, title: str) -> Path | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, choices=[1, 2], default=1, help="ranks per run (2: spawned)")
+    parser.add_argument("--world-size", type=int, choices=[1, 2], default=1, help="ranks per run (2: rank processes)")
     parser.add_argument(
         "--budgets", default=None, help="fractions of model data (default 1,0.5,0.25; CUDA 0.5,0.25,0.125)"
     )

@@ -2,7 +2,7 @@
 
 GPT-2 from a ``transformers`` config (default 4 layers x 256 wide, vocab 2048; batch 4 x 128 tokens
 per rank), fp32 ``torch.optim.AdamW``, the same seed and the same tokens on every system. Each system
-runs in its own rank processes (spawned by this script: gloo on the CPU, NCCL on GPUs), so its peak
+runs in its own rank processes (started by this script: gloo on the CPU, NCCL on GPUs), so its peak
 RSS is its own and a failing system cannot take the others down. Systems alternate round by round
 (the order rotates every round) and each reports the median over rounds of its per-round median
 step time, the ratio of that to FSDP2's and DDP's medians from the same run, peak RSS per rank and,

@@ -1,7 +1,9 @@
 """Persistent rank processes that a benchmark drives one command at a time, with a time limit.
 
-A :class:`RankPool` starts ``world_size`` processes (spawned, so each starts clean: its peak RSS is
-its own), lets them form a process group (gloo on the CPU, NCCL on GPUs), and then runs commands:
+A :class:`RankPool` starts ``world_size`` processes, forked from a server process that only
+imported torch, transformers and chunkmem (``forkserver``): each starts clean, in well under a
+second, and its peak RSS is its own (a spawned process's ``ru_maxrss`` starts at its parent's
+size, as fork comes before exec), lets them form a process group (gloo on the CPU, NCCL on GPUs), and then runs commands:
 ``pool.call(timeout, fn, *args)`` runs ``fn(ctx, *args)`` on every rank and returns the results in
 rank order. ``ctx`` (:class:`RankContext`) carries the rank, the device and a ``state`` dict that
 lives as long as the process, so one command can build a model that later commands train.
@@ -141,7 +143,7 @@ def _serve(
 
 
 class RankPool:
-    """``world_size`` spawned processes in one process group, run command by command.
+    """``world_size`` forked processes in one process group, run command by command.
 
     Args:
         world_size: number of ranks.
@@ -172,7 +174,8 @@ class RankPool:
         import torch.multiprocessing as mp
 
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "chunkmem"])
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         full_env = {
