@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from forked import run_script
+
 _START = """
 import os, sys
 from pathlib import Path
@@ -25,8 +27,8 @@ def dead_workspace(target: Path, move_previous: bool = False) -> Path:
     """The workspace of a save to ``target`` killed mid-write (after moving the previous
     checkpoint into it, with ``move_previous``): its process exited, so its lock is free."""
     script = _START.format(target=str(target), move_previous=move_previous) + "os._exit(9)\n"
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
-    assert done.stdout.strip(), done.stderr
+    done = run_script(textwrap.dedent(script))
+    assert done.returncode == 9 and done.stdout.strip(), done.stderr
     return Path(done.stdout.strip())
 
 

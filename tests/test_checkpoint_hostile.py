@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from forked import run_script
 from killed_saves import dead_workspace
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 
@@ -418,9 +419,7 @@ def test_a_save_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_verifie
     for kill_at in range(1, 40):
         _fill(chunked, 1.0)
         booster.save_model(chunked, target, shard=shard == "shard")
-        done = subprocess.run(
-            [sys.executable, "-c", _SAVE, str(kill_at), str(target), shard], capture_output=True, text=True
-        )
+        done = run_script(_SAVE, str(kill_at), str(target), shard)
         assert done.returncode in (0, 9), done.stderr[-2000:]
         seen.append(_loaded_value(chunked, booster, target))
         if done.returncode == 0:

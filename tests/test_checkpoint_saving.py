@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
+from forked import run_script
 from killed_saves import live_workspace
 
 from chunkmem import Booster, CheckpointMismatchError, CheckpointWriteError, ChunkPlugin, NotSupportedError
@@ -210,7 +211,7 @@ def _close_state(actual: tuple[Any, Any, Any], expected: tuple[Any, Any, Any]) -
 @pytest.mark.parametrize("shard", [False, True])
 def test_a_job_killed_between_the_saves_of_a_set_resumes(tmp_path: Path, shard: bool) -> None:
     script = _KILLED_JOB.format(tests=str(Path(__file__).parent), root=str(tmp_path), shard=shard)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = run_script(script)
     assert done.returncode == 9, done.stderr[-2000:]
     reference = _Run(tmp_path / "unused", shard)  # the same job, uninterrupted, to step 2
     for _ in range(2):
