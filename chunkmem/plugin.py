@@ -33,15 +33,15 @@ from .comm import Communicator
 from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
 from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
-from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
+from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
+from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 from .runtime import ChunkRuntime
 from .search import default_search_range, search_chunk_size
 from .shard import MASTER_DTYPE
 from .stats import Stats
-from .step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 
 __all__ = ["ChunkPlugin", "Precision"]
 

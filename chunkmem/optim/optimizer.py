@@ -9,7 +9,7 @@ no gradient, so the optimizer skips it, as plain PyTorch does.
 ``ChunkOptimizer`` is a ``torch.optim.Optimizer``: every LR scheduler accepts it, its
 ``param_groups`` are the user's optimizer's own group dicts (edits take effect at the next step), and
 ``state_dict`` / ``load_state_dict`` speak plain PyTorch's format with full parameter shapes (see
-``chunkmem.optim_state``). The optimizer object the user passed to ``boost`` keeps
+``chunkmem.optim.state_dict``). The optimizer object the user passed to ``boost`` keeps
 doing the stepping inside it; called directly after boosting it refuses to step or to save, since
 its parameters are now the pieces.
 """
@@ -28,30 +28,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accounting import Location, MemoryKind
-from .agreed_values import hyperparameters
-from .agreement import agree
-from .chunk import Chunk, GradState
-from .chunk_layout import ShardPiece
-from .comm import Communicator
-from .disk import SidesFile
+from ..accounting import Location, MemoryKind
+from ..agreed_values import hyperparameters
+from ..agreement import agree
+from ..chunk import Chunk, GradState
+from ..chunk_layout import ShardPiece
+from ..comm import Communicator
+from ..disk import SidesFile
+from ..errors import DiskTierError, NotSupportedError, StateDictMismatchError, UnscaledBackwardError
+from ..gather import Destination
+from ..grad_markers import clear_markers
+from ..grad_norm import flat_norm
+from ..grad_on_disk import GradOnDisk
+from ..manager import ChunkManager
+from ..progress import TrainingProgress
+from ..runtime import ChunkRuntime
+from ..tensor_state import TensorInfo
 from .disk_sides import DiskSides
 from .early_steps import EarlySteps, group_settings, same_settings
-from .errors import DiskTierError, NotSupportedError, StateDictMismatchError, UnscaledBackwardError
-from .gather import Destination
-from .grad_markers import clear_markers
-from .grad_norm import flat_norm
-from .grad_on_disk import GradOnDisk
 from .host_kernels import HostKernels
 from .loss_scale import DynamicLossScaler
-from .manager import ChunkManager
-from .optim_probe import StateSize, check_elementwise, optimizer_state_size
-from .optim_state import full_optimizer_state, slice_state, stage_optimizer_state
-from .progress import TrainingProgress
-from .runtime import ChunkRuntime
+from .probe import StateSize, check_elementwise, optimizer_state_size
+from .runs import Run, StepRuns
+from .state_dict import full_optimizer_state, slice_state, stage_optimizer_state
 from .step_config import StepAfterBackward, StepDuringBackward
-from .step_runs import Run, StepRuns
-from .tensor_state import TensorInfo
 
 __all__ = ["ChunkOptimizer", "Piece", "StateSize", "check_elementwise", "optimizer_state_size"]
 
@@ -401,7 +401,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """Install per-piece state (keyed by ``Piece.tensor``) and, optionally, each group's
         hyperparameters and the loss scaler's state, replacing what was there. Goes through the
         optimizer's own ``load_state_dict``, which puts each value on the device and dtype its class
-        expects. The caller has validated everything (``chunkmem.optim_state``)."""
+        expects. The caller has validated everything (``chunkmem.optim.state_dict``)."""
         self.cancel_early_steps()
         run_states, on_disk = self._runs.regroup({id(t): s for t, s in states.items()}, later=self._on_disk)
         index: dict[int, int] = {}
@@ -642,7 +642,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         with self._disk.resident(chunk, write_back):
             yield
 
-    # --- early host steps (chunkmem.early_steps) ----------------------------------------------
+    # --- early host steps (chunkmem.optim.early_steps) --------------------------------------------
     def gradient_final(self, chunk: Chunk) -> None:
         """The runtime: ``chunk``'s gradient of the iteration is final and on its way to the host."""
         if self._early is not None and not self._on_disk(chunk):

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .accounting import Location
+from ..accounting import Location
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
-    from .optim import Piece
+    from ..chunk import Chunk
+    from .optimizer import Piece
 
 __all__ = ["Run", "StepRuns", "same_value"]
 

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .agreement import agree
-from .errors import DiskTierError, StateDictMismatchError
-from .gather import Destination, gather_full
-from .optim_probe import state_keys
-from .tensor_state import TensorInfo
+from ..agreement import agree
+from ..errors import DiskTierError, StateDictMismatchError
+from ..gather import Destination, gather_full
+from ..tensor_state import TensorInfo
+from .probe import state_keys
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
-    from .optim import ChunkOptimizer, Piece
+    from ..chunk import Chunk
+    from .optimizer import ChunkOptimizer, Piece
 
 __all__ = [
     "SavedState",

@@ -29,13 +29,13 @@ import torch
 
 from placement import DISK_WINDOW
 
-from .accounting import Location, MemoryKind, MemoryLedger
-from .disk import SidesFile
-from .errors import DiskTierError
-from .step_runs import StepRuns
+from ..accounting import Location, MemoryKind, MemoryLedger
+from ..disk import SidesFile
+from ..errors import DiskTierError
+from .runs import StepRuns
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
+    from ..chunk import Chunk
 
 __all__ = ["DiskSides"]
 
