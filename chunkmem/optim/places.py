@@ -60,15 +60,7 @@ class SidePlaces:
         """The chunks of ``chunks`` whose states live on disk, in order."""
         return [chunk for chunk in chunks if self.on_disk(chunk)]
 
-    def master(self, chunk: Chunk) -> Location:
-        """Where ``chunk``'s fp32 master is stepped: the device or the host (a master on disk is
-        read into host memory for its step)."""
-        return self._master[chunk.chunk_id]
-
     def states(self, chunk: Chunk) -> Location:
-        """Where ``chunk``'s optimizer states live between steps (what the ledger accounts)."""
+        """Where ``chunk``'s optimizer states (and its reduced gradient shard) live between steps:
+        what the ledger accounts them on."""
         return Location.DISK if self.on_disk(chunk) else self._master[chunk.chunk_id]
-
-    def grad_shard(self, chunk: Chunk) -> Location:
-        """Where ``chunk``'s reduced gradient shard lives until the step reads it."""
-        return self.states(chunk)
