@@ -33,17 +33,15 @@ from .errors import (
     UnmanageableParameter,
     UnscaledBackwardError,
 )
-from .loss_scale import LossScaleConfig
 from .manager import ChunkManager
 from .memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
 from .model import ChunkedModel
-from .optim import ChunkOptimizer
+from .optim import ChunkOptimizer, LossScaleConfig, StepAfterBackward, StepDuringBackward
 from .planner import Plan, PlanningCommunicator, StepCounters, plan
 from .plugin import ChunkPlugin
 from .runtime import ChunkRuntime
 from .search import ChunkSizeSearch, search_chunk_size
 from .stats import Stats
-from .step_config import StepAfterBackward, StepDuringBackward
 from .tensor_state import TensorInfo, TensorState
 
 __all__ = [

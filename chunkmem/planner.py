@@ -34,7 +34,7 @@ from .disk import PlannedDiskFile, SidesFile
 from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError, HostBudgetTooSmallError
 from .model import ChunkedModel
 from .optim import ChunkOptimizer
-from .optim_probe import hyperparameters
+from .optim.probe import hyperparameters
 from .param_values import LiveValues, ParamValues
 from .plan_report import Plan, StepCounters
 from .plugin import ChunkPlugin

@@ -25,7 +25,6 @@ from placement import (
     make_policy,
 )
 
-from .accounting import Location
 from .backing import Backing, TrainingBacking
 from .boosted_params import already_boosted, note_boosted, the_fix
 from .chunk import Chunk
@@ -33,15 +32,16 @@ from .comm import Communicator
 from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
 from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
-from .loss_scale import DynamicLossScaler, LossScaleConfig
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
+from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
+from .optim.places import SidePlaces
+from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 from .runtime import ChunkRuntime
 from .search import default_search_range, search_chunk_size
 from .shard import MASTER_DTYPE
 from .stats import Stats
-from .step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 
 __all__ = ["ChunkPlugin", "Precision"]
 
@@ -283,33 +283,16 @@ class ChunkPlugin:
         policy.adopt_layout(layout)
         disk = self._open_disk(layout, specs, comm, stats, backing)
 
-        def placement(chunk: Chunk) -> tuple[Location, Location]:
-            place = layout[chunk.chunk_id]
-            master = Location.DEVICE if place.optim_on_device else Location.HOST
-            return master, Location.DEVICE if place.shard_on_device else Location.HOST
-
-        def disk_of(chunk: Chunk) -> SidesFile | None:
-            return disk if layout[chunk.chunk_id].optim_on_disk else None
-
+        places = SidePlaces(layout, disk)  # where each chunk's optimizer side lives, decided once
         values.prepare_buffers(model)
-        manager.close_all(placement, disk_of)
+        manager.close_all(places.placement, places.disk_file)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        on_disk = [chunk for chunk in manager.chunks if layout[chunk.chunk_id].optim_on_disk and chunk.trainable]
         boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes)
         wrapped_optim = (
-            ChunkOptimizer(
-                optimizer,
-                runtime,
-                manager,
-                boosted.progress,
-                scaler,
-                state,
-                host_step,
-                (disk, on_disk) if disk else None,
-            )
+            ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None
             else None
         )

@@ -47,7 +47,7 @@ log = logging.getLogger("chunkmem")
 
 
 class EarlyStepListener(Protocol):
-    """What the runtime tells the optimizer about early host steps (``chunkmem.early_steps``)."""
+    """What the runtime tells the optimizer about early host steps (``chunkmem.optim.early_steps``)."""
 
     def gradient_final(self, chunk: Chunk) -> None:
         """``chunk``'s gradient of this iteration is final and on its way to the host."""
@@ -112,7 +112,7 @@ class ChunkRuntime(ParamOpHook):
     def listen_for_final_gradients(self, listener: EarlyStepListener) -> None:
         """Tell ``listener`` of each chunk with a host master whose gradient of the iteration is
         final and on its way to the host, when the iteration is expected to end in an optimizer
-        step (see ``chunkmem.early_steps``); and before anything reads or writes masters and
+        step (see ``chunkmem.optim.early_steps``); and before anything reads or writes masters and
         optimizer state other than that step."""
         self._early = listener
         self._executor.on_start(self._reduction_started)

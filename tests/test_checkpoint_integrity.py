@@ -34,7 +34,7 @@ from chunkmem import (
 )
 from chunkmem.checkpoint.manifest import seal
 from chunkmem.gather import Destination
-from chunkmem.optim_state import full_optimizer_state
+from chunkmem.optim.state_dict import full_optimizer_state
 
 
 def _trained(steps: int, seed: int = 0, **model_kwargs: Any) -> tuple[Any, Any, Any]:

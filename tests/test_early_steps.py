@@ -118,6 +118,20 @@ def _state_dict_before_the_step(chunked: Any, optimizer: Any, booster: Any, data
     return states
 
 
+def _optimizer_state_read_before_the_step(
+    chunked: Any, optimizer: Any, booster: Any, data: list[torch.Tensor]
+) -> list[Any]:
+    """Reads the state through the optimizer itself (what a checkpoint reads), not through an
+    entry point of the runtime: the state is the one the last step left."""
+    states = []
+    for x in data:
+        booster.backward(chunked(x).square().mean(), optimizer)
+        states.append([{k: v.clone() for k, v in optimizer.piece_state(p).items()} for p in optimizer.pieces])
+        optimizer.step()
+        optimizer.zero_grad()
+    return states
+
+
 LOOPS: dict[str, tuple[Loop, bool]] = {
     # loop, whether early steps survive to the step
     "plain": (_plain_loop, True),
@@ -128,6 +142,7 @@ LOOPS: dict[str, tuple[Loop, bool]] = {
     "evaluate-before-the-step": (_evaluate_before_the_step, False),
     "lr-changed-before-the-step": (_lr_changed_before_the_step, False),
     "state-dict-before-the-step": (_state_dict_before_the_step, False),
+    "optimizer-state-read-before-the-step": (_optimizer_state_read_before_the_step, False),
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from models import copies
 
 from chunkmem import Booster, ChunkPlugin, Location
-from chunkmem.host_kernels import HostKernels
+from chunkmem.optim.host_kernels import HostKernels
 from placement import StaticPlacementConfig
 
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)

@@ -1,8 +1,9 @@
 """The import graph of ``chunkmem``, ``placement`` and ``hooks``: no cycles, and no DCP at import.
 
 The graph is read from the source with ``ast``, not from ``sys.modules``: every ``import`` and
-``from ... import`` counts, at module level and inside functions (a lazy import hides a cycle from
-Python, not from this test), except those under ``if TYPE_CHECKING:``, which never run. A
+``from ... import`` counts, at module level, inside functions (a lazy import hides a cycle from
+Python, not from this test) and under ``if TYPE_CHECKING:`` (a type-only import never runs, but a
+circle closed through one is still two modules that need each other to be read). A
 ``from pkg import name`` imports the module ``pkg.name`` when there is one, else ``pkg``; a
 package's ``__init__`` is a module. Importing ``a.b.c`` from outside the package ``a.b`` also runs
 ``a/b/__init__``, so it counts as importing ``a.b`` too (from inside, the package is already being
@@ -34,29 +35,9 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements of ``tree``, at any depth, skipping ``if TYPE_CHECKING:`` bodies
-    (their ``else`` branches run)."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+    """The import statements of ``tree``, at any depth, ``if TYPE_CHECKING:`` bodies included."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
 
 
 def _imported(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
@@ -144,7 +125,7 @@ def test_the_reader_sees_lazy_relative_and_package_imports() -> None:
     found = set()
     for node in _imports(ast.parse(source)):
         found |= _imported("p.q.a", False, node, known)
-    assert found == {"typing", "p.q.b", "p.q.c", "p.e", "x.y"}
+    assert found == {"typing", "p.q.b", "p.q.c", "p.q.d", "p.e", "x.y"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
@@ -166,3 +147,42 @@ def test_importing_chunkmem_does_not_load_dcp() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False", "importing chunkmem loaded torch.distributed.checkpoint"
+
+
+# The optimizer side's layers, lowest first: a module of ``chunkmem.optim`` imports only modules of
+# lower layers (type-only imports included), so the package reads bottom-up without a circle.
+OPTIM_LAYERS = (
+    ("piece", "places", "probe", "loss_scale", "step_config", "host_kernels"),
+    ("runs",),
+    ("early_steps", "disk_sides", "stepper", "state_ledger", "state_dict"),
+    ("scaling",),
+    ("optimizer",),
+)
+# The training front: the only modules outside ``chunkmem.optim`` that import it, and which it
+# never imports (it sits on the chunks, the runtime and the tiers, below the front).
+FRONT = ("chunkmem", "chunkmem.booster", "chunkmem.plugin", "chunkmem.planner", "chunkmem.checkpoint")
+FRONT_PACKAGES = ("chunkmem.checkpoint.", "chunkmem.integrations.")
+
+
+def _in_front(module: str) -> bool:
+    return module in FRONT or module.startswith(FRONT_PACKAGES)
+
+
+def test_the_optimizer_package_imports_in_layers() -> None:
+    graph = import_graph()
+    package = "chunkmem.optim"
+    inside = {m for m in graph if m.startswith(package + ".")}
+    layer = {f"{package}.{name}": depth for depth, names in enumerate(OPTIM_LAYERS) for name in names}
+    assert inside == set(layer), f"modules of {package} missing from OPTIM_LAYERS: {sorted(inside - set(layer))}"
+    for module in sorted(inside):
+        upward = sorted(t for t in graph[module] if t in layer and layer[t] >= layer[module])
+        assert not upward, f"{module} imports {upward}, not in a lower layer of OPTIM_LAYERS"
+        front = sorted(t for t in graph[module] if _in_front(t) or t == package)
+        assert not front, f"{module} imports the training front {front}"
+    importers = sorted(
+        m
+        for m, targets in graph.items()
+        if m != package and m not in inside and any(t == package or t in inside for t in targets)
+    )
+    below = [m for m in importers if not _in_front(m)]
+    assert not below, f"modules below the training front import {package}: {below}"

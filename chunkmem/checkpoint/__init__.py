@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StateDictMismatchError
 from ..gather import Destination
 from ..optim import ChunkOptimizer
-from ..optim_state import full_optimizer_state, stage_optimizer_state
+from ..optim.state_dict import full_optimizer_state, stage_optimizer_state
 from .files import atomic_save
 from .identity import (
     check_saved_for_model,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from ..model import ChunkedModel
     from ..model_state import StagedModelLoad
-    from ..optim_state import StagedOptimizerState
+    from ..optim.state_dict import StagedOptimizerState
     from .dcp_layout import SaveEntry
     from .sharded import Reading
 

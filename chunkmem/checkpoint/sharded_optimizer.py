@@ -25,7 +25,14 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import StateDictMismatchError
-from ..optim_state import StagedOptimizerState, accept, check_settings, check_state_shapes, refusal, saved_elementwise
+from ..optim.state_dict import (
+    StagedOptimizerState,
+    accept,
+    check_settings,
+    check_state_shapes,
+    refusal,
+    saved_elementwise,
+)
 from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .sharded import Reading
 

@@ -26,22 +26,27 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .agreement import agree
-from .errors import DiskTierError, StateDictMismatchError
-from .gather import Destination, gather_full
-from .optim_probe import state_keys
-from .tensor_state import TensorInfo
+from ..agreement import agree
+from ..errors import DiskTierError, StateDictMismatchError
+from ..gather import Destination, gather_full
+from ..tensor_state import TensorInfo
+from .piece import Piece, is_elementwise
+from .probe import state_keys
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
-    from .optim import ChunkOptimizer, Piece
+    from ..chunk import Chunk
+    from ..manager import ChunkManager
+    from ..runtime import ChunkRuntime
+    from .loss_scale import DynamicLossScaler
 
 __all__ = [
+    "OptimizerSide",
     "SavedState",
     "StagedOptimizerState",
     "accept",
@@ -55,6 +60,39 @@ __all__ = [
 ]
 
 log = logging.getLogger("chunkmem")
+
+
+class OptimizerSide(Protocol):
+    """What this module reads of the optimizer (``ChunkOptimizer`` is one; named by its
+    behaviour so that this module does not import the optimizer that imports it)."""
+
+    defaults: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def runtime(self) -> ChunkRuntime: ...
+    @property
+    def manager(self) -> ChunkManager: ...
+    @property
+    def pieces(self) -> tuple[Piece, ...]: ...
+    @property
+    def group_infos(self) -> tuple[tuple[TensorInfo, ...], ...]: ...
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]: ...
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None: ...
+    def piece_state(self, piece: Piece) -> dict[str, Any]: ...
+    def state_on_disk(self, chunk: Chunk) -> bool: ...
+    def resident_state(self, chunk: Chunk, write_back: bool = False) -> AbstractContextManager[None]: ...
+    def load_local_state(
+        self,
+        states: Mapping[torch.Tensor, Mapping[str, Any]],
+        hyperparameters: Sequence[Mapping[str, Any]] | None = None,
+        scaler_state: Mapping[str, Any] | None = None,
+        stateful: Sequence[TensorInfo] | None = None,
+    ) -> None: ...
+
+
 _Where = tuple[int, int]  # (chunk id, index in chunk): a parameter, the same on every rank
 # Group settings that torch optimizers fill in themselves when a state dict lacks them.
 _FILLED_BY_TORCH = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"})
@@ -63,10 +101,6 @@ _MAX_LISTED = 12
 
 def _where(info: TensorInfo) -> _Where:
     return (info.chunk_id, info.index)
-
-
-def _elementwise(value: Any, piece: Piece) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape
 
 
 def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
@@ -87,7 +121,7 @@ def slice_state(state: Mapping[str, Any], piece: Piece) -> dict[str, Any]:
 
 
 # --- saving -----------------------------------------------------------------------------------
-def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) -> dict[str, Any]:
+def full_optimizer_state(optimizer: OptimizerSide, destination: Destination) -> dict[str, Any]:
     """The full PyTorch-format state on the ranks ``destination`` names (``{}`` elsewhere), on the
     CPU. A collective: every rank calls it."""
     runtime = optimizer.runtime
@@ -152,7 +186,7 @@ def full_optimizer_state(optimizer: ChunkOptimizer, destination: Destination) ->
     return out
 
 
-def _keys_and_scalars(optimizer: ChunkOptimizer) -> tuple[dict[int, dict[str, str]], dict[_Where, dict[str, Any]]]:
+def _keys_and_scalars(optimizer: OptimizerSide) -> tuple[dict[int, dict[str, str]], dict[_Where, dict[str, Any]]]:
     """This rank's elementwise state keys (with their dtype) per chunk, and each parameter's other
     state values (``None`` placeholders for the elementwise ones, in the class's key order)."""
     elementwise: dict[int, dict[str, str]] = {}
@@ -163,7 +197,7 @@ def _keys_and_scalars(optimizer: ChunkOptimizer) -> tuple[dict[int, dict[str, st
             continue
         entry = scalars.setdefault(_where(piece.info), {})
         for key, value in state.items():
-            if _elementwise(value, piece):
+            if is_elementwise(value, piece.tensor):
                 elementwise.setdefault(piece.chunk.chunk_id, {})[key] = str(value.dtype).removeprefix("torch.")
                 entry.setdefault(key, None)  # keeps the class's key order; filled after the gather
             else:
@@ -172,7 +206,7 @@ def _keys_and_scalars(optimizer: ChunkOptimizer) -> tuple[dict[int, dict[str, st
 
 
 def _state_shards(
-    optimizer: ChunkOptimizer, chunk: Chunk, keys: Mapping[str, str], pieces: Sequence[Piece]
+    optimizer: OptimizerSide, chunk: Chunk, keys: Mapping[str, str], pieces: Sequence[Piece]
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of each elementwise state ``keys`` names (key -> dtype name) of ``chunk``,
     on the CPU (zero where this rank's pieces have none), read in one pass when on disk."""
@@ -198,11 +232,11 @@ class StagedOptimizerState:
     stateful: list[TensorInfo]
     """Parameters with state in the full state (the same on every rank)."""
 
-    def install(self, optimizer: ChunkOptimizer) -> None:
+    def install(self, optimizer: OptimizerSide) -> None:
         optimizer.load_local_state(self.states, self.hyperparameters, self.scaler_state, self.stateful)
 
 
-def refusal(optimizer: ChunkOptimizer, source: str, problems: list[str]) -> StateDictMismatchError:
+def refusal(optimizer: OptimizerSide, source: str, problems: list[str]) -> StateDictMismatchError:
     """The error refusing a state for ``problems`` (listed, the first dozen)."""
     listed = "\n  - ".join(problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
@@ -239,7 +273,7 @@ def _check_scaler_state(state: Any) -> str | None:
     return None
 
 
-def _lacking_settings(optimizer: ChunkOptimizer, group: Mapping[str, Any], saved_group: Mapping[str, Any]) -> list[str]:
+def _lacking_settings(optimizer: OptimizerSide, group: Mapping[str, Any], saved_group: Mapping[str, Any]) -> list[str]:
     """Settings of ``group`` that the optimizer class needs and ``saved_group`` lacks."""
     return sorted(k for k in group if k in optimizer.defaults and k not in saved_group and k not in _FILLED_BY_TORCH)
 
@@ -259,7 +293,7 @@ def saved_elementwise(value: Any, info: TensorInfo) -> bool:
     )
 
 
-def check_state_shapes(optimizer: ChunkOptimizer, saved: Sequence[SavedState]) -> tuple[list[str], list[str]]:
+def check_state_shapes(optimizer: OptimizerSide, saved: Sequence[SavedState]) -> tuple[list[str], list[str]]:
     """What is wrong with the shapes and dtypes of the saved elementwise state, and the names of
     the parameters whose state is not loaded (they do not require grad here)."""
     problems: list[str] = []
@@ -282,7 +316,7 @@ def check_state_shapes(optimizer: ChunkOptimizer, saved: Sequence[SavedState]) -
 
 
 def check_settings(
-    optimizer: ChunkOptimizer,
+    optimizer: OptimizerSide,
     settings: Sequence[Mapping[str, Any]],
     saved: Sequence[tuple[TensorInfo, str, Collection[str]]],
     scaler_state: Any,
@@ -312,7 +346,7 @@ def check_settings(
     return problems
 
 
-def accept(optimizer: ChunkOptimizer, source: str, problems: list[str], dropped: list[str], scaler_state: Any) -> None:
+def accept(optimizer: OptimizerSide, source: str, problems: list[str], dropped: list[str], scaler_state: Any) -> None:
     """Refuse a state with ``problems`` (listing them); say what a valid one leaves unused."""
     if problems:
         raise refusal(optimizer, source, problems)
@@ -328,7 +362,7 @@ def accept(optimizer: ChunkOptimizer, source: str, problems: list[str], dropped:
         log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
 
 
-def stage_optimizer_state(optimizer: ChunkOptimizer, state_dict: Any, source: str) -> StagedOptimizerState:
+def stage_optimizer_state(optimizer: OptimizerSide, state_dict: Any, source: str) -> StagedOptimizerState:
     """Check ``state_dict`` (PyTorch's format) against the optimizer and the model and cut it to
     this rank's pieces; raise :class:`StateDictMismatchError` listing every problem. Writes nothing."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .accounting import Location
+from ..accounting import Location
+from .piece import Piece, is_elementwise
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
-    from .optim import Piece
+    from ..chunk import Chunk
 
 __all__ = ["Run", "StepRuns", "same_value"]
 
@@ -59,11 +59,6 @@ class Run:
         names = [p.info.name for p in self.pieces]
         shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
         return f"run of chunk {self.chunk.chunk_id} [{self.start}, {self.stop}) in param group {self.group}: {shown}"
-
-
-def _elementwise(value: Any, run: Run) -> bool:
-    """State shaped like the run's tensor (the rest, such as a step count, is per parameter)."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == run.tensor.shape
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -119,12 +114,14 @@ class StepRuns:
     def __init__(self, table: Callable[[], MutableMapping[torch.Tensor, Any]]) -> None:
         self._table = table
         self._disk_view: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        self._before_access: Callable[[str], None] | None = None
         self._groups: list[list[Run]] = []
         self._run_of: dict[int, Run] = {}  # id(piece.tensor) -> its run
 
     # --- building ---------------------------------------------------------------------------
     def add_group(self, pieces: Sequence[Piece]) -> list[torch.Tensor]:
         """Runs for a new param group (its pieces have no state yet); returns their tensors."""
+        self.settle_early_steps("a param group is added")
         group = len(self._groups)
         runs = [self._make(group, part) for part in _consecutive(pieces)]
         self._groups.append(runs)
@@ -137,6 +134,17 @@ class StepRuns:
         for piece in pieces:
             self._run_of[id(piece.tensor)] = run
         return run
+
+    def settle_early_steps_with(self, cancel: Callable[[str], None]) -> None:
+        """Early host steps (``EarlySteps.cancel``) are put back before anything but their worker
+        reads or changes the state kept here: a save would read state the step has not taken yet,
+        a load or a new group would be overwritten by an undo after it."""
+        self._before_access = cancel
+
+    def settle_early_steps(self, what: str) -> None:
+        """``what`` is about to read or change the state kept here: early steps go back first."""
+        if self._before_access is not None:
+            self._before_access(what)
 
     def read_from_disk(self, view: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """How to read a state tensor whose values are on disk now (``DiskSides.view_of``)."""
@@ -162,6 +170,7 @@ class StepRuns:
         """The optimizer state of one piece: views of its run's elementwise state, and the run's
         other values (shared by all its pieces). Empty when the piece has no state yet. An
         elementwise state that is on disk now (``DiskSides``) is a view mapped from its file."""
+        self.settle_early_steps("the optimizer state is read")
         run = self.run_of(piece)
         state = self._table().get(run.tensor)
         if not state:
@@ -170,7 +179,7 @@ class StepRuns:
         end = piece.shard_slice.stop - run.start
         out = {}
         for key, value in state.items():
-            if not _elementwise(value, run):
+            if not is_elementwise(value, run.tensor):
                 out[key] = value
             elif value.untyped_storage().nbytes() < value.nbytes:
                 on_disk = self._disk_view(value) if self._disk_view is not None else None
@@ -225,7 +234,7 @@ class StepRuns:
             for new in runs:
                 begin, end = new.start - run.start, new.stop - run.start
                 self._table()[new.tensor] = {
-                    key: value[begin:end].clone() if _elementwise(value, run) else copy.deepcopy(value)
+                    key: value[begin:end].clone() if is_elementwise(value, run.tensor) else copy.deepcopy(value)
                     for key, value in state.items()
                 }
         return runs
@@ -240,6 +249,7 @@ class StepRuns:
         ``load_state_dict``, and, for the chunks ``later`` accepts, by chunk id, a function that
         builds them when called (one chunk's states in memory at a time: the disk tier's). The
         runs replace the old ones, whose state is forgotten."""
+        self.settle_early_steps("an optimizer state is loaded")
         loaded: dict[torch.Tensor, dict[str, Any]] = {}
         deferred: dict[int, list[tuple[Run, list[Mapping[str, Any]]]]] = {}
         for group, runs in enumerate(self._groups):
@@ -279,10 +289,6 @@ class StepRuns:
             yield current
 
 
-def _piece_elementwise(value: Any, piece: Piece) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.part.numel
-
-
 def _compatible(first: Mapping[str, Any] | None, other: Mapping[str, Any] | None, piece: Piece) -> bool:
     """Whether ``piece`` with state ``other`` may join a run whose first piece has ``first``."""
     first, other = first or {}, other or {}
@@ -290,7 +296,7 @@ def _compatible(first: Mapping[str, Any] | None, other: Mapping[str, Any] | None
         return False
     for key, value in other.items():
         mine = first[key]
-        if _piece_elementwise(value, piece):
+        if is_elementwise(value, piece.part.numel):
             if not isinstance(mine, torch.Tensor) or mine.dim() != 1 or mine.dtype != value.dtype:
                 return False
         elif not same_value(mine, value):
@@ -304,7 +310,7 @@ def _concatenated(run: Run, states: Iterable[Mapping[str, Any]]) -> dict[str, An
         return {}
     out: dict[str, Any] = {}
     for key, value in parts[0].items():
-        if _piece_elementwise(value, run.pieces[0]):
+        if is_elementwise(value, run.pieces[0].part.numel):
             out[key] = torch.cat([state[key].reshape(-1) for state in parts])
         else:
             out[key] = value

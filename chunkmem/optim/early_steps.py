@@ -13,11 +13,19 @@ backward, call ``zero_grad``, load or save. So the early steps stay pending unti
 computed puts the restore points back first (``undo``), after which the step runs as if nothing
 had happened early. Keeping a step costs nothing; the restore point costs a copy of the master and
 states, bounded by ``backup_budget``.
+
+Putting them back is one obligation with one verb, ``cancel``, and the package enforces it where
+it owns the data: ``StepRuns`` cancels before any read or change of the optimizer state other than
+the worker's (a state dict, a load, a new param group), and ``GradScaling`` before it changes the
+gradients the steps read (clipping, fp16 inf/nan). The runtime cancels, through the optimizer's
+``EarlyStepListener``, before what reads or writes masters outside the optimizer (a forward, an op
+outside it, a departure from the trace, ``zero_grad``, a model state dict or load).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,13 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .stats import Stats
-from .step_runs import Run, StepRuns, same_value
+from ..stats import Stats
+from .runs import Run, StepRuns, same_value
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
+    from ..chunk import Chunk
 
 __all__ = ["EarlySteps", "group_settings", "same_settings"]
+
+log = logging.getLogger("chunkmem")
 
 
 def group_settings(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,14 +117,31 @@ class EarlySteps:
         """Early steps were taken (or queued) that neither ``commit`` nor ``undo`` has settled."""
         return bool(self._records)
 
-    def flags(self, chunk_id: int) -> tuple[bool, ...] | None:
-        """The gradient flags an early step of ``chunk_id`` used (``None``: it had none)."""
-        record = self._records.get(chunk_id)
-        return None if record is None else record.flags
+    def cancel(self, reason: str) -> None:
+        """Put back the early steps still pending: ``reason`` is about to read or change what they
+        read or computed (``undo``). Nothing to do when none is pending."""
+        if self.pending:
+            log.debug("chunkmem: early host steps undone: %s", reason)
+            self.undo()
 
-    def records_settings(self) -> list[list[dict[str, Any]]]:
-        """The hyperparameters each early step used (after ``settle``)."""
-        return [record.settings for record in self._records.values()]
+    def keep_if_unchanged(self, chunks: Sequence[Chunk]) -> frozenset[int]:
+        """At the step: keep the early steps when they are the ones this step takes (the same
+        hyperparameters, the same parameters with gradients as agreed over ranks), else put them
+        back. Returns the chunks they stepped (the step leaves them out)."""
+        if not self.pending:
+            return frozenset()
+        self.settle()
+        now = group_settings(self._groups())
+        records = self._records
+        same = all(same_settings(record.settings, now) for record in records.values()) and all(
+            chunk.chunk_id not in records or records[chunk.chunk_id].flags == chunk.params_with_grad
+            for chunk in chunks
+            if chunk.trainable
+        )
+        if same:
+            return self.commit()
+        self.undo()
+        return frozenset()
 
     # --- the worker ---------------------------------------------------------------------------
     def submit(self, chunk: Chunk) -> bool:

@@ -29,13 +29,14 @@ import torch
 
 from placement import DISK_WINDOW
 
-from .accounting import Location, MemoryKind, MemoryLedger
-from .disk import SidesFile
-from .errors import DiskTierError
-from .step_runs import StepRuns
+from ..accounting import Location, MemoryKind, MemoryLedger
+from ..disk import SidesFile
+from ..errors import DiskTierError
+from .piece import is_elementwise
+from .runs import StepRuns
 
 if TYPE_CHECKING:
-    from .chunk import Chunk
+    from ..chunk import Chunk
 
 __all__ = ["DiskSides"]
 
@@ -58,7 +59,8 @@ class _Slot:
 
 
 class DiskSides:
-    """See the module docstring. ``reserved(chunk)`` is the state bytes the placement reserved."""
+    """See the module docstring: the pipeline of the ``chunks`` whose sides ``SidePlaces`` puts on
+    disk. ``reserved(chunk)`` is the state bytes the placement reserved."""
 
     def __init__(
         self,
@@ -88,11 +90,9 @@ class DiskSides:
             return None
         return self._file.view(offset[1], tensor.numel(), tensor.dtype).view(tensor.shape)
 
-    def staging(self, chunk: Chunk, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Where a load stages ``numel`` state values of ``chunk``: memory, or a file of the disk
-        tier's scratch directory for a chunk on disk."""
-        if chunk.chunk_id not in self._slots:
-            return torch.empty(numel, dtype=dtype)
+    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where a load stages ``numel`` state values of a chunk on disk: a file of the disk tier's
+        scratch directory."""
         return self._file.staging(numel, dtype)
 
     def install(self, builders: dict[int, Callable[[], dict[torch.Tensor, dict[str, Any]]]]) -> None:
@@ -116,18 +116,12 @@ class DiskSides:
         if failures:
             raise failures[0]
 
-    def holds(self, chunk: Chunk) -> bool:
-        """Whether ``chunk``'s optimizer states live on disk."""
-        return chunk.chunk_id in self._slots
-
     # --- one chunk in and out -------------------------------------------------------------------
     def _elementwise(self, chunk: Chunk) -> list[torch.Tensor]:
         out = []
         for run in self._runs.runs():
             if run.chunk is chunk:
-                for value in (self._table().get(run.tensor) or {}).values():
-                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == run.tensor.shape:
-                        out.append(value)
+                out += [v for v in (self._table().get(run.tensor) or {}).values() if is_elementwise(v, run.tensor)]
         return out
 
     def fetch(self, chunk: Chunk) -> _Pending:
@@ -280,7 +274,3 @@ class DiskSides:
             self._settle(self.evict(chunk, changed=write_back), failures)
             if failures:
                 raise failures[0]
-
-    def location_of(self, chunk: Chunk) -> Location:
-        """Where ``chunk``'s optimizer state is accounted."""
-        return Location.DISK if chunk.chunk_id in self._slots else chunk.store.master_location
