@@ -2,11 +2,12 @@
 
 A :class:`RankPool` starts ``world_size`` processes, forked from a server process that only
 imported torch, transformers and chunkmem (``forkserver``): each starts clean, in well under a
-second, and its peak RSS is its own (a spawned process's ``ru_maxrss`` starts at its parent's
-size, as fork comes before exec), lets them form a process group (gloo on the CPU, NCCL on GPUs),
-and then runs commands: ``pool.call(timeout, fn, *args)`` runs ``fn(ctx, *args)`` on every rank
-and returns the results in rank order. ``ctx`` (:class:`RankContext`) carries the rank, the device and a ``state`` dict that
-lives as long as the process, so one command can build a model that later commands train.
+second, and its peak RSS is its own (a spawned process's ``ru_maxrss`` starts at its parent's size,
+as fork comes before exec), lets them form a process group (gloo on the CPU, NCCL on GPUs), and
+then runs commands: ``pool.call(timeout, fn, *args)`` runs ``fn(ctx, *args)`` on every rank and
+returns the results in rank order. ``ctx`` (:class:`RankContext`) carries the rank, the device and
+a ``state`` dict that lives as long as the process, so one command can build a model that later
+commands train.
 
 A command that raises on any rank, a rank that dies, or a call that outlives its timeout (a hang in
 a collective) ends the pool: its processes are killed and :class:`CallFailure` says what happened
