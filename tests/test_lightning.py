@@ -1,0 +1,197 @@
+"""``ChunkStrategy`` (chunkmem.integrations.lightning) against plain Lightning on the CPU: the same
+``LightningModule`` and data trained by ``Trainer(strategy="auto")`` and by
+``Trainer(strategy=ChunkStrategy(...))`` under a device budget below what the model needs, with
+gradient accumulation, an LR schedule, norm clipping, a checkpoint and a resume; and what the
+strategy refuses at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from chunkmem import ChunkedModel, NotSupportedError
+from chunkmem.integrations.lightning import ChunkStrategy
+from placement import AutoPlacementConfig
+
+# The model below holds 1633 fp32 parameters: with gradients and AdamW's two states everything
+# takes about 26 KB; 12 000 bytes is just above the largest single-op working set, so chunks are
+# evicted and gathered again during every step.
+BUDGET = 12_000
+CHUNK = 400
+STEPS_PER_EPOCH = 8
+
+
+class Regressor(L.LightningModule):
+    """Three linear layers, AdamW with two param groups and a per-step LR schedule; records the
+    loss of every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        matrices = [p for p in self.parameters() if p.ndim == 2]
+        vectors = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=2e-2
+        )
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS_PER_EPOCH * 8, 16, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(len(x), 1, generator=g)), batch_size=8)
+
+
+def trainer(strategy: Any, epochs: int, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def fit(strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[Regressor, L.Trainer]:
+    module = Regressor()
+    run = trainer(strategy, epochs, **kwargs)
+    run.fit(module, loader(), ckpt_path=ckpt_path)
+    return module, run
+
+
+def chunk_strategy() -> ChunkStrategy:
+    return ChunkStrategy(placement=AutoPlacementConfig(device_budget=BUDGET), chunk_size=CHUNK)
+
+
+def chunked_of(run: L.Trainer) -> ChunkedModel:
+    model = run.strategy.model
+    assert isinstance(model, ChunkedModel)
+    return model
+
+
+def assert_tight(model: ChunkedModel) -> None:
+    stats = model.stats()
+    assert len(model.manager.chunks) >= 3
+    assert stats.evictions > 0, "the budget evicted nothing: it is not tight"
+    assert stats.peak_device_bytes <= BUDGET
+
+
+def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedule() -> None:
+    """fp32 at world size 1 is the same arithmetic on each side (the gradients land in chunk buffers
+    and AdamW updates flat pieces of the same values, elementwise): every loss and every final
+    weight is equal, bit for bit."""
+    reference, plain = fit("auto", accumulate_grad_batches=2)
+    module, run = fit(chunk_strategy(), accumulate_grad_batches=2)
+    assert len(reference.losses) == 2 * STEPS_PER_EPOCH
+    assert module.losses == reference.losses
+    assert run.global_step == plain.global_step == STEPS_PER_EPOCH  # optimizer steps: 16 micro-batches / 2
+    assert run.lr_scheduler_configs[0].scheduler.get_last_lr() == plain.lr_scheduler_configs[0].scheduler.get_last_lr()
+    chunked = chunked_of(run)
+    expected = reference.state_dict()
+    for name, value in chunked.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert_tight(chunked)
+
+
+def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
+    """With ``gradient_clip_val`` the clipping coefficient comes from a norm computed two ways:
+    torch takes the fp32 norm of the per-parameter norms, chunkmem sums each chunk's squared norm in
+    float64 over the rank's shards. They can differ in the last bit of fp32, and so can every clipped
+    update after that: the losses agree to 1e-6 relative, the weights to 1e-6 absolute (they are of
+    order 0.1-1). The clipped run differs from the unclipped one, so clipping did happen."""
+    unclipped, _ = fit("auto", epochs=1, accumulate_grad_batches=2)
+    reference, _ = fit("auto", epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    module, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    assert reference.losses != pytest.approx(unclipped.losses, rel=1e-3)
+    assert module.losses == pytest.approx(reference.losses, rel=1e-6)
+    expected = reference.state_dict()
+    for name, value in chunked_of(run).state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """One epoch (k = 4 optimizer steps), ``trainer.save_checkpoint``, then a new module, Trainer and
+    strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain
+    Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
+    uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
+    came back."""
+    reference, _ = fit("auto", accumulate_grad_batches=2)
+    first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
+    path = tmp_path / "k.ckpt"
+    run.save_checkpoint(path)
+    assert sorted(p.name for p in path.iterdir() if not p.name.endswith(".json")) == [
+        "model",
+        "optimizer",
+        "trainer.ckpt",
+    ]
+    second, resumed = fit(chunk_strategy(), ckpt_path=path, accumulate_grad_batches=2)
+    assert first.losses + second.losses == reference.losses
+    assert resumed.global_step == STEPS_PER_EPOCH
+    assert_tight(chunked_of(resumed))
+
+
+# --- refusals ----------------------------------------------------------------------------------
+class Manual(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class OwnBackward(Regressor):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward()
+
+
+REFUSED: dict[str, tuple[type[Regressor], dict[str, Any], str]] = {
+    "manual optimization": (Manual, {}, "manual optimization"),
+    "clip by value": (Regressor, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "'value'"),
+    "bf16-true": (Regressor, {"precision": "bf16-true"}, "precision='bf16-true'"),
+    "64-true": (Regressor, {"precision": "64-true"}, "precision='64-true'"),
+    "own backward": (OwnBackward, {}, "OwnBackward.backward overridden"),
+    "sync_batchnorm": (Regressor, {"sync_batchnorm": True}, "sync_batchnorm=True"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_at_start_naming_the_setting(case: str) -> None:
+    """Refused in setup, before any parameter moves into a chunk: the module is left as it was."""
+    module_class, kwargs, named = REFUSED[case]
+    module = module_class()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    run = trainer(ChunkStrategy(chunk_size=CHUNK), 1, **kwargs)
+    with pytest.raises(NotSupportedError, match="refused") as refused:
+        run.fit(module, loader())
+    assert named in str(refused.value)
+    assert module.losses == []
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_several_processes_without_a_launcher_are_refused() -> None:
+    """``devices=2`` with no process group and no torchrun: the strategy launches nothing, so it
+    would otherwise train one rank as if it were the whole job."""
+    run = L.Trainer(strategy=ChunkStrategy(chunk_size=CHUNK), accelerator="cpu", devices=2, max_epochs=1, logger=False)
+    with pytest.raises(NotSupportedError, match=r"devices=2\) refused"):
+        run.fit(Regressor(), loader())
