@@ -195,3 +195,64 @@ def test_several_processes_without_a_launcher_are_refused() -> None:
     run = L.Trainer(strategy=ChunkStrategy(chunk_size=CHUNK), accelerator="cpu", devices=2, max_epochs=1, logger=False)
     with pytest.raises(NotSupportedError, match=r"devices=2\) refused"):
         run.fit(Regressor(), loader())
+
+
+# --- world size 2 -------------------------------------------------------------------------------
+def _fit_on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """On every rank of the pooled gloo group: plain DDP for two epochs; ChunkStrategy for one, a
+    (sharded) checkpoint, and a resume for the second. Both take the ranks from the existing
+    process group and shard the data with Lightning's DistributedSampler."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from chunkmem.integrations.lightning import ProcessGroupEnvironment
+
+    def run(strategy: Any, epochs: int, ckpt_path: Path | None = None) -> tuple[Regressor, L.Trainer]:
+        module = Regressor()
+        run = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world_size,
+            max_epochs=epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accumulate_grad_batches=2,
+        )
+        run.fit(module, loader(), ckpt_path=ckpt_path)
+        return module, run
+
+    ddp, _ = run(DDPStrategy(cluster_environment=ProcessGroupEnvironment()), 2)
+    first, interrupted = run(chunk_strategy(), 1)
+    path = Path(directory) / "k.ckpt"
+    interrupted.save_checkpoint(path)
+    second, resumed = run(chunk_strategy(), 2, path)
+    chunked = chunked_of(resumed)
+    assert_tight(chunked)
+    return {
+        "ddp": ddp.losses,
+        "chunkmem": first.losses + second.losses,
+        "ddp_state": ddp.state_dict(),
+        "state": chunked.state_dict(),
+        "sharded": (path / "model").is_dir() and (path / "optimizer").is_dir(),
+        "steps": resumed.global_step,
+    }
+
+
+@pytest.mark.multirank
+def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """At W=2 each rank's micro-batch losses equal plain DDP's, bit for bit: DDP averages each
+    gradient as a/2 + b/2, chunkmem's reduce-scatter as (a + b)/2, which are the same number in fp32
+    (halving is exact), and the rest is the W=1 arithmetic. The run is interrupted after one epoch by a
+    sharded checkpoint (every rank writes its own pieces) and resumed from it."""
+    from distributed import run_ranks
+
+    results = run_ranks(_fit_on_ranks, world_size=2, args=(str(tmp_path),))
+    for result in results:
+        assert len(result["ddp"]) == STEPS_PER_EPOCH  # 4 micro-batches per rank and epoch
+        assert result["chunkmem"] == result["ddp"]
+        assert result["sharded"]
+        assert result["steps"] == STEPS_PER_EPOCH // 2
+        for name, value in result["state"].items():
+            assert torch.equal(value, result["ddp_state"][name]), name
+    assert results[0]["ddp"] != results[1]["ddp"]  # the ranks saw different data
