@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from chunkmem import ChunkedModel, NotSupportedError
@@ -37,12 +38,17 @@ class Regressor(L.LightningModule):
             torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
         )
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_losses.append(torch.nn.functional.mse_loss(self.net(x), y).item())
 
     def configure_optimizers(self) -> Any:
         matrices = [p for p in self.parameters() if p.ndim == 2]
@@ -54,30 +60,37 @@ class Regressor(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(STEPS_PER_EPOCH * 8, 16, generator=g)
+def loader(seed: int = 1, batches: int = STEPS_PER_EPOCH) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * 8, 16, generator=g)
     return DataLoader(TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(len(x), 1, generator=g)), batch_size=8)
 
 
 def trainer(strategy: Any, epochs: int, **kwargs: Any) -> L.Trainer:
+    kwargs.setdefault("num_sanity_val_steps", 2)
+    kwargs.setdefault("enable_checkpointing", False)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         **kwargs,
     )
 
 
-def fit(strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[Regressor, L.Trainer]:
+def validation_loader() -> DataLoader:
+    return loader(seed=2, batches=2)
+
+
+def fit(
+    strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, validate: bool = False, **kwargs: Any
+) -> tuple[Regressor, L.Trainer]:
     module = Regressor()
     run = trainer(strategy, epochs, **kwargs)
-    run.fit(module, loader(), ckpt_path=ckpt_path)
+    run.fit(module, loader(), validation_loader() if validate else None, ckpt_path=ckpt_path)
     return module, run
 
 
@@ -101,11 +114,16 @@ def assert_tight(model: ChunkedModel) -> None:
 def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedule() -> None:
     """fp32 at world size 1 is the same arithmetic on each side (the gradients land in chunk buffers
     and AdamW updates flat pieces of the same values, elementwise): every loss and every final
-    weight is equal, bit for bit."""
-    reference, plain = fit("auto", accumulate_grad_batches=2)
-    module, run = fit(chunk_strategy(), accumulate_grad_batches=2)
+    weight is equal, bit for bit; so are the validation losses (the sanity check, every epoch's
+    validation, and ``trainer.validate`` after fit, which uses the model fit boosted)."""
+    reference, plain = fit("auto", validate=True, accumulate_grad_batches=2)
+    module, run = fit(chunk_strategy(), validate=True, accumulate_grad_batches=2)
     assert len(reference.losses) == 2 * STEPS_PER_EPOCH
     assert module.losses == reference.losses
+    plain.validate(reference, validation_loader(), verbose=False)
+    run.validate(module, validation_loader(), verbose=False)
+    assert len(reference.val_losses) == 4 * 2  # sanity check, two epochs, validate
+    assert module.val_losses == reference.val_losses
     assert run.global_step == plain.global_step == STEPS_PER_EPOCH  # optimizer steps: 16 micro-batches / 2
     assert run.lr_scheduler_configs[0].scheduler.get_last_lr() == plain.lr_scheduler_configs[0].scheduler.get_last_lr()
     chunked = chunked_of(run)
@@ -132,12 +150,17 @@ def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
 
 
 def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
-    """One epoch (k = 4 optimizer steps), ``trainer.save_checkpoint``, then a new module, Trainer and
-    strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain
-    Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
-    uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
-    came back."""
+    """Two epochs with ``ModelCheckpoint`` (it keeps the latest checkpoint: the first epoch's, after
+    k = 4 optimizer steps, is written, then removed when the second is), and one epoch and
+    ``trainer.save_checkpoint``, from which a new module, Trainer and strategy resume with
+    ``ckpt_path=`` for the second epoch: the losses are those of plain Lightning's uninterrupted two
+    epochs, bit for bit (the previous test shows chunkmem's uninterrupted run is), so the weights,
+    AdamW's states, the step count and the LR schedule all came back."""
     reference, _ = fit("auto", accumulate_grad_batches=2)
+    kept = ModelCheckpoint(dirpath=tmp_path / "kept")
+    full, _ = fit(chunk_strategy(), accumulate_grad_batches=2, enable_checkpointing=True, callbacks=[kept])
+    assert full.losses == reference.losses
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [f"epoch=1-step={STEPS_PER_EPOCH}.ckpt"]
     first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
     path = tmp_path / "k.ckpt"
     run.save_checkpoint(path)
@@ -256,3 +279,23 @@ def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) 
         for name, value in result["state"].items():
             assert torch.equal(value, result["ddp_state"][name]), name
     assert results[0]["ddp"] != results[1]["ddp"]  # the ranks saw different data
+
+
+def test_a_second_fit_of_a_boosted_module_is_refused() -> None:
+    """Its parameters live in chunks: ``configure_optimizers`` would build an optimizer over
+    placeholders. The refusal comes before any step, so the losses of the first fit stay as they were."""
+    module, run = fit(chunk_strategy(), epochs=1)
+    steps = len(module.losses)
+    with pytest.raises(NotSupportedError, match=r"second trainer\.fit"):
+        run.fit(module, loader())
+    assert len(module.losses) == steps
+
+
+def test_bf16_mixed_computes_in_bf16_within_tolerance_of_fp32() -> None:
+    """``Trainer(precision="bf16-mixed")`` is chunkmem's bf16 compute (fp32 masters): every loss is a
+    bf16 number, within 5% of plain fp32 Lightning's over 8 steps (bf16 keeps 8 bits of mantissa)."""
+    reference, _ = fit("auto", epochs=1)
+    module, _ = fit(chunk_strategy(), epochs=1, precision="bf16-mixed")
+    assert all(torch.tensor(loss).bfloat16().item() == loss for loss in module.losses)
+    assert not all(torch.tensor(loss).bfloat16().item() == loss for loss in reference.losses)
+    assert module.losses == pytest.approx(reference.losses, rel=5e-2)
