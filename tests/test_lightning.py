@@ -111,13 +111,23 @@ def assert_tight(model: ChunkedModel) -> None:
     assert stats.peak_device_bytes <= BUDGET
 
 
-def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedule() -> None:
+def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedule(tmp_path: Path) -> None:
     """fp32 at world size 1 is the same arithmetic on each side (the gradients land in chunk buffers
     and AdamW updates flat pieces of the same values, elementwise): every loss and every final
     weight is equal, bit for bit; so are the validation losses (the sanity check, every epoch's
-    validation, and ``trainer.validate`` after fit, which uses the model fit boosted)."""
+    validation, and ``trainer.validate`` after fit, which uses the model fit boosted).
+    ``ModelCheckpoint`` keeps the latest checkpoint: the first epoch's is written, then removed when
+    the second is."""
     reference, plain = fit("auto", validate=True, accumulate_grad_batches=2)
-    module, run = fit(chunk_strategy(), validate=True, accumulate_grad_batches=2)
+    module, run = fit(
+        chunk_strategy(),
+        validate=True,
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path)],
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [f"epoch=1-step={STEPS_PER_EPOCH}.ckpt"]
+    assert (tmp_path / f"epoch=1-step={STEPS_PER_EPOCH}.ckpt" / "trainer.ckpt").is_file()
     assert len(reference.losses) == 2 * STEPS_PER_EPOCH
     assert module.losses == reference.losses
     plain.validate(reference, validation_loader(), verbose=False)
@@ -150,17 +160,12 @@ def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
 
 
 def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
-    """Two epochs with ``ModelCheckpoint`` (it keeps the latest checkpoint: the first epoch's, after
-    k = 4 optimizer steps, is written, then removed when the second is), and one epoch and
-    ``trainer.save_checkpoint``, from which a new module, Trainer and strategy resume with
-    ``ckpt_path=`` for the second epoch: the losses are those of plain Lightning's uninterrupted two
-    epochs, bit for bit (the previous test shows chunkmem's uninterrupted run is), so the weights,
-    AdamW's states, the step count and the LR schedule all came back."""
+    """One epoch (k = 4 optimizer steps), ``trainer.save_checkpoint``, then a new module, Trainer and
+    strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain
+    Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
+    uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
+    came back."""
     reference, _ = fit("auto", accumulate_grad_batches=2)
-    kept = ModelCheckpoint(dirpath=tmp_path / "kept")
-    full, _ = fit(chunk_strategy(), accumulate_grad_batches=2, enable_checkpointing=True, callbacks=[kept])
-    assert full.losses == reference.losses
-    assert [p.name for p in (tmp_path / "kept").iterdir()] == [f"epoch=1-step={STEPS_PER_EPOCH}.ckpt"]
     first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
     path = tmp_path / "k.ckpt"
     run.save_checkpoint(path)
