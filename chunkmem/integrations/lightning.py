@@ -42,6 +42,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
 from ..booster import Booster
+from ..comm import Communicator
 from ..device import compute_device
 from ..errors import CheckpointError, NotSupportedError
 from ..loss_scale import LossScaleConfig
@@ -110,7 +111,19 @@ class ChunkStrategy(ParallelStrategy):
     # --- where and how many ---------------------------------------------------------------------
     @property
     def root_device(self) -> torch.device:
-        return compute_device()
+        """The Trainer's device for this rank (``accelerator=`` / ``devices=``), where chunkmem
+        computes: on a GPU machine ``accelerator="cpu"`` computes on the CPU, as plain Lightning does."""
+        devices = self.parallel_devices
+        if not devices:
+            return compute_device()
+        if devices[0].type == "cpu":
+            return torch.device("cpu")
+        if self.local_rank >= len(devices):
+            raise NotSupportedError(
+                f"local rank {self.local_rank} has no device among Trainer(devices=...)'s {len(devices)}: give "
+                "Trainer(devices=<processes per node>)"
+            )
+        return devices[self.local_rank]
 
     @property
     def is_distributed(self) -> bool:
@@ -170,6 +183,8 @@ class ChunkStrategy(ParallelStrategy):
                 chunk_size=settings.chunk_size,
                 loss_scale=settings.loss_scale,
                 check_plans=settings.check_plans,
+                # The Trainer's device, over the default process group when there is one.
+                process_group=Communicator(None, self.root_device, check_plans=settings.check_plans),
                 gradient_accumulation=trainer.accumulate_grad_batches > 1,
                 host_step=settings.host_step,
                 disk_dir=settings.disk_dir,
