@@ -164,7 +164,7 @@ def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path
     strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain
     Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
     uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
-    came back."""
+    came back. A weights-only checkpoint of the result validates like plain Lightning's model."""
     reference, _ = fit("auto", accumulate_grad_batches=2)
     first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
     path = tmp_path / "k.ckpt"
@@ -178,6 +178,14 @@ def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path
     assert first.losses + second.losses == reference.losses
     assert resumed.global_step == STEPS_PER_EPOCH
     assert_tight(chunked_of(resumed))
+    # A weights-only checkpoint holds no optimizer; a fresh module and strategy validate from it.
+    weights = tmp_path / "weights.ckpt"
+    resumed.save_checkpoint(weights, weights_only=True)
+    assert sorted(p.name for p in weights.iterdir() if not p.name.endswith(".json")) == ["model", "trainer.ckpt"]
+    fresh = Regressor()
+    trainer(chunk_strategy(), 1).validate(fresh, validation_loader(), ckpt_path=weights, verbose=False)
+    trainer("auto", 1).validate(reference, validation_loader(), verbose=False)
+    assert fresh.val_losses == reference.val_losses
 
 
 # --- refusals ----------------------------------------------------------------------------------
