@@ -140,13 +140,17 @@ def test_the_packages_import_each_other_without_cycles() -> None:
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
 
 
-def test_importing_chunkmem_does_not_load_dcp() -> None:
-    """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import."""
-    code = "import sys, chunkmem; print('torch.distributed.checkpoint' in sys.modules)"
+def test_importing_chunkmem_does_not_load_dcp_or_trainers() -> None:
+    """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import;
+    the trainer integrations' trainers (optional extras) load only with their own module."""
+    code = (
+        "import sys, chunkmem, chunkmem.integrations; "
+        "print([m for m in ('torch.distributed.checkpoint', 'lightning', 'pytorch_lightning') if m in sys.modules])"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", "importing chunkmem loaded torch.distributed.checkpoint"
+    assert result.stdout.strip() == "[]", f"importing chunkmem loaded {result.stdout.strip()}"
 
 
 # The optimizer side's layers, lowest first: a module of ``chunkmem.optim`` imports only modules of

@@ -1,0 +1,314 @@
+"""``ChunkStrategy`` (chunkmem.integrations.lightning) against plain Lightning on the CPU: the same
+``LightningModule`` and data trained by ``Trainer(strategy="auto")`` and by
+``Trainer(strategy=ChunkStrategy(...))`` under a device budget below what the model needs, with
+gradient accumulation, an LR schedule, norm clipping, a checkpoint and a resume; and what the
+strategy refuses at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from chunkmem import ChunkedModel, NotSupportedError
+from chunkmem.integrations.lightning import ChunkStrategy
+from placement import AutoPlacementConfig
+
+# The model below holds 1633 fp32 parameters: with gradients and AdamW's two states everything
+# takes about 26 KB; 12 000 bytes is just above the largest single-op working set, so chunks are
+# evicted and gathered again during every step.
+BUDGET = 12_000
+CHUNK = 400
+STEPS_PER_EPOCH = 8
+
+
+class Regressor(L.LightningModule):
+    """Three linear layers, AdamW with two param groups and a per-step LR schedule; records the
+    loss of every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_losses.append(torch.nn.functional.mse_loss(self.net(x), y).item())
+
+    def configure_optimizers(self) -> Any:
+        matrices = [p for p in self.parameters() if p.ndim == 2]
+        vectors = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=2e-2
+        )
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def loader(seed: int = 1, batches: int = STEPS_PER_EPOCH) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * 8, 16, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(len(x), 1, generator=g)), batch_size=8)
+
+
+def trainer(strategy: Any, epochs: int, **kwargs: Any) -> L.Trainer:
+    kwargs.setdefault("num_sanity_val_steps", 2)
+    kwargs.setdefault("enable_checkpointing", False)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def validation_loader() -> DataLoader:
+    return loader(seed=2, batches=2)
+
+
+def fit(
+    strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, validate: bool = False, **kwargs: Any
+) -> tuple[Regressor, L.Trainer]:
+    module = Regressor()
+    run = trainer(strategy, epochs, **kwargs)
+    run.fit(module, loader(), validation_loader() if validate else None, ckpt_path=ckpt_path)
+    return module, run
+
+
+def chunk_strategy() -> ChunkStrategy:
+    return ChunkStrategy(placement=AutoPlacementConfig(device_budget=BUDGET), chunk_size=CHUNK)
+
+
+def chunked_of(run: L.Trainer) -> ChunkedModel:
+    model = run.strategy.model
+    assert isinstance(model, ChunkedModel)
+    return model
+
+
+def assert_tight(model: ChunkedModel) -> None:
+    stats = model.stats()
+    assert len(model.manager.chunks) >= 3
+    assert stats.evictions > 0, "the budget evicted nothing: it is not tight"
+    assert stats.peak_device_bytes <= BUDGET
+
+
+def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedule(tmp_path: Path) -> None:
+    """fp32 at world size 1 is the same arithmetic on each side (the gradients land in chunk buffers
+    and AdamW updates flat pieces of the same values, elementwise): every loss and every final
+    weight is equal, bit for bit; so are the validation losses (the sanity check, every epoch's
+    validation, and ``trainer.validate`` after fit, which uses the model fit boosted).
+    ``ModelCheckpoint`` keeps the latest checkpoint: the first epoch's is written, then removed when
+    the second is."""
+    reference, plain = fit("auto", validate=True, accumulate_grad_batches=2)
+    module, run = fit(
+        chunk_strategy(),
+        validate=True,
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path)],
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [f"epoch=1-step={STEPS_PER_EPOCH}.ckpt"]
+    assert (tmp_path / f"epoch=1-step={STEPS_PER_EPOCH}.ckpt" / "trainer.ckpt").is_file()
+    assert len(reference.losses) == 2 * STEPS_PER_EPOCH
+    assert module.losses == reference.losses
+    plain.validate(reference, validation_loader(), verbose=False)
+    run.validate(module, validation_loader(), verbose=False)
+    assert len(reference.val_losses) == 4 * 2  # sanity check, two epochs, validate
+    assert module.val_losses == reference.val_losses
+    assert run.global_step == plain.global_step == STEPS_PER_EPOCH  # optimizer steps: 16 micro-batches / 2
+    assert run.lr_scheduler_configs[0].scheduler.get_last_lr() == plain.lr_scheduler_configs[0].scheduler.get_last_lr()
+    chunked = chunked_of(run)
+    expected = reference.state_dict()
+    for name, value in chunked.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert_tight(chunked)
+
+
+def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
+    """With ``gradient_clip_val`` the clipping coefficient comes from a norm computed two ways:
+    torch takes the fp32 norm of the per-parameter norms, chunkmem sums each chunk's squared norm in
+    float64 over the rank's shards. They can differ in the last bit of fp32, and so can every clipped
+    update after that: the losses agree to 1e-6 relative, the weights to 1e-6 absolute (they are of
+    order 0.1-1). The clipped run differs from the unclipped one, so clipping did happen."""
+    unclipped, _ = fit("auto", epochs=1, accumulate_grad_batches=2)
+    reference, _ = fit("auto", epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    module, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
+    assert reference.losses != pytest.approx(unclipped.losses, rel=1e-3)
+    assert module.losses == pytest.approx(reference.losses, rel=1e-6)
+    expected = reference.state_dict()
+    for name, value in chunked_of(run).state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """One epoch (k = 4 optimizer steps), ``trainer.save_checkpoint``, then a new module, Trainer and
+    strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain
+    Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
+    uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
+    came back. A weights-only checkpoint of the result validates like plain Lightning's model."""
+    reference, _ = fit("auto", accumulate_grad_batches=2)
+    first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
+    path = tmp_path / "k.ckpt"
+    run.save_checkpoint(path)
+    assert sorted(p.name for p in path.iterdir() if not p.name.endswith(".json")) == [
+        "model",
+        "optimizer",
+        "trainer.ckpt",
+    ]
+    second, resumed = fit(chunk_strategy(), ckpt_path=path, accumulate_grad_batches=2)
+    assert first.losses + second.losses == reference.losses
+    assert resumed.global_step == STEPS_PER_EPOCH
+    assert_tight(chunked_of(resumed))
+    # A weights-only checkpoint holds no optimizer; a fresh module and strategy validate from it.
+    weights = tmp_path / "weights.ckpt"
+    resumed.save_checkpoint(weights, weights_only=True)
+    assert sorted(p.name for p in weights.iterdir() if not p.name.endswith(".json")) == ["model", "trainer.ckpt"]
+    fresh = Regressor()
+    trainer(chunk_strategy(), 1).validate(fresh, validation_loader(), ckpt_path=weights, verbose=False)
+    trainer("auto", 1).validate(reference, validation_loader(), verbose=False)
+    assert fresh.val_losses == reference.val_losses
+
+
+# --- refusals ----------------------------------------------------------------------------------
+class Manual(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class OwnBackward(Regressor):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward()
+
+
+REFUSED: dict[str, tuple[type[Regressor], dict[str, Any], str]] = {
+    "manual optimization": (Manual, {}, "manual optimization"),
+    "clip by value": (Regressor, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "'value'"),
+    "bf16-true": (Regressor, {"precision": "bf16-true"}, "precision='bf16-true'"),
+    "64-true": (Regressor, {"precision": "64-true"}, "precision='64-true'"),
+    "own backward": (OwnBackward, {}, "OwnBackward.backward overridden"),
+    "sync_batchnorm": (Regressor, {"sync_batchnorm": True}, "sync_batchnorm=True"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_at_start_naming_the_setting(case: str) -> None:
+    """Refused in setup, before any parameter moves into a chunk: the module is left as it was."""
+    module_class, kwargs, named = REFUSED[case]
+    module = module_class()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    run = trainer(ChunkStrategy(chunk_size=CHUNK), 1, **kwargs)
+    with pytest.raises(NotSupportedError, match="refused") as refused:
+        run.fit(module, loader())
+    assert named in str(refused.value)
+    assert module.losses == []
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_several_processes_without_a_launcher_are_refused() -> None:
+    """``devices=2`` with no process group and no torchrun: the strategy launches nothing, so it
+    would otherwise train one rank as if it were the whole job."""
+    run = L.Trainer(strategy=ChunkStrategy(chunk_size=CHUNK), accelerator="cpu", devices=2, max_epochs=1, logger=False)
+    with pytest.raises(NotSupportedError, match=r"devices=2\) refused"):
+        run.fit(Regressor(), loader())
+
+
+# --- world size 2 -------------------------------------------------------------------------------
+def _fit_on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """On every rank of the pooled gloo group: plain DDP for two epochs; ChunkStrategy for one, a
+    (sharded) checkpoint, and a resume for the second. Both take the ranks from the existing
+    process group and shard the data with Lightning's DistributedSampler."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from chunkmem.integrations.lightning import ProcessGroupEnvironment
+
+    def run(strategy: Any, epochs: int, ckpt_path: Path | None = None) -> tuple[Regressor, L.Trainer]:
+        module = Regressor()
+        run = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world_size,
+            max_epochs=epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accumulate_grad_batches=2,
+        )
+        run.fit(module, loader(), ckpt_path=ckpt_path)
+        return module, run
+
+    ddp, _ = run(DDPStrategy(cluster_environment=ProcessGroupEnvironment()), 2)
+    first, interrupted = run(chunk_strategy(), 1)
+    path = Path(directory) / "k.ckpt"
+    interrupted.save_checkpoint(path)
+    second, resumed = run(chunk_strategy(), 2, path)
+    chunked = chunked_of(resumed)
+    assert_tight(chunked)
+    return {
+        "ddp": ddp.losses,
+        "chunkmem": first.losses + second.losses,
+        "ddp_state": ddp.state_dict(),
+        "state": chunked.state_dict(),
+        "sharded": (path / "model").is_dir() and (path / "optimizer").is_dir(),
+        "steps": resumed.global_step,
+    }
+
+
+@pytest.mark.multirank
+def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """At W=2 each rank's micro-batch losses equal plain DDP's, bit for bit: DDP averages each
+    gradient as a/2 + b/2, chunkmem's reduce-scatter as (a + b)/2, which are the same number in fp32
+    (halving is exact), and the rest is the W=1 arithmetic. The run is interrupted after one epoch by a
+    sharded checkpoint (every rank writes its own pieces) and resumed from it."""
+    from distributed import run_ranks
+
+    results = run_ranks(_fit_on_ranks, world_size=2, args=(str(tmp_path),))
+    for result in results:
+        assert len(result["ddp"]) == STEPS_PER_EPOCH  # 4 micro-batches per rank and epoch
+        assert result["chunkmem"] == result["ddp"]
+        assert result["sharded"]
+        assert result["steps"] == STEPS_PER_EPOCH // 2
+        for name, value in result["state"].items():
+            assert torch.equal(value, result["ddp_state"][name]), name
+    assert results[0]["ddp"] != results[1]["ddp"]  # the ranks saw different data
+
+
+def test_a_second_fit_of_a_boosted_module_is_refused() -> None:
+    """Its parameters live in chunks: ``configure_optimizers`` would build an optimizer over
+    placeholders. The refusal comes before any step, so the losses of the first fit stay as they were."""
+    module, run = fit(chunk_strategy(), epochs=1)
+    steps = len(module.losses)
+    with pytest.raises(NotSupportedError, match=r"second trainer\.fit"):
+        run.fit(module, loader())
+    assert len(module.losses) == steps
+
+
+def test_bf16_mixed_computes_in_bf16_within_tolerance_of_fp32() -> None:
+    """``Trainer(precision="bf16-mixed")`` is chunkmem's bf16 compute (fp32 masters): every loss is a
+    bf16 number, within 5% of plain fp32 Lightning's over 8 steps (bf16 keeps 8 bits of mantissa)."""
+    reference, _ = fit("auto", epochs=1)
+    module, _ = fit(chunk_strategy(), epochs=1, precision="bf16-mixed")
+    assert all(torch.tensor(loss).bfloat16().item() == loss for loss in module.losses)
+    assert not all(torch.tensor(loss).bfloat16().item() == loss for loss in reference.losses)
+    assert module.losses == pytest.approx(reference.losses, rel=5e-2)
