@@ -45,11 +45,11 @@ from ..booster import Booster
 from ..comm import Communicator
 from ..device import compute_device
 from ..errors import CheckpointError, NotSupportedError
-from ..loss_scale import LossScaleConfig
 from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
+from ..optim.loss_scale import LossScaleConfig
+from ..optim.step_config import StepAfterBackward, StepDuringBackward
 from ..plugin import ChunkPlugin
-from ..step_config import StepAfterBackward, StepDuringBackward
 from .lightning_parts import ChunkPrecision, ProcessGroupEnvironment, chunk_precision, value_clipping_refused
 
 __all__ = ["ChunkStrategy", "ProcessGroupEnvironment"]
