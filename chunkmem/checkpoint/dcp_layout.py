@@ -48,7 +48,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -58,11 +57,14 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..comm import Communicator
 from ..errors import NotSupportedError
@@ -311,19 +313,32 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def dcp_save(
-    comm: Communicator, directory: Path, entries: Mapping[str, SaveEntry], what: str
-) -> tuple[Metadata, list[str]]:
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, keeping the names of the files this rank wrote. The metadata ``save``
+    returns does not say (its ``storage_data`` is None at world size 1 on torch 2.9-2.12); each
+    rank's own write results do, on every release."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self.written: set[str] = set()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        def record(done: Future[list[WriteResult]]) -> list[WriteResult]:
+            results = done.value()
+            self.written.update(result.storage_data.relative_path for result in results)
+            return results
+
+        return super().write_data(plan, planner).then(record)
+
+
+def dcp_save(comm: Communicator, directory: Path, entries: Mapping[str, SaveEntry], what: str) -> list[str]:
     """Write ``entries`` (this rank's) into ``directory`` (a collective over the model's ranks).
-    Returns DCP's metadata (the same on every rank) and the names of the files this rank wrote."""
+    Returns the names of the files this rank wrote."""
     no_dist = _no_dist(comm, what)
-    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, overwrite=False)
-    planner = PieceSavePlanner(entries)
+    writer = _RecordingWriter(directory)
     with _quiet():
-        metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist)
-    storage = metadata.storage_data or {}
-    mine = sorted({storage[item.index].relative_path for item in planner.plan.items})
-    return metadata, mine
+        dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(entries), no_dist=no_dist)
+    return sorted(writer.written)
 
 
 def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str) -> None:

@@ -92,12 +92,6 @@ def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseExcept
 
 
 # --- saving -----------------------------------------------------------------------------------
-@dataclass
-class _Written:
-    metadata: Metadata
-    digests: dict[str, FileDigest]
-
-
 def save_directory(
     comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, SaveEntry]]
 ) -> None:
@@ -134,21 +128,20 @@ def save_directory(
 
         agree(comm, f"{what} (preparing)", ready, CheckpointWriteError, subject)
 
-        def write() -> _Written | None:
+        def write() -> dict[str, FileDigest] | None:
             done = _through_dcp(
                 lambda: dcp_save(comm, shared, entries, what), comm.rank, lambda e: _write_error(target, e)
             )
             if done is None:
                 return None
-            metadata, mine = done
             try:
-                return _Written(metadata, {name: digest_of(shared / name) for name in mine})
+                return {name: digest_of(shared / name) for name in done}
             except OSError as error:
                 raise _write_error(target, error) from error
 
         written = agree(comm, f"{what} (writing)", write, CheckpointWriteError, subject)
         assert written is not None, "a rank that saw another rank fail raised in the agreement"
-        everyone: list[dict[str, FileDigest]] = comm.all_gather_object(written.digests)
+        everyone: list[dict[str, FileDigest]] = comm.all_gather_object(written)
 
         def finish() -> None:
             assert workspace is not None, "rank 0 created the workspace"
@@ -157,7 +150,7 @@ def save_directory(
                 files.update(digests)
             try:
                 files[DCP_METADATA] = digest_of(shared / DCP_METADATA)
-                referenced = {info.relative_path for info in (written.metadata.storage_data or {}).values()}
+                referenced = {info.relative_path for info in (read_metadata(shared).storage_data or {}).values()}
                 for name in sorted(referenced | set(files)):
                     path = shared / name
                     if name not in files or not path.is_file() or path.stat().st_size != files[name].size:
