@@ -159,10 +159,12 @@ def test_the_packages_import_each_other_without_cycles() -> None:
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
 
 
-def test_importing_chunkmem_does_not_load_dcp() -> None:
-    """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import."""
-    code = "import sys, chunkmem; print('torch.distributed.checkpoint' in sys.modules)"
+def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries() -> None:
+    """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import;
+    ``transformers`` and ``accelerate`` only with ``chunkmem.integrations.hf`` (the ``hf`` extra)."""
+    lazy = ("torch.distributed.checkpoint", "transformers", "accelerate")
+    code = f"import sys, chunkmem; print([name for name in {lazy!r} if name in sys.modules])"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", "importing chunkmem loaded torch.distributed.checkpoint"
+    assert result.stdout.strip() == "[]", f"importing chunkmem loaded {result.stdout.strip()}"

@@ -1,0 +1,191 @@
+"""``transformers.Trainer`` under chunkmem (``chunkmem.integrations.hf.ChunkTrainer``).
+
+The reference is plain ``Trainer`` with the same ``TrainingArguments`` on the same model and data:
+the logged losses and learning rates of every step must be equal bit for bit (the same kernels
+run on the same values: chunkmem's fp32 masters step with the same AdamW, gradient accumulation
+adds micro-batch gradients as ``.grad`` does). The logged gradient norm is computed another way
+(chunkmem takes each shard's norm over rows of 4096 values and adds them in float64, torch stacks
+per-tensor norms in fp32), so it is compared within 1e-6 relative; AdamW is invariant to the
+clipping factor's last bit up to its eps, which is why the losses still agree exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+from models import VOCAB, gpt2
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+from chunkmem import ChunkPlugin, NotSupportedError
+from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+from placement import AutoPlacementConfig
+
+# Below the model's ~470 KiB of fp32 chunk data: chunks are evicted and gathered again every step.
+BUDGET = 200_000
+NORM_RTOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """Tiny models on a shared 2-core machine: several threads per op cost 10x more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def plugin(budget: int = BUDGET) -> ChunkPlugin:
+    return ChunkPlugin(placement=AutoPlacementConfig(device_budget=budget), chunk_size=8192, precision="fp32")
+
+
+def dataset(n: int = 16, seq: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, VOCAB, (seq,), generator=g) for _ in range(n)]
+    return [{"input_ids": ids, "labels": ids} for ids in rows]
+
+
+def training_args(output_dir: Path, **overrides: Any) -> TrainingArguments:
+    """Accumulation, clipping, warmup then linear decay, a log line per step."""
+    settings: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "weight_decay": 0.1,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 1,
+        "max_grad_norm": 0.5,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
+    """The per-step log lines (loss, grad_norm, learning_rate) of the steps after ``after`` (a
+    resumed trainer's history starts with the checkpoint's)."""
+    return [
+        {key: line[key] for key in ("loss", "grad_norm", "learning_rate")}
+        for line in trainer.state.log_history
+        if "loss" in line and line["step"] > after
+    ]
+
+
+def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
+    assert len(actual) == len(expected) > 0
+    assert [line["loss"] for line in actual] == [line["loss"] for line in expected]
+    assert [line["learning_rate"] for line in actual] == [line["learning_rate"] for line in expected]
+    for got, want in zip(actual, expected, strict=True):
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=NORM_RTOL), (got, want)
+
+
+@pytest.mark.parametrize(
+    "overrides, budget",
+    [
+        pytest.param({}, BUDGET, id="accumulate-clip-schedule"),
+        # Recomputation runs forward ops inside backward ones: both need their chunks at once.
+        pytest.param({"gradient_checkpointing": True}, 300_000, id="gradient-checkpointing"),
+    ],
+)
+def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int) -> None:
+    data = dataset()
+    plain = Trainer(model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data)
+    plain.train()
+    chunked = ChunkTrainer(
+        model=gpt2(), args=training_args(tmp_path / "chunked", **overrides), train_dataset=data, plugin=plugin(budget)
+    )
+    result = chunked.train()
+
+    assert_same_training(logged(chunked), logged(plain))
+    assert result.training_loss == plain.state.log_history[-1]["train_loss"]
+    stats = chunked.model.stats()
+    assert stats.optimizer_steps == 3
+    assert stats.peak_device_bytes <= budget
+    assert stats.evictions > 0, "the budget must be tight enough to move chunks"
+
+
+def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
+    """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
+    uninterrupted run's later steps exactly; ``save_model`` writes what ``from_pretrained`` loads."""
+    data = dataset()
+    full = ChunkTrainer(
+        model=gpt2(),
+        args=training_args(tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        plugin=plugin(),
+    )
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    for name in ("model.pt", "optimizer.pt", "scheduler.pt"):
+        assert (checkpoint / CHECKPOINT_DIR / name).is_file(), name
+    assert (checkpoint / "trainer_state.json").is_file()
+
+    # Other initial weights: everything the later steps depend on must come from the checkpoint.
+    resumed = ChunkTrainer(
+        model=gpt2(seed=7),
+        args=training_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        plugin=plugin(),
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected = logged(full, after=2)
+    assert len(expected) == 2
+    assert [line["loss"] for line in logged(resumed, after=2)] == [line["loss"] for line in expected]
+    assert logged(resumed, after=2) == expected  # the same arithmetic from the same state: norms too
+
+    export = tmp_path / "export"
+    full.save_model(str(export))
+    loaded = GPT2LMHeadModel.from_pretrained(export)
+    state = full.model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert set(state) <= set(loaded.state_dict())
+
+
+REFUSED = [
+    ({"torch_compile": True}, "torch_compile"),
+    ({"fsdp": "full_shard"}, "fsdp"),
+    ({"fp16": True}, "fp16"),
+    ({"bf16": True}, "bf16"),
+    ({"bf16_full_eval": True}, "bf16_full_eval"),
+    ({"use_liger_kernel": True}, "use_liger_kernel"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}, "load_best_model_at_end"),
+    ({"save_on_each_node": True}, "save_on_each_node"),
+    ({"optim": "adafactor"}, "optim"),
+]
+
+
+@pytest.mark.parametrize("overrides, field", REFUSED, ids=[field for _, field in REFUSED])
+def test_refused_at_start(tmp_path: Path, overrides: dict[str, Any], field: str) -> None:
+    model = gpt2(n_layer=1, n_embd=32)
+    with pytest.raises(NotSupportedError, match=rf"TrainingArguments\.{field}=") as error:
+        ChunkTrainer(model=model, args=training_args(tmp_path, **overrides), train_dataset=dataset(4), plugin=plugin())
+    assert "not supported under chunkmem" in str(error.value)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
+
+
+def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
+    args = training_args(tmp_path)
+    args.deepspeed = {"zero_optimization": {"stage": 3}}  # building it so needs deepspeed installed
+    with pytest.raises(NotSupportedError, match=r"TrainingArguments\.deepspeed="):
+        ChunkTrainer(model=gpt2(n_layer=1, n_embd=32), args=args, train_dataset=dataset(4), plugin=plugin())
+    with pytest.raises(NotSupportedError, match=r"model_init=\.\.\.\) is not supported"):
+        ChunkTrainer(
+            model_init=lambda: gpt2(n_layer=1, n_embd=32),
+            args=training_args(tmp_path),
+            train_dataset=dataset(4),
+            plugin=plugin(),
+        )
