@@ -19,6 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("accelerate")
+from distributed import run_ranks
 from models import VOCAB, gpt2
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -189,3 +190,64 @@ def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
             train_dataset=dataset(4),
             plugin=plugin(),
         )
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """On each rank: plain Trainer (DDP over gloo), ChunkTrainer for four steps saving at step
+    2 (sharded), and a ChunkTrainer resumed from that checkpoint."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    # What torchrun sets; Trainer (through Accelerate) joins the process group that exists.
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "2"}
+    )
+    out = Path(root)
+    data = dataset(n=32)
+    saving = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "ddp_backend": "gloo"}
+    try:
+        plain = Trainer(model=gpt2(), args=training_args(out / "plain", **saving), train_dataset=data)
+        plain.train()
+        full = ChunkTrainer(
+            model=gpt2(), args=training_args(out / "full", **saving), train_dataset=data, plugin=plugin()
+        )
+        full.train()
+        stats = full.model.stats()
+        resumed = ChunkTrainer(
+            model=gpt2(seed=7), args=training_args(out / "resumed", **saving), train_dataset=data, plugin=plugin()
+        )
+        resumed.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
+        return {
+            "world_size": plain.args.world_size,
+            "plain": logged(plain),
+            "full": logged(full),
+            "resumed": logged(resumed, after=2),
+            "checkpoint": sorted(os.listdir(out / "full" / "checkpoint-2" / CHECKPOINT_DIR)),
+            "reduce_scatter_bytes": stats.reduce_scatter_bytes,
+            "optimizer_steps": stats.optimizer_steps,
+            "peak_device_bytes": stats.peak_device_bytes,
+            "chunk_bytes": sum(chunk.capacity for chunk in full.model.manager.chunks) * 4,
+        }
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.multirank
+def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None:
+    """W=2 (gloo): ChunkTrainer's losses equal plain Trainer's with DDP bit for bit (DDP adds the
+    ranks' gradients halved, chunkmem halves their sum: both exact for a power of two); micro-batches
+    accumulate under no_sync (each chunk reduced once per optimizer step, as DDP's no_sync
+    all-reduces once); the sharded checkpoint of step 2 resumes to the same steps 3 and 4."""
+    results = run_ranks(_two_ranks, 2, args=(str(tmp_path),))
+    for rank, result in enumerate(results):
+        assert result["world_size"] == 2, "Trainer must see both ranks"
+        assert_same_training(result["full"], result["plain"])
+        assert result["resumed"] == result["full"][2:]
+        assert result["checkpoint"] == ["model", "optimizer", "scheduler.pt", "scheduler.pt.chunkmem.json"]
+        assert result["optimizer_steps"] == 4
+        assert result["reduce_scatter_bytes"] == 4 * result["chunk_bytes"], (
+            f"rank {rank}: reduced more than once a step"
+        )
+        assert result["peak_device_bytes"] <= BUDGET
