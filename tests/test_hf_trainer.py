@@ -101,15 +101,25 @@ def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str
     ],
 )
 def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int) -> None:
-    data = dataset()
-    plain = Trainer(model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data)
+    data, held_out = dataset(), dataset(n=4, seed=2)
+    overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
+    plain = Trainer(
+        model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
+    )
     plain.train()
     chunked = ChunkTrainer(
-        model=gpt2(), args=training_args(tmp_path / "chunked", **overrides), train_dataset=data, plugin=plugin(budget)
+        model=gpt2(),
+        args=training_args(tmp_path / "chunked", **overrides),
+        train_dataset=data,
+        eval_dataset=held_out,
+        plugin=plugin(budget),
     )
     result = chunked.train()
 
     assert_same_training(logged(chunked), logged(plain))
+    evaluated = [line["eval_loss"] for line in chunked.state.log_history if "eval_loss" in line]
+    assert len(evaluated) >= 1
+    assert evaluated == [line["eval_loss"] for line in plain.state.log_history if "eval_loss" in line]
     assert result.training_loss == plain.state.log_history[-1]["train_loss"]
     stats = chunked.model.stats()
     assert stats.optimizer_steps == 3
