@@ -1,12 +1,16 @@
 """``transformers.Trainer`` under chunkmem (``chunkmem.integrations.hf.ChunkTrainer``).
 
-The reference is plain ``Trainer`` with the same ``TrainingArguments`` on the same model and data:
-the logged losses and learning rates of every step must be equal bit for bit (the same kernels
-run on the same values: chunkmem's fp32 masters step with the same AdamW, gradient accumulation
-adds micro-batch gradients as ``.grad`` does). The logged gradient norm is computed another way
-(chunkmem takes each shard's norm over rows of 4096 values and adds them in float64, torch stacks
-per-tensor norms in fp32), so it is compared within 1e-6 relative; AdamW is invariant to the
-clipping factor's last bit up to its eps, which is why the losses still agree exactly.
+The reference is plain ``Trainer`` with the same ``TrainingArguments`` on the same model and data.
+Where the arithmetic is the same, the logged losses and learning rates of every step are equal bit
+for bit: chunkmem's fp32 masters step with the same AdamW, micro-batch gradients are added as
+``.grad`` adds them, and at two ranks DDP's halved gradients summed equal chunkmem's sum halved.
+The gradient norm is computed another way (chunkmem takes each shard's norm over rows of 4096
+values and adds them in float64, torch stacks per-tensor norms in fp32), so the logged norm is
+compared within 1e-6 relative. It is the same arithmetic while the norm is below
+``max_grad_norm`` (``max_grad_norm=0`` computes it without clipping): the factor is then exactly
+1. Once clipping acts, the factor ``max_norm / (norm + 1e-6)`` inherits the norm's last-bit
+difference, and AdamW's update, invariant to a gradient's scale but for its ``eps``, passes
+some of it on: losses then agree within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from placement import AutoPlacementConfig
 
 # Below the model's ~470 KiB of fp32 chunk data: chunks are evicted and gathered again every step.
 BUDGET = 200_000
-NORM_RTOL = 1e-6
+RTOL = 1e-6  # the gradient norm's last bits, and the losses' once clipping acts (module docstring)
 
 
 @pytest.fixture(autouse=True)
@@ -84,23 +88,29 @@ def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
     ]
 
 
-def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
+def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str, float]], exact: bool) -> None:
+    """The same learning rates; the same losses, bit for bit where ``exact``; norms within RTOL."""
     assert len(actual) == len(expected) > 0
-    assert [line["loss"] for line in actual] == [line["loss"] for line in expected]
     assert [line["learning_rate"] for line in actual] == [line["learning_rate"] for line in expected]
+    if exact:
+        assert [line["loss"] for line in actual] == [line["loss"] for line in expected]
     for got, want in zip(actual, expected, strict=True):
-        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=NORM_RTOL), (got, want)
+        assert math.isclose(got["loss"], want["loss"], rel_tol=RTOL), (got, want)
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=RTOL), (got, want)
 
 
 @pytest.mark.parametrize(
-    "overrides, budget",
+    "overrides, budget, exact",
     [
-        pytest.param({}, BUDGET, id="accumulate-clip-schedule"),
+        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule"),
         # Recomputation runs forward ops inside backward ones: both need their chunks at once.
-        pytest.param({"gradient_checkpointing": True}, 300_000, id="gradient-checkpointing"),
+        # No clipping: the same arithmetic, so the same losses bit for bit.
+        pytest.param(
+            {"gradient_checkpointing": True, "max_grad_norm": 0.0}, 300_000, True, id="gradient-checkpointing-exact"
+        ),
     ],
 )
-def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int) -> None:
+def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int, exact: bool) -> None:
     data, held_out = dataset(), dataset(n=4, seed=2)
     overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
     plain = Trainer(
@@ -116,11 +126,13 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     )
     result = chunked.train()
 
-    assert_same_training(logged(chunked), logged(plain))
+    assert_same_training(logged(chunked), logged(plain), exact)
     evaluated = [line["eval_loss"] for line in chunked.state.log_history if "eval_loss" in line]
-    assert len(evaluated) >= 1
-    assert evaluated == [line["eval_loss"] for line in plain.state.log_history if "eval_loss" in line]
-    assert result.training_loss == plain.state.log_history[-1]["train_loss"]
+    reference = [line["eval_loss"] for line in plain.state.log_history if "eval_loss" in line]
+    assert len(evaluated) == len(reference) >= 1
+    for got, want in zip(evaluated, reference, strict=True):
+        assert math.isclose(got, want, rel_tol=0 if exact else RTOL), (evaluated, reference)
+    assert math.isclose(result.training_loss, plain.state.log_history[-1]["train_loss"], rel_tol=0 if exact else RTOL)
     stats = chunked.model.stats()
     assert stats.optimizer_steps == 3
     assert stats.peak_device_bytes <= budget
@@ -216,7 +228,8 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     )
     out = Path(root)
     data = dataset(n=32)
-    saving = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "ddp_backend": "gloo"}
+    # No clipping (the norm is still computed over both ranks and logged): the same arithmetic.
+    saving = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "ddp_backend": "gloo", "max_grad_norm": 0.0}
     try:
         plain = Trainer(model=gpt2(), args=training_args(out / "plain", **saving), train_dataset=data)
         plain.train()
@@ -253,7 +266,7 @@ def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path),))
     for rank, result in enumerate(results):
         assert result["world_size"] == 2, "Trainer must see both ranks"
-        assert_same_training(result["full"], result["plain"])
+        assert_same_training(result["full"], result["plain"], exact=True)
         assert result["resumed"] == result["full"][2:]
         assert result["checkpoint"] == ["model", "optimizer", "scheduler.pt", "scheduler.pt.chunkmem.json"]
         assert result["optimizer_steps"] == 4
