@@ -12,6 +12,7 @@ so chunks move to and from host memory every step; the log is the same as plain 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -67,33 +68,38 @@ def arguments(output_dir: str) -> TrainingArguments:
 
 def main() -> None:
     torch.set_num_threads(1)  # tiny matmuls: more threads cost more than they save
-    with tempfile.TemporaryDirectory() as root:
-        start = time.perf_counter()
-        plain = Trainer(model=model(), args=arguments(f"{root}/plain"), train_dataset=data())
-        plain.train()
-        plain_seconds = time.perf_counter() - start
+    # Every rank must write to the same directories: one name per run (torchrun's id, else this process).
+    run = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+    root = os.path.join(tempfile.gettempdir(), f"chunkmem-hf-example-{run}")
+    start = time.perf_counter()
+    plain = Trainer(model=model(), args=arguments(f"{root}/plain"), train_dataset=data())
+    plain.train()
+    plain_seconds = time.perf_counter() - start
 
-        start = time.perf_counter()
-        plugin = ChunkPlugin(placement=AutoPlacementConfig(device_budget="512KiB"), chunk_size=16384)
-        trainer = ChunkTrainer(model=model(), args=arguments(f"{root}/chunkmem"), train_dataset=data(), plugin=plugin)
-        trainer.train()
-        trainer.save_model(f"{root}/final")  # a save_pretrained directory
-        chunk_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    plugin = ChunkPlugin(placement=AutoPlacementConfig(device_budget="512KiB"), chunk_size=16384)
+    trainer = ChunkTrainer(model=model(), args=arguments(f"{root}/chunkmem"), train_dataset=data(), plugin=plugin)
+    trainer.train()
+    trainer.save_model(f"{root}/final")  # a save_pretrained directory (every rank calls it; rank 0 writes)
+    chunk_seconds = time.perf_counter() - start
 
+    stats = trainer.model.stats()
+    if trainer.is_world_process_zero():
         reloaded = AutoModelForCausalLM.from_pretrained(f"{root}/final")
-        stats = trainer.model.stats()
-        if trainer.is_world_process_zero():
-            print("step  plain Trainer loss  ChunkTrainer loss")
-            logs = zip(plain.state.log_history, trainer.state.log_history, strict=True)
-            for reference, ours in ((a, b) for a, b in logs if "loss" in a):
-                print(f"{reference['step']:>4}  {reference['loss']:>18.6f}  {ours['loss']:>17.6f}")
-            print(
-                f"model data {sum(p.numel() for p in reloaded.parameters()) * 4 / 1024:.0f} KiB fp32, "
-                f"device budget 512 KiB, peak {stats.peak_device_bytes / 1024:.0f} KiB, "
-                f"{stats.evictions} evictions, {stats.h2d_bytes / 2**20:.1f} MiB host-to-device"
-            )
-            print(f"checkpoints: {sorted(os.listdir(f'{root}/chunkmem'))}")
-            print(f"plain Trainer {plain_seconds:.1f} s, ChunkTrainer {chunk_seconds:.1f} s (with its save)")
+        print("step  plain Trainer loss  ChunkTrainer loss")
+        logs = zip(plain.state.log_history, trainer.state.log_history, strict=True)
+        for reference, ours in ((a, b) for a, b in logs if "loss" in a):
+            print(f"{reference['step']:>4}  {reference['loss']:>18.6f}  {ours['loss']:>17.6f}")
+        print(
+            f"model {sum(p.numel() for p in reloaded.parameters()) * 4 / 1024:.0f} KiB fp32, "
+            f"device budget 512 KiB, peak {stats.peak_device_bytes / 1024:.0f} KiB, "
+            f"{stats.evictions} evictions, {stats.h2d_bytes / 2**20:.1f} MiB host-to-device (rank 0)"
+        )
+        print(f"checkpoints: {sorted(os.listdir(f'{root}/chunkmem'))}")
+        print(f"plain Trainer {plain_seconds:.1f} s, ChunkTrainer {chunk_seconds:.1f} s (with its save)")
+    trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():
+        shutil.rmtree(root)
 
 
 if __name__ == "__main__":
