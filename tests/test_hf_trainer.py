@@ -349,3 +349,21 @@ def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
     loaded = dict(adapted.named_parameters())
     for name in lora_names:
         assert torch.equal(loaded[name], state[name]), name
+
+
+def test_a_trainers_own_accelerator_class_keeps_its_methods() -> None:
+    """A trainer whose Accelerator is a subclass gets chunkmem's routing on top of that subclass."""
+    from accelerate import Accelerator
+
+    from chunkmem.integrations.hf_accelerator import ChunkAccelerator, routed_to_chunkmem
+
+    class Own(Accelerator):
+        def gather_for_metrics(self, *args: Any, **kwargs: Any) -> str:
+            return "own"
+
+    routed = routed_to_chunkmem(Own)
+    assert issubclass(routed, ChunkAccelerator) and issubclass(routed, Own)
+    assert routed.gather_for_metrics is Own.gather_for_metrics
+    assert routed.clip_grad_norm_ is ChunkAccelerator.clip_grad_norm_
+    assert routed_to_chunkmem(Accelerator) is ChunkAccelerator
+    assert routed_to_chunkmem(routed) is routed

@@ -25,7 +25,7 @@ from ..errors import NotSupportedError
 from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
 from ..plugin import ChunkPlugin
-from .hf_accelerator import ChunkAccelerator
+from .hf_accelerator import routed_to_chunkmem
 from .hf_refusals import refuse_unsupported
 
 __all__ = ["CHECKPOINT_DIR", "ChunkTrainer", "ChunkTrainerMixin"]
@@ -62,7 +62,7 @@ class ChunkTrainerMixin:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         # Trainer builds its Accelerator in one place from many arguments; the same object, with
         # the calls on the model and optimizer routed to chunkmem (ChunkAccelerator adds no state).
-        self.accelerator.__class__ = ChunkAccelerator
+        self.accelerator.__class__ = routed_to_chunkmem(type(self.accelerator))
 
     # --- checkpoints --------------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ these calls needs nothing here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +24,7 @@ from ..errors import NotSupportedError
 from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
 
-__all__ = ["ChunkAccelerator", "chunk_optimizer_of"]
+__all__ = ["ChunkAccelerator", "chunk_optimizer_of", "routed_to_chunkmem"]
 
 
 def chunk_optimizer_of(optimizer: Any) -> ChunkOptimizer | None:
@@ -107,3 +108,14 @@ class ChunkAccelerator(Accelerator):
         raise NotSupportedError(
             "clip_grad_value_ is not supported under chunkmem (gradients live sharded in chunks); clip by norm"
         )
+
+
+@functools.cache
+def routed_to_chunkmem(accelerator_class: type[Accelerator]) -> type[ChunkAccelerator]:
+    """``ChunkAccelerator`` over ``accelerator_class``: itself for Accelerate's own class, else a
+    subclass of both, so that a trainer's own Accelerator subclass keeps what it adds."""
+    if issubclass(accelerator_class, ChunkAccelerator):
+        return accelerator_class
+    if accelerator_class is Accelerator:
+        return ChunkAccelerator
+    return type(f"Chunk{accelerator_class.__name__}", (ChunkAccelerator, accelerator_class), {})
