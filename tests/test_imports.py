@@ -140,13 +140,11 @@ def test_the_packages_import_each_other_without_cycles() -> None:
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
 
 
-def test_importing_chunkmem_does_not_load_dcp_or_trainers() -> None:
+def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries() -> None:
     """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import;
-    the trainer integrations' trainers (optional extras) load only with their own module."""
-    code = (
-        "import sys, chunkmem, chunkmem.integrations; "
-        "print([m for m in ('torch.distributed.checkpoint', 'lightning', 'pytorch_lightning') if m in sys.modules])"
-    )
+    the trainer libraries (optional extras) only with their integration's own module."""
+    lazy = ("torch.distributed.checkpoint", "transformers", "accelerate", "lightning", "pytorch_lightning")
+    code = f"import sys, chunkmem, chunkmem.integrations; print([name for name in {lazy!r} if name in sys.modules])"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

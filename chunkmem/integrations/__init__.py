@@ -1,3 +1,4 @@
 """Doors from the trainers people already use into chunkmem. Each submodule imports its trainer
-(an optional extra: ``pip install chunkmem[lightning]``) when it is imported itself; importing
-``chunkmem`` or this package imports none of them."""
+library when it is imported itself (``chunkmem.integrations.hf`` imports ``transformers`` and
+``accelerate``, ``chunkmem.integrations.lightning`` imports ``lightning``: the ``hf`` and
+``lightning`` extras); importing ``chunkmem`` or this package imports none of them."""

@@ -1,0 +1,128 @@
+"""Hugging Face ``Trainer`` under chunkmem.
+
+``ChunkTrainer(model=..., args=TrainingArguments(...), plugin=ChunkPlugin(...))`` trains as
+``Trainer`` does with the user's ``TrainingArguments``: the model and the optimizer Trainer builds
+(or the ``optimizers=`` given) are boosted when the trainer is built; Trainer's own loop runs, with
+``ChunkAccelerator`` routing backward, ``no_sync`` (gradient accumulation), gradient clipping and
+``prepare`` to chunkmem. Checkpoints (``save_steps``) are chunkmem's, inside Trainer's
+``checkpoint-N`` directories, sharded at world size > 1; ``save_model`` writes a plain
+``save_pretrained`` directory. What cannot be honoured is refused when the trainer is built
+(``hf_refusals``). ``ChunkTrainerMixin`` puts the same in front of a Trainer subclass.
+
+Importing this module imports ``transformers`` and ``accelerate`` (``import chunkmem`` does not).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..booster import Booster
+from ..errors import NotSupportedError
+from ..model import ChunkedModel
+from ..optim import ChunkOptimizer
+from ..plugin import ChunkPlugin
+from .hf_accelerator import routed_to_chunkmem
+from .hf_refusals import refuse_unsupported
+
+__all__ = ["CHECKPOINT_DIR", "ChunkTrainer", "ChunkTrainerMixin"]
+
+# chunkmem's checkpoint inside Trainer's checkpoint-N directory.
+CHECKPOINT_DIR = "chunkmem"
+
+
+class ChunkTrainerMixin:
+    """Put in front of ``transformers.Trainer`` or a subclass of it:
+    ``class MyTrainer(ChunkTrainerMixin, SomeTrainer)``; build it with ``plugin=ChunkPlugin(...)``."""
+
+    def __init__(self, *args: Any, plugin: ChunkPlugin, **kwargs: Any) -> None:
+        if not isinstance(plugin, ChunkPlugin):
+            raise TypeError(f"plugin must be a ChunkPlugin, got {type(plugin).__name__}")
+        self.booster = Booster(plugin)
+        # Refused before Trainer builds anything (its accelerator would set up DeepSpeed or FSDP).
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        refuse_unsupported(given, plugin, kwargs.get("model_init"))
+        super().__init__(*args, **kwargs)
+        # Trainer keeps the dataset columns that the model's forward names; the boosted model's
+        # forward takes (*args, **kwargs), so read them from the module before boosting.
+        self._set_signature_columns_if_needed()
+        # Trainer's own optimizer (its param groups, weight decay, optim choice) or the one given.
+        optimizer = self.create_optimizer()
+        model, boosted, *_ = self.booster.boost(self.model, optimizer)
+        assert isinstance(boosted, ChunkOptimizer), "boost returns an optimizer when given one"
+        self.model = self.model_wrapped = model
+        self.optimizer = boosted
+        self._chunk_optimizer = boosted
+
+    # --- the accelerator ------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        # Trainer builds its Accelerator in one place from many arguments; the same object, with
+        # the calls on the model and optimizer routed to chunkmem (ChunkAccelerator adds no state).
+        self.accelerator.__class__ = routed_to_chunkmem(type(self.accelerator))
+
+    # --- checkpoints --------------------------------------------------------------------------
+    @property
+    def _sharded(self) -> bool:
+        return self._chunk_optimizer.communicator.world_size > 1
+
+    def _checkpoint_paths(self, directory: str) -> tuple[str, str, str]:
+        base = os.path.join(directory, CHECKPOINT_DIR)
+        suffix = "" if self._sharded else ".pt"
+        return (
+            os.path.join(base, f"model{suffix}"),
+            os.path.join(base, f"optimizer{suffix}"),
+            os.path.join(base, "scheduler.pt"),
+        )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Outside training: a plain ``save_pretrained`` directory (rank 0 writes the full fp32
+        weights; ``from_pretrained`` loads it). Inside a checkpoint (``_internal_call``): chunkmem's
+        model checkpoint, sharded at world size > 1, and the model's config. Every rank calls it."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self.model
+        assert isinstance(model, ChunkedModel), "ChunkTrainer boosts its model when it is built"
+        if _internal_call:
+            model_path, _, _ = self._checkpoint_paths(output_dir)
+            self.booster.save_model(model, model_path, shard=self._sharded)
+            if self.args.should_save and hasattr(model.module, "config"):
+                model.module.config.save_pretrained(output_dir)
+            return
+        model.save_pretrained(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        _, optimizer_path, scheduler_path = self._checkpoint_paths(output_dir)
+        self.booster.save_optimizer(self._chunk_optimizer, optimizer_path, shard=self._sharded)
+        self.booster.save_lr_scheduler(self.lr_scheduler, scheduler_path, self._chunk_optimizer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        model_path, _, _ = self._checkpoint_paths(resume_from_checkpoint)
+        if not os.path.exists(model_path):
+            raise NotSupportedError(
+                f"{resume_from_checkpoint} holds no chunkmem checkpoint ({model_path} is missing): ChunkTrainer "
+                "resumes from the checkpoint-N directories it saved itself. To start from a plain model's "
+                "weights, load them with from_pretrained before building the trainer"
+            )
+        self.booster.load_model(self.model, model_path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        _, optimizer_path, scheduler_path = self._checkpoint_paths(checkpoint)
+        if not os.path.exists(optimizer_path):  # save_only_model: weights alone, as Trainer resumes then
+            return
+        self.booster.load_optimizer(self._chunk_optimizer, optimizer_path)
+        self.booster.load_lr_scheduler(self.lr_scheduler, scheduler_path, self._chunk_optimizer)
+
+
+class ChunkTrainer(ChunkTrainerMixin, Trainer):
+    """``transformers.Trainer`` under chunkmem: ``ChunkTrainer(model=..., args=..., plugin=ChunkPlugin(...))``."""

@@ -1,0 +1,369 @@
+"""``transformers.Trainer`` under chunkmem (``chunkmem.integrations.hf.ChunkTrainer``).
+
+The reference is plain ``Trainer`` with the same ``TrainingArguments`` on the same model and data.
+Where the arithmetic is the same, the logged losses and learning rates of every step are equal bit
+for bit: chunkmem's fp32 masters step with the same AdamW, micro-batch gradients are added as
+``.grad`` adds them, and at two ranks DDP's halved gradients summed equal chunkmem's sum halved.
+The gradient norm is computed another way (chunkmem takes each shard's norm over rows of 4096
+values and adds them in float64, torch stacks per-tensor norms in fp32), so the logged norm is
+compared within 1e-6 relative. It is the same arithmetic while the norm is below
+``max_grad_norm`` (``max_grad_norm=0`` computes it without clipping): the factor is then exactly
+1. Once clipping acts, the factor ``max_norm / (norm + 1e-6)`` inherits the norm's last-bit
+difference, and AdamW's update, invariant to a gradient's scale but for its ``eps``, passes
+some of it on: losses then agree within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+from distributed import run_ranks
+from models import VOCAB, gpt2, llama
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+from chunkmem import ChunkPlugin, NotSupportedError
+from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+from placement import AutoPlacementConfig
+
+# Below the model's ~470 KiB of fp32 chunk data: chunks are evicted and gathered again every step.
+BUDGET = 200_000
+RTOL = 1e-6  # the gradient norm's last bits, and the losses' once clipping acts (module docstring)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """Tiny models on a shared 2-core machine: several threads per op cost 10x more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def plugin(budget: int = BUDGET) -> ChunkPlugin:
+    return ChunkPlugin(placement=AutoPlacementConfig(device_budget=budget), chunk_size=8192, precision="fp32")
+
+
+def dataset(n: int = 16, seq: int = 16, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, VOCAB, (seq,), generator=g) for _ in range(n)]
+    return [{"input_ids": ids, "labels": ids} for ids in rows]
+
+
+def training_args(output_dir: Path, **overrides: Any) -> TrainingArguments:
+    """Accumulation, clipping, warmup then linear decay, a log line per step."""
+    settings: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "weight_decay": 0.1,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 1,
+        "max_grad_norm": 0.5,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
+    """The per-step log lines (loss, grad_norm, learning_rate) of the steps after ``after`` (a
+    resumed trainer's history starts with the checkpoint's)."""
+    return [
+        {key: line[key] for key in ("loss", "grad_norm", "learning_rate")}
+        for line in trainer.state.log_history
+        if "loss" in line and line["step"] > after
+    ]
+
+
+def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str, float]], exact: bool) -> None:
+    """The same learning rates; the same losses, bit for bit where ``exact``; norms within RTOL."""
+    assert len(actual) == len(expected) > 0
+    assert [line["learning_rate"] for line in actual] == [line["learning_rate"] for line in expected]
+    if exact:
+        assert [line["loss"] for line in actual] == [line["loss"] for line in expected]
+    for got, want in zip(actual, expected, strict=True):
+        assert math.isclose(got["loss"], want["loss"], rel_tol=RTOL), (got, want)
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=RTOL), (got, want)
+
+
+@pytest.mark.parametrize(
+    "overrides, budget, exact",
+    [
+        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule"),
+        # Recomputation runs forward ops inside backward ones: both need their chunks at once.
+        # No clipping: the same arithmetic, so the same losses bit for bit.
+        pytest.param(
+            {"gradient_checkpointing": True, "max_grad_norm": 0.0}, 300_000, True, id="gradient-checkpointing-exact"
+        ),
+    ],
+)
+def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int, exact: bool) -> None:
+    data, held_out = dataset(), dataset(n=4, seed=2)
+    overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
+    plain = Trainer(
+        model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
+    )
+    plain.train()
+    chunked = ChunkTrainer(
+        model=gpt2(),
+        args=training_args(tmp_path / "chunked", **overrides),
+        train_dataset=data,
+        eval_dataset=held_out,
+        plugin=plugin(budget),
+    )
+    result = chunked.train()
+
+    assert_same_training(logged(chunked), logged(plain), exact)
+    evaluated = [line["eval_loss"] for line in chunked.state.log_history if "eval_loss" in line]
+    reference = [line["eval_loss"] for line in plain.state.log_history if "eval_loss" in line]
+    assert len(evaluated) == len(reference) >= 1
+    for got, want in zip(evaluated, reference, strict=True):
+        assert math.isclose(got, want, rel_tol=0 if exact else RTOL), (evaluated, reference)
+    assert math.isclose(result.training_loss, plain.state.log_history[-1]["train_loss"], rel_tol=0 if exact else RTOL)
+    stats = chunked.model.stats()
+    assert stats.optimizer_steps == 3
+    assert stats.peak_device_bytes <= budget
+    assert stats.evictions > 0, "the budget must be tight enough to move chunks"
+
+
+def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
+    """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
+    uninterrupted run's later steps exactly; ``save_model`` writes what ``from_pretrained`` loads."""
+    data = dataset()
+    full = ChunkTrainer(
+        model=gpt2(),
+        args=training_args(tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        plugin=plugin(),
+    )
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    for name in ("model.pt", "optimizer.pt", "scheduler.pt"):
+        assert (checkpoint / CHECKPOINT_DIR / name).is_file(), name
+    assert (checkpoint / "trainer_state.json").is_file()
+
+    # Other initial weights: everything the later steps depend on must come from the checkpoint.
+    resumed = ChunkTrainer(
+        model=gpt2(seed=7),
+        args=training_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        plugin=plugin(),
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected = logged(full, after=2)
+    assert len(expected) == 2
+    assert [line["loss"] for line in logged(resumed, after=2)] == [line["loss"] for line in expected]
+    assert logged(resumed, after=2) == expected  # the same arithmetic from the same state: norms too
+
+    export = tmp_path / "export"
+    full.save_model(str(export))
+    loaded = GPT2LMHeadModel.from_pretrained(export)
+    state = full.model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert set(state) <= set(loaded.state_dict())
+
+
+REFUSED = [
+    ({"torch_compile": True}, "torch_compile"),
+    ({"fsdp": "full_shard"}, "fsdp"),
+    ({"fp16": True}, "fp16"),
+    ({"bf16": True}, "bf16"),
+    ({"bf16_full_eval": True}, "bf16_full_eval"),
+    ({"use_liger_kernel": True}, "use_liger_kernel"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}, "load_best_model_at_end"),
+    ({"save_on_each_node": True}, "save_on_each_node"),
+    ({"optim": "adafactor"}, "optim"),
+]
+
+
+@pytest.mark.parametrize("overrides, field", REFUSED, ids=[field for _, field in REFUSED])
+def test_refused_at_start(tmp_path: Path, overrides: dict[str, Any], field: str) -> None:
+    model = gpt2(n_layer=1, n_embd=32)
+    with pytest.raises(NotSupportedError, match=rf"TrainingArguments\.{field}=") as error:
+        ChunkTrainer(model=model, args=training_args(tmp_path, **overrides), train_dataset=dataset(4), plugin=plugin())
+    assert "not supported under chunkmem" in str(error.value)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
+
+
+def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
+    args = training_args(tmp_path)
+    args.deepspeed = {"zero_optimization": {"stage": 3}}  # building it so needs deepspeed installed
+    with pytest.raises(NotSupportedError, match=r"TrainingArguments\.deepspeed="):
+        ChunkTrainer(model=gpt2(n_layer=1, n_embd=32), args=args, train_dataset=dataset(4), plugin=plugin())
+    with pytest.raises(NotSupportedError, match=r"model_init=\.\.\.\) is not supported"):
+        ChunkTrainer(
+            model_init=lambda: gpt2(n_layer=1, n_embd=32),
+            args=training_args(tmp_path),
+            train_dataset=dataset(4),
+            plugin=plugin(),
+        )
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """On each rank: plain Trainer (DDP over gloo), ChunkTrainer for four steps saving at step
+    2 (sharded), and a ChunkTrainer resumed from that checkpoint."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    # What torchrun sets; Trainer (through Accelerate) joins the process group that exists.
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "2"}
+    )
+    out = Path(root)
+    data = dataset(n=32)
+    # No clipping (the norm is still computed over both ranks and logged): the same arithmetic.
+    saving = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "ddp_backend": "gloo", "max_grad_norm": 0.0}
+    try:
+        plain = Trainer(model=gpt2(), args=training_args(out / "plain", **saving), train_dataset=data)
+        plain.train()
+        full = ChunkTrainer(
+            model=gpt2(), args=training_args(out / "full", **saving), train_dataset=data, plugin=plugin()
+        )
+        full.train()
+        stats = full.model.stats()
+        resumed = ChunkTrainer(
+            model=gpt2(seed=7), args=training_args(out / "resumed", **saving), train_dataset=data, plugin=plugin()
+        )
+        resumed.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
+        return {
+            "world_size": plain.args.world_size,
+            "plain": logged(plain),
+            "full": logged(full),
+            "resumed": logged(resumed, after=2),
+            "checkpoint": sorted(os.listdir(out / "full" / "checkpoint-2" / CHECKPOINT_DIR)),
+            "reduce_scatter_bytes": stats.reduce_scatter_bytes,
+            "optimizer_steps": stats.optimizer_steps,
+            "peak_device_bytes": stats.peak_device_bytes,
+            "chunk_bytes": sum(chunk.capacity for chunk in full.model.manager.chunks) * 4,
+        }
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.multirank
+def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None:
+    """W=2 (gloo): ChunkTrainer's losses equal plain Trainer's with DDP bit for bit (DDP adds the
+    ranks' gradients halved, chunkmem halves their sum: both exact for a power of two); micro-batches
+    accumulate under no_sync (each chunk reduced once per optimizer step, as DDP's no_sync
+    all-reduces once); the sharded checkpoint of step 2 resumes to the same steps 3 and 4."""
+    results = run_ranks(_two_ranks, 2, args=(str(tmp_path),))
+    for rank, result in enumerate(results):
+        assert result["world_size"] == 2, "Trainer must see both ranks"
+        assert_same_training(result["full"], result["plain"], exact=True)
+        assert result["resumed"] == result["full"][2:]
+        assert result["checkpoint"] == ["model", "optimizer", "scheduler.pt", "scheduler.pt.chunkmem.json"]
+        assert result["optimizer_steps"] == 4
+        assert result["reduce_scatter_bytes"] == 4 * result["chunk_bytes"], (
+            f"rank {rank}: reduced more than once a step"
+        )
+        assert result["peak_device_bytes"] <= BUDGET
+
+
+def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
+    """TRL's SFTTrainer with a PEFT LoRA adapter on a tiny LLaMA, through ``ChunkTrainerMixin``,
+    under a device budget below the model: the same losses as plain SFTTrainer, bit for bit (no
+    clipping acting); ``save_model`` writes the adapter, which PEFT loads onto a fresh base."""
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from chunkmem.integrations.hf import ChunkTrainerMixin
+
+    class ChunkSFTTrainer(ChunkTrainerMixin, SFTTrainer):
+        pass
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t0", unk_token="t1")
+    rows = Dataset.from_dict({"input_ids": [row["input_ids"].tolist() for row in dataset()]})
+
+    def config(name: str) -> SFTConfig:
+        return SFTConfig(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=1e-3,
+            max_grad_norm=0.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            bf16=False,  # SFTConfig defaults to bf16; fp32 on both sides here
+        )
+
+    def lora() -> LoraConfig:
+        return LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
+
+    plain = SFTTrainer(
+        model=llama(), args=config("plain"), train_dataset=rows, processing_class=tokenizer, peft_config=lora()
+    )
+    plain.train()
+    # SFTConfig turns on gradient checkpointing: recomputation needs more room than one op.
+    budget = 600_000
+    chunked = ChunkSFTTrainer(
+        model=llama(),
+        args=config("chunked"),
+        train_dataset=rows,
+        processing_class=tokenizer,
+        peft_config=lora(),
+        plugin=plugin(budget),
+    )
+    chunked.train()
+
+    assert_same_training(logged(chunked), logged(plain), exact=True)
+    stats = chunked.model.stats()
+    assert stats.peak_device_bytes <= budget
+    assert stats.evictions > 0
+    chunked.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    adapted = PeftModel.from_pretrained(llama(), tmp_path / "adapter")
+    state = chunked.model.state_dict()
+    lora_names = [name for name in state if "lora_" in name]
+    assert lora_names
+    loaded = dict(adapted.named_parameters())
+    for name in lora_names:
+        assert torch.equal(loaded[name], state[name]), name
+
+
+def test_a_trainers_own_accelerator_class_keeps_its_methods() -> None:
+    """A trainer whose Accelerator is a subclass gets chunkmem's routing on top of that subclass."""
+    from accelerate import Accelerator
+
+    from chunkmem.integrations.hf_accelerator import ChunkAccelerator, routed_to_chunkmem
+
+    class Own(Accelerator):
+        def gather_for_metrics(self, *args: Any, **kwargs: Any) -> str:
+            return "own"
+
+    routed = routed_to_chunkmem(Own)
+    assert issubclass(routed, ChunkAccelerator) and issubclass(routed, Own)
+    assert routed.gather_for_metrics is Own.gather_for_metrics
+    assert routed.clip_grad_norm_ is ChunkAccelerator.clip_grad_norm_
+    assert routed_to_chunkmem(Accelerator) is ChunkAccelerator
+    assert routed_to_chunkmem(routed) is routed
