@@ -60,7 +60,9 @@ _PRELOAD = [
 ]
 
 
-def _context() -> Any:
+def _context(spawn: bool = False) -> Any:
+    if spawn:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -216,9 +218,9 @@ def _start_pool(world_size: int) -> _Ranks:
 
 
 def _start_fresh(
-    world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], pg_timeout: float
+    world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], pg_timeout: float, spawn: bool
 ) -> tuple[_Ranks, int]:
-    ctx = _context()
+    ctx = _context(spawn)
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -244,11 +246,15 @@ def run_ranks(
     timeout: float = 240.0,
     pg_timeout: float | None = None,
     fresh: bool = False,
+    spawn: bool = False,
 ) -> list[Any]:
     """Return ``fn``'s results in rank order; raise ``RankFailure`` naming every failed rank. A
-    ``pg_timeout`` (seconds) of its own implies fresh processes; pooled ranks use 60 s."""
-    if fresh or pg_timeout is not None:
-        ranks, call_id = _start_fresh(world_size, fn, args, pg_timeout or _POOL_PG_TIMEOUT)
+    ``pg_timeout`` (seconds) of its own implies fresh processes; pooled ranks use 60 s. ``spawn``
+    starts fresh ranks as new interpreters that import everything themselves, for a test that
+    compares a whole process's resident set (a forked rank's counts the library pages it touched,
+    not those its server loaded)."""
+    if fresh or pg_timeout is not None or spawn:
+        ranks, call_id = _start_fresh(world_size, fn, args, pg_timeout or _POOL_PG_TIMEOUT, spawn)
     else:
         ranks = _POOLS.get(world_size)
         if ranks is None:

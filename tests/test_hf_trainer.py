@@ -141,7 +141,8 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
 
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
-    uninterrupted run's later steps exactly; ``save_model`` writes what ``from_pretrained`` loads."""
+    uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;
+    ``save_model`` writes what ``from_pretrained`` loads."""
     data = dataset()
     full = ChunkTrainer(
         model=gpt2(),
@@ -158,7 +159,7 @@ def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     # Other initial weights: everything the later steps depend on must come from the checkpoint.
     resumed = ChunkTrainer(
         model=gpt2(seed=7),
-        args=training_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        args=training_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=1),
         train_dataset=data,
         plugin=plugin(),
     )
@@ -167,6 +168,8 @@ def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     assert len(expected) == 2
     assert [line["loss"] for line in logged(resumed, after=2)] == [line["loss"] for line in expected]
     assert logged(resumed, after=2) == expected  # the same arithmetic from the same state: norms too
+    assert [p.name for p in (tmp_path / "resumed").glob("checkpoint-*")] == ["checkpoint-4"]
+    assert (tmp_path / "resumed" / "checkpoint-4" / CHECKPOINT_DIR / "model.pt").is_file()
 
     export = tmp_path / "export"
     full.save_model(str(export))

@@ -65,6 +65,14 @@ def compute_device() -> torch.device:
     return torch.device(_CUDA, index)
 
 
+def collective_backend(device: torch.device) -> str:
+    """The process-group backend for ranks computing on ``device`` (NCCL on NVIDIA GPUs, gloo on
+    the CPU), as torch.distributed maps them."""
+    import torch.distributed as dist
+
+    return dist.get_default_backend_for_device(device)
+
+
 def gpu_device(device: int | str | torch.device | None) -> torch.device:
     """What ``module.cuda(device)`` names: a GPU index, a device, or (``None``) the current GPU."""
     return torch.device(_CUDA, device) if isinstance(device, int) else torch.device(device or _CUDA)

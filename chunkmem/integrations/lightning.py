@@ -43,7 +43,7 @@ from placement import AutoPlacementConfig, StaticPlacementConfig
 
 from ..booster import Booster
 from ..comm import Communicator
-from ..device import compute_device
+from ..device import collective_backend, compute_device
 from ..errors import CheckpointError, NotSupportedError
 from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
@@ -145,7 +145,7 @@ class ChunkStrategy(ParallelStrategy):
         super().setup_environment()
         if self.world_size > 1 and not dist.is_initialized():
             assert environment is not None
-            _init_dist_connection(environment, "nccl" if self.root_device.type == "cuda" else "gloo")
+            _init_dist_connection(environment, collective_backend(self.root_device))
         rank_zero_only.rank = self.global_rank
 
     def model_to_device(self) -> None:
