@@ -68,6 +68,13 @@ def remove_stale_scratch(disk_dir: Path) -> list[Path]:
     return removed
 
 
+def _remove_if_creator(owned: OwnedDir, creator: int) -> None:
+    """A child made by a bare ``os.fork()`` inherits the finalizer and runs it when it leaves
+    normally (atexit): the directory is its parent's, still in use there."""
+    if os.getpid() == creator:
+        owned.remove()
+
+
 class ScratchDir:
     """This process's scratch directory under ``disk_dir``; see the module docstring."""
 
@@ -89,7 +96,7 @@ class ScratchDir:
         except OSError as error:
             raise DiskTierError(f"rank {rank}: cannot create scratch space in disk_dir {parent}: {error}") from error
         self._path = owned.path
-        self._finalizer = weakref.finalize(self, owned.remove)
+        self._finalizer = weakref.finalize(self, _remove_if_creator, owned, os.getpid())
         # A rank started by multiprocessing's fork or forkserver (Lightning's ddp_fork, a
         # start_processes(start_method="fork")) leaves through os._exit, which skips the atexit
         # call of weakref.finalize; multiprocessing runs its own finalizers there. Calling the

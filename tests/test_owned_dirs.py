@@ -128,3 +128,26 @@ def test_fresh_ranks_sharing_a_disk_dir_boost_and_train(tmp_path: Path, launch: 
     results: list[Any] = run_ranks(_fresh_launch, 2, args=(str(shared),), fresh=True)
     assert results[0] == results[1] and torch.isfinite(torch.tensor(results[0]))
     assert _scratch(shared) == [], "the ranks' scratch directories outlived their processes"
+
+
+_FORKED_CHILD = """
+import os, sys
+from chunkmem.disk import ScratchDir
+scratch = ScratchDir(sys.argv[1], 0)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a bare fork's child leaving normally runs the atexit handlers it inherited
+os.waitpid(child, 0)
+print(scratch.path.is_dir())
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_leaving_normally_keeps_its_parents_scratch(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True", "the forked child removed its parent's scratch directory"
+    assert _scratch(tmp_path) == [], "the parent's own exit removes it"
