@@ -3,12 +3,14 @@ everything in host memory and FSDP2 with ``CPUOffloadPolicy``.
 
 Each system trains a LLaMA-shaped model (transformers, fp32, ``AdamW(amsgrad=True)``: 12 bytes of
 optimizer state a parameter) for a few steps at two sizes, each in a fresh process whose peak
-resident set is read from the kernel. The two points give each system's host bytes per parameter
-(the slope) and its working set (the intercept); the largest model per system is what fits in
-``--ram`` at that rate. With ``--verify HIDDENxLAYERS`` chunkmem's disk tier then trains that size
-for real (a model larger than RAM allows otherwise), reporting each step's disk traffic, the
-achieved bandwidth and the peak resident set, beside the disk's sequential bandwidth measured by
-``dd`` in the same run.
+resident set is read from the kernel (forked from a server that only imported torch, transformers
+and chunkmem: it starts in under a second, and its peak is its own, where a subprocess's
+``ru_maxrss`` starts at its parent's size, as fork comes before exec). The two points give each
+system's host bytes per parameter (the slope) and its working set (the intercept); the largest
+model per system is what fits in ``--ram`` at that rate. With ``--verify HIDDENxLAYERS`` chunkmem's
+disk tier then trains that size for real (a model larger than RAM allows otherwise), reporting each
+step's disk traffic, the achieved bandwidth and the peak resident set, beside the disk's sequential
+bandwidth measured by ``dd`` in the same run.
 
     python benchmarks/disk_tier.py                                   # two small sizes a system
     python benchmarks/disk_tier.py --verify 3072x29 --host-budget 15GiB --chunk-size 18883840
@@ -24,8 +26,9 @@ the page cache first, so they can exceed ``dd``'s direct-I/O figure).
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import os
+import queue
 import re
 import resource
 import subprocess
@@ -137,15 +140,39 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "parameters": parameters, "baseline_rss": baseline, "peak_rss": _rss(), "steps": steps}
 
 
+def _trial_process(spec: dict[str, Any], results: Any) -> None:
+    try:
+        results.put(("ok", _trial(spec)))
+    except BaseException as error:  # reported as the row's state; the process then exits
+        results.put(("failed", f"{type(error).__name__}: {error}"))
+
+
 def _run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, __file__, "--trial", json.dumps(spec)], capture_output=True, text=True, timeout=timeout
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {**spec, "state": f"failed: {last[:160]}"}
-    return {**json.loads(lines[-1]), "state": "ok"}
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama", "chunkmem"])
+    results = ctx.Queue()
+    process = ctx.Process(target=_trial_process, args=(spec, results), daemon=True)
+    process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                state, value = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not process.is_alive() and results.empty():
+                    return {**spec, "state": f"failed: exit code {process.exitcode} (killed or out of memory)"}
+                if time.monotonic() > deadline:
+                    return {**spec, "state": f"failed: timeout after {timeout:.0f} s"}
+    finally:
+        if process.is_alive():
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if state != "ok":
+        return {**spec, "state": f"failed: {value[:160]}"}
+    return {**value, "state": "ok"}
 
 
 def _dd(disk_dir: Path, mib: int) -> dict[str, float]:
@@ -185,7 +212,6 @@ def _size(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--sizes", default="512x4,768x8", help="two model sizes, HIDDENxLAYERS,HIDDENxLAYERS")
     parser.add_argument("--vocab", type=int, default=8000)
@@ -202,9 +228,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.trial:
-        print(json.dumps(_trial(json.loads(args.trial))), flush=True)
-        return {}
     import psutil
 
     ram = args.ram or psutil.virtual_memory().total
