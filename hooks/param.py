@@ -133,10 +133,7 @@ class HookedParameter(torch.nn.Parameter):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         leaves, spec = _flatten(args, kwargs)
-        params: list[torch.Tensor] = []
-        for leaf in leaves:
-            if isinstance(leaf, HookedParameter) and not any(leaf is p for p in params):
-                params.append(leaf)
+        params = _hooked_params(leaves)
         calls = hooks_for(params)
         with torch._C.DisableTorchFunctionSubclass():
             if not calls:
@@ -148,21 +145,32 @@ class HookedParameter(torch.nn.Parameter):
             return _run_hooked(func, args, kwargs, leaves, spec, params, tuple(observing), written)
 
 
+# Dynamo's context while it builds a graph (a private name: without it, only is_compiling is asked).
+_TRACING_CONTEXT = getattr(getattr(torch, "_guards", None), "TracingContext", None)
+
+
 def _compiler_tracing() -> bool:
     """A compiler is building a graph. ``is_compiling`` is True only in code Dynamo traces
     symbolically, where a hook's exception becomes a graph break and the op then runs eagerly with
     it False (torch <= 2.12). The metadata Dynamo reads for real while it wraps a parameter (size,
     stride, ``.data``) runs inside its ``TracingContext``: an exception there ends the compile
     wherever it is raised."""
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    if torch.compiler.is_compiling():
+        return True
+    return _TRACING_CONTEXT is not None and _TRACING_CONTEXT.try_get() is not None
 
 
-def _report_tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    leaves, _ = _flatten(args, kwargs)
+def _hooked_params(leaves: list[Any]) -> list[torch.Tensor]:
+    """The hooked parameters among ``leaves``, each once."""
     params: list[torch.Tensor] = []
     for leaf in leaves:
         if isinstance(leaf, HookedParameter) and not any(leaf is p for p in params):
             params.append(leaf)
+    return params
+
+
+def _report_tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    params = _hooked_params(_flatten(args, kwargs)[0])
     with torch._C.DisableTorchFunctionSubclass():
         for hook, seen in hooks_for(params):
             hook.traced_op(seen)
