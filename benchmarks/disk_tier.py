@@ -26,7 +26,6 @@ the page cache first, so they can exceed ``dd``'s direct-I/O figure).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import queue
 import re
@@ -40,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, fmt_bytes, machine, parse_bytes, print_table, pyplot, write_json
+from benchmarks.workers import forked_context
 
 SYSTEMS = ("chunkmem-disk", "chunkmem-ram", "fsdp2-offload")
 
@@ -148,8 +148,7 @@ def _trial_process(spec: dict[str, Any], results: Any) -> None:
 
 
 def _run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama", "chunkmem"])
+    ctx = forked_context()
     results = ctx.Queue()
     process = ctx.Process(target=_trial_process, args=(spec, results), daemon=True)
     process.start()

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["CallFailure", "LocalRanks", "RankContext", "RankPool", "free_port", "init_torch_group"]
+__all__ = ["CallFailure", "LocalRanks", "RankContext", "RankPool", "forked_context", "free_port", "init_torch_group"]
 
 FailureKind = Literal["error", "timeout", "died"]
 
@@ -78,6 +78,18 @@ def init_torch_group(ctx: RankContext, backend: str) -> None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=ctx.device)
     else:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def forked_context() -> Any:
+    """Multiprocessing's ``forkserver`` start, its server preloaded with what every benchmark
+    process imports (one server a process: the first caller's preload list is the one used)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "chunkmem"]
+    )
+    return ctx
 
 
 def free_port() -> int:
@@ -172,11 +184,8 @@ class RankPool:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
-        import torch.multiprocessing as mp
-
         self.world_size = world_size
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers", "chunkmem"])
+        ctx = forked_context()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         full_env = {

@@ -41,14 +41,15 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "forked_context", "free_port", "run_ranks"]
 
 _POOL_PG_TIMEOUT = 60.0
 _HEALTH_TIMEOUT = datetime.timedelta(seconds=20)
 _GRACE = 10.0  # seconds to wait for the other ranks' reports once one rank failed
 
 
-# Imported once in the fork server; a module a rank's call needs beyond these is imported by the rank.
+# Imported once in the fork server (one a process, shared with tests/forked.py); a module a rank's
+# call needs beyond these is imported by the rank.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -57,12 +58,11 @@ _PRELOAD = [
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
     "chunkmem",
+    "chunkmem.checkpoint",
 ]
 
 
-def _context(spawn: bool = False) -> Any:
-    if spawn:
-        return mp.get_context("spawn")
+def forked_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -204,7 +204,7 @@ _POOLS: dict[int, _Ranks] = {}
 
 
 def _start_pool(world_size: int) -> _Ranks:
-    ctx = _context()
+    ctx = forked_context()
     results = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(world_size)]
     port = free_port()
@@ -220,7 +220,7 @@ def _start_pool(world_size: int) -> _Ranks:
 def _start_fresh(
     world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], pg_timeout: float, spawn: bool
 ) -> tuple[_Ranks, int]:
-    ctx = _context(spawn)
+    ctx = mp.get_context("spawn") if spawn else forked_context()
     results = ctx.Queue()
     port = free_port()
     procs = [

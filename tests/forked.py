@@ -13,16 +13,15 @@ through ``os._exit`` (``atexit`` handlers do not run; multiprocessing's finalize
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Finished", "run_script"]
+from distributed import forked_context
 
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "chunkmem", "chunkmem.checkpoint"]
+__all__ = ["Finished", "run_script"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,7 @@ def _main(code: str, argv: list[str], out: str, err: str) -> None:
 
 def run_script(code: str, *argv: str, timeout: float = 120.0) -> Finished:
     """Run ``code`` as ``python -c code *argv`` would, in a forked process; wait for it."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = forked_context()
     with tempfile.TemporaryDirectory() as scratch:
         out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
         process = ctx.Process(target=_main, args=(code, list(argv), str(out), str(err)), daemon=True)
