@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
 import resource
 import subprocess
@@ -39,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, fmt_bytes, machine, parse_bytes, print_table, pyplot, write_json
-from benchmarks.workers import forked_context
+from benchmarks.workers import run_in_fresh_process
 
 SYSTEMS = ("chunkmem-disk", "chunkmem-ram", "fsdp2-offload")
 
@@ -140,35 +139,8 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "parameters": parameters, "baseline_rss": baseline, "peak_rss": _rss(), "steps": steps}
 
 
-def _trial_process(spec: dict[str, Any], results: Any) -> None:
-    try:
-        results.put(("ok", _trial(spec)))
-    except BaseException as error:  # reported as the row's state; the process then exits
-        results.put(("failed", f"{type(error).__name__}: {error}"))
-
-
 def _run_trial(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    ctx = forked_context()
-    results = ctx.Queue()
-    process = ctx.Process(target=_trial_process, args=(spec, results), daemon=True)
-    process.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                state, value = results.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not process.is_alive() and results.empty():
-                    return {**spec, "state": f"failed: exit code {process.exitcode} (killed or out of memory)"}
-                if time.monotonic() > deadline:
-                    return {**spec, "state": f"failed: timeout after {timeout:.0f} s"}
-    finally:
-        if process.is_alive():
-            process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join()
+    state, value = run_in_fresh_process(_trial, spec, timeout)
     if state != "ok":
         return {**spec, "state": f"failed: {value[:160]}"}
     return {**value, "state": "ok"}

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, machine, median, print_table, pyplot, rotated, write_json
+from benchmarks.workers import run_in_fresh_process
 
 SYSTEMS = ("plain", "chunkmem-after", "chunkmem-during", "fsdp2-offload", "deepspeed-offload")
 PHASES = ("forward", "backward", "step")
@@ -199,19 +198,14 @@ def _round(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, __file__, "--round", json.dumps(spec)], capture_output=True, text=True, timeout=spec["timeout"]
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"state": f"failed: {last[:150]}"}
-    return {**json.loads(lines[-1]), "state": "ok"}
+    state, value = run_in_fresh_process(_round, spec, spec["timeout"])
+    if state != "ok":
+        return {"state": f"failed: {value[:150]}"}
+    return {**value, "state": "ok"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--round", help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
     parser.add_argument("--layers", type=int, default=12)
@@ -227,9 +221,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.round:
-        print(json.dumps(_round(json.loads(args.round))), flush=True)
-        return {}
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -32,7 +32,16 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["CallFailure", "LocalRanks", "RankContext", "RankPool", "forked_context", "free_port", "init_torch_group"]
+__all__ = [
+    "CallFailure",
+    "LocalRanks",
+    "RankContext",
+    "RankPool",
+    "forked_context",
+    "free_port",
+    "init_torch_group",
+    "run_in_fresh_process",
+]
 
 FailureKind = Literal["error", "timeout", "died"]
 
@@ -90,6 +99,42 @@ def forked_context() -> Any:
         ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "chunkmem"]
     )
     return ctx
+
+
+def _report(target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], results: Any) -> None:
+    try:
+        results.put(("ok", target(spec)))
+    except BaseException as error:  # reported to the caller; the process then exits
+        results.put(("failed", f"{type(error).__name__}: {error}"))
+
+
+def run_in_fresh_process(
+    target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], timeout: float
+) -> tuple[Literal["ok", "failed"], Any]:
+    """``target(spec)`` in a process of its own, forked from the preloaded server (its peak RSS,
+    threads and process group are its own, and it starts in well under a second, where a fresh
+    interpreter takes seconds to import torch). Returns ``("ok", result)``, or ``("failed",
+    reason)`` when it raised, died (killed, out of memory) or outlived ``timeout`` seconds."""
+    ctx = forked_context()
+    results = ctx.Queue()
+    process = ctx.Process(target=_report, args=(target, spec, results), daemon=True)
+    process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                if not process.is_alive() and results.empty():
+                    return "failed", f"exit code {process.exitcode} (killed or out of memory)"
+                if time.monotonic() > deadline:
+                    return "failed", f"timeout after {timeout:.0f} s"
+    finally:
+        if process.is_alive():
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def free_port() -> int:
