@@ -31,7 +31,13 @@ from .chunk import Chunk
 from .comm import Communicator
 from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
-from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
+from .errors import (
+    AlreadyBoostedError,
+    BudgetTooSmallError,
+    HostBudgetTooSmallError,
+    MaterializeError,
+    NotSupportedError,
+)
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
@@ -207,6 +213,22 @@ class ChunkPlugin:
         other = copy.copy(self)
         other._process_group = process_group
         return other
+
+    def on_device(self, device: torch.device) -> ChunkPlugin:
+        """The same settings computing on ``device`` rather than on the device the plugin would
+        pick (the local GPU where there is one): what a trainer that chose the device itself needs
+        (``TrainingArguments(use_cpu=True)`` on a GPU machine computes on the CPU). A plugin built
+        over a ``Communicator`` on another device is refused: its device was chosen already."""
+        device = torch.device(device)
+        if isinstance(self._process_group, Communicator):
+            if self._process_group.device != device:
+                raise NotSupportedError(
+                    f"the ChunkPlugin's Communicator computes on {self._process_group.device}, but the trainer "
+                    f"computes on {device}: make them agree (build the Communicator on {device}, or pass the process "
+                    "group itself as process_group and let the trainer's device decide)"
+                )
+            return self
+        return self.with_process_group(Communicator(self._process_group, device, check_plans=self.check_plans))
 
     @property
     def compute_dtype(self) -> torch.dtype:
