@@ -93,11 +93,13 @@ def _check_host_budget_on_cpu(
     )
 
 
-def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
+def _default_precision(device: torch.device | None) -> Precision:
     """fp32 on a CPU (16-bit matmuls are emulated there, many times slower), bf16 on a GPU that
-    supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user."""
-    device = process_group.device if isinstance(process_group, Communicator) else None
-    return "bf16" if bf16_supported(device) else "fp32"
+    supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user.
+    ``device`` ``None``: the one the plugin picks."""
+    precision: Precision = "bf16" if bf16_supported(device) else "fp32"
+    log.info("chunkmem: precision=%s (the default for this device)", precision)
+    return precision
 
 
 _HOST_STEP: TypeAdapter[StepAfterBackward | StepDuringBackward] = TypeAdapter(HostStepConfig)
@@ -182,9 +184,10 @@ class ChunkPlugin:
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        # Left unset, the precision follows the device (``on_device`` picks it again for another).
+        self._precision_is_default = precision is None
         if precision is None:
-            precision = _default_precision(process_group)
-            log.info("chunkmem: precision=%s (the default for this device)", precision)
+            precision = _default_precision(process_group.device if isinstance(process_group, Communicator) else None)
         if precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
         if chunk_size is not None and (
@@ -218,7 +221,8 @@ class ChunkPlugin:
         """The same settings computing on ``device`` rather than on the device the plugin would
         pick (the local GPU where there is one): what a trainer that chose the device itself needs
         (``TrainingArguments(use_cpu=True)`` on a GPU machine computes on the CPU). A plugin built
-        over a ``Communicator`` on another device is refused: its device was chosen already."""
+        over a ``Communicator`` on another device is refused: its device was chosen already. A
+        precision left unset is the default for ``device`` (fp32 on the CPU)."""
         device = torch.device(device)
         if isinstance(self._process_group, Communicator):
             if self._process_group.device != device:
@@ -228,7 +232,10 @@ class ChunkPlugin:
                     "group itself as process_group and let the trainer's device decide)"
                 )
             return self
-        return self.with_process_group(Communicator(self._process_group, device, check_plans=self.check_plans))
+        other = self.with_process_group(Communicator(self._process_group, device, check_plans=self.check_plans))
+        if self._precision_is_default:
+            other.precision = _default_precision(device)
+        return other
 
     @property
     def compute_dtype(self) -> torch.dtype:

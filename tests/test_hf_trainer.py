@@ -148,9 +148,15 @@ def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
 ) -> None:
     """``use_cpu=True`` on a GPU machine: Trainer puts the model, each batch and its loss
     accumulator on the CPU, so ChunkTrainer computes there too, not on the GPU the plugin would pick
-    by itself. The machine's own choice is made a device nothing can compute on (``meta``), as a
+    by itself, and in the CPU's default precision (fp32) where the plugin's is left unset, not the
+    GPU's (bf16). The machine's own choice is made a device nothing can compute on (``meta``), as a
     GPU is to this CPU run: training takes it only if ChunkTrainer ignores TrainingArguments."""
     monkeypatch.setattr(chunkmem.plugin, "compute_device", lambda: torch.device("meta"))
+    with monkeypatch.context() as gpu_machine:  # one with bf16, while the plugin is built
+        gpu_machine.setattr(torch.cuda, "is_available", lambda: True)
+        gpu_machine.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        default_precision = ChunkPlugin(placement=AutoPlacementConfig(device_budget=BUDGET), chunk_size=8192)
+    assert default_precision.precision == "bf16", "the default for the GPU the plugin would pick"
     data = dataset(n=4)
     overrides = {"max_steps": 1, "gradient_accumulation_steps": 1}
     plain = Trainer(model=gpt2(n_layer=1), args=training_args(tmp_path / "plain", **overrides), train_dataset=data)
@@ -159,9 +165,10 @@ def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
         model=gpt2(n_layer=1),
         args=training_args(tmp_path / "chunked", **overrides),
         train_dataset=data,
-        plugin=plugin(),
+        plugin=default_precision,
     )
     assert chunked.model.compute_device == chunked.args.device == torch.device("cpu")
+    assert all(chunk.compute_dtype == torch.float32 for chunk in chunked.model.manager.chunks)
     chunked.train()
     assert_same_training(logged(chunked), logged(plain), exact=True)
 
