@@ -31,7 +31,13 @@ from .chunk import Chunk
 from .comm import Communicator
 from .device import bf16_supported, compute_device
 from .disk import DISK_BLOCK, SidesFile
-from .errors import AlreadyBoostedError, BudgetTooSmallError, HostBudgetTooSmallError, MaterializeError
+from .errors import (
+    AlreadyBoostedError,
+    BudgetTooSmallError,
+    HostBudgetTooSmallError,
+    MaterializeError,
+    NotSupportedError,
+)
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
@@ -87,11 +93,13 @@ def _check_host_budget_on_cpu(
     )
 
 
-def _default_precision(process_group: dist.ProcessGroup | Communicator | None) -> Precision:
+def _default_precision(device: torch.device | None) -> Precision:
     """fp32 on a CPU (16-bit matmuls are emulated there, many times slower), bf16 on a GPU that
-    supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user."""
-    device = process_group.device if isinstance(process_group, Communicator) else None
-    return "bf16" if bf16_supported(device) else "fp32"
+    supports it, else fp32: fp16 needs loss scaling, so it is never picked for the user.
+    ``device`` ``None``: the one the plugin picks."""
+    precision: Precision = "bf16" if bf16_supported(device) else "fp32"
+    log.info("chunkmem: precision=%s (the default for this device)", precision)
+    return precision
 
 
 _HOST_STEP: TypeAdapter[StepAfterBackward | StepDuringBackward] = TypeAdapter(HostStepConfig)
@@ -176,9 +184,10 @@ class ChunkPlugin:
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        # Left unset, the precision follows the device (``on_device`` picks it again for another).
+        self._precision_is_default = precision is None
         if precision is None:
-            precision = _default_precision(process_group)
-            log.info("chunkmem: precision=%s (the default for this device)", precision)
+            precision = _default_precision(process_group.device if isinstance(process_group, Communicator) else None)
         if precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {precision!r}")
         if chunk_size is not None and (
@@ -206,6 +215,26 @@ class ChunkPlugin:
         """The same settings over another process group (or communicator)."""
         other = copy.copy(self)
         other._process_group = process_group
+        return other
+
+    def on_device(self, device: torch.device) -> ChunkPlugin:
+        """The same settings computing on ``device`` rather than on the device the plugin would
+        pick (the local GPU where there is one): what a trainer that chose the device itself needs
+        (``TrainingArguments(use_cpu=True)`` on a GPU machine computes on the CPU). A plugin built
+        over a ``Communicator`` on another device is refused: its device was chosen already. A
+        precision left unset is the default for ``device`` (fp32 on the CPU)."""
+        device = torch.device(device)
+        if isinstance(self._process_group, Communicator):
+            if self._process_group.device != device:
+                raise NotSupportedError(
+                    f"the ChunkPlugin's Communicator computes on {self._process_group.device}, but the trainer "
+                    f"computes on {device}: make them agree (build the Communicator on {device}, or pass the process "
+                    "group itself as process_group and let the trainer's device decide)"
+                )
+            return self
+        other = self.with_process_group(Communicator(self._process_group, device, check_plans=self.check_plans))
+        if self._precision_is_default:
+            other.precision = _default_precision(device)
         return other
 
     @property

@@ -1,5 +1,6 @@
-"""GPU paths: side-stream prefetch, pinned host buffers, allocator-based non-model measurement.
-Skipped without a CUDA device (the ``cuda`` marker)."""
+"""GPU paths: side-stream prefetch, allocator-based non-model measurement (pinned host buffers:
+``test_device_layer.py``, on a GPU and on the simulated device). Skipped without a CUDA device (the
+``cuda`` marker)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from models import (
     train_reference,
 )
 
-from chunkmem import Location
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
 pytestmark = pytest.mark.cuda
@@ -71,18 +71,6 @@ def test_prefetch_runs_on_the_side_stream_and_hits() -> None:
     stats = chunked.stats()
     assert stats.prefetches > 0 and stats.prefetch_hits > 0
     assert stats.h2d_bytes > 0
-
-
-def test_host_buffers_are_pinned_and_allocated_once() -> None:
-    chunked, _ = _train_on_gpu(gpt2(), PLACEMENTS["offload-prefetch2"], "bf16", steps=1)
-    chunk = chunked.manager.chunks[0]
-    assert chunk.store.master_location is Location.HOST
-    assert chunk.store.master.is_pinned() and chunk.store.grad.is_pinned()
-    pinned = chunk.store.master.data_ptr()
-    chunk.move_master(Location.DEVICE)
-    assert chunk.store.master.is_cuda
-    chunk.move_master(Location.HOST)
-    assert chunk.store.master.data_ptr() == pinned  # the same pinned buffer, not a new one
 
 
 def test_auto_policy_measures_non_model_data_from_the_allocator() -> None:

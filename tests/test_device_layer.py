@@ -1,16 +1,21 @@
 """The device layer is the only code that knows the accelerator: no ``torch.cuda`` and no
 ``"cuda"`` literal anywhere else in the library, so every stream, event, pinned buffer and
-capacity probe goes through ``chunkmem.device``."""
+capacity probe goes through ``chunkmem.device``; the host buffers it pins are pinned once."""
 
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
+from models import adamw_two_groups, batches, boost, gpt2, lm_loss
 
+from chunkmem import Location
 from chunkmem.device import AcceleratorLayer, DeviceLayer, device_layer
+from chunkmem.device.simulated import simulated_device
+from placement import StaticPlacementConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("chunkmem", "hooks", "placement")
@@ -62,3 +67,47 @@ def test_a_gpu_gets_the_asynchronous_layer() -> None:
     assert isinstance(layer, AcceleratorLayer) and layer.asynchronous and layer.pins
     buffer = layer.host_empty(4, torch.float32, torch.device("cpu"))
     assert layer.is_pinned(buffer)
+
+
+@pytest.mark.parametrize("device", ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_host_buffers_are_pinned_and_allocated_once(device: str) -> None:
+    """Where copies are asynchronous (a GPU; the simulated device on a CPU), the host buffers that
+    cross the bus are pinned, and pinned once (pinning is slow): the first step allocates them, the
+    later steps allocate no host buffer at all. The gradient shard, freed by zero_grad as plain
+    PyTorch frees ``.grad``, comes back in its pinned buffer, and so does a master that went to
+    the device and back."""
+    offload = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, max_prefetch=2)
+    with simulated_device() if device == "simulated" else nullcontext():
+        chunked, optimizer, booster = boost(
+            gpt2(n_layer=1), adamw_two_groups, placement=offload, precision="bf16", chunk_size=12_000
+        )
+        layer = chunked.manager.comm.layer
+        assert layer.asynchronous and layer.pins
+        chunk = chunked.manager.chunks[0]
+        assert chunk.store.master_location is Location.HOST and layer.is_pinned(chunk.store.master)
+        allocated: list[bool] = []
+        real = layer.host_empty
+
+        def counted(numel: int, dtype: torch.dtype, host: torch.device, pinned: bool = True) -> torch.Tensor:
+            allocated.append(pinned)
+            return real(numel, dtype, host, pinned)
+
+        layer.host_empty = counted  # type: ignore[method-assign]
+        grads = []
+        for step, ids in enumerate(batches(3)):
+            before = len(allocated)
+            booster.backward(lm_loss(chunked, ids), optimizer)
+            optimizer.step()  # the host steps that may run during the backward are settled
+            assert layer.is_pinned(chunk.store.grad), f"step {step}: the gradient shard is not pinned"
+            grads.append(chunk.store.grad.data_ptr())
+            optimizer.zero_grad()
+            assert not chunk.store.grad_allocated, "zero_grad frees the gradient shard"
+            if step > 0:
+                assert len(allocated) == before, f"step {step} allocated {len(allocated) - before} host buffers"
+        assert allocated and all(allocated), "the buffers the first step allocates are pinned"
+        assert grads == [grads[0]] * len(grads)
+        pinned = chunk.store.master.data_ptr()
+        chunk.move_master(Location.DEVICE)
+        assert chunk.store.master.device == chunked.compute_device
+        chunk.move_master(Location.HOST)
+        assert chunk.store.master.data_ptr() == pinned and layer.is_pinned(chunk.store.master)

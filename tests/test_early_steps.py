@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
-from models import copies
+from models import assert_state_close, copies, device_of, tolerance
 
 from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
 from placement import StaticPlacementConfig
@@ -235,12 +235,12 @@ def test_early_steps_match_plain_pytorch() -> None:
     data = _data(5)
     _plain_loop(chunked, optimizer, booster, data)
     for x in data:
-        ref(x).square().mean().backward()
+        ref(x.to(device_of(ref))).square().mean().backward()
         reference.step()
         reference.zero_grad()
-    state = chunked.state_dict()
-    for name, value in ref.state_dict().items():
-        assert torch.equal(state[name], value), name
+    # Bit for bit on a CPU; where the reference's AdamW runs on a GPU and chunkmem's on the host,
+    # within what that costs (DEVICE_TOLERANCE).
+    assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=0.0))
 
 
 def _ranks(rank: int, world_size: int, name: str) -> list[Any]:

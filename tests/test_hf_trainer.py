@@ -24,10 +24,12 @@ import torch
 
 pytest.importorskip("accelerate")
 from distributed import run_ranks
-from models import VOCAB, gpt2, llama
+from models import VOCAB, gpt2, llama, tolerance
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
+import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
+from chunkmem.comm import Communicator
 from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
 from placement import AutoPlacementConfig
 
@@ -88,15 +90,17 @@ def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
     ]
 
 
-def assert_same_training(actual: list[dict[str, float]], expected: list[dict[str, float]], exact: bool) -> None:
-    """The same learning rates; the same losses, bit for bit where ``exact``; norms within RTOL."""
+def assert_same_training(
+    actual: list[dict[str, float]], expected: list[dict[str, float]], exact: bool, rtol: float = RTOL
+) -> None:
+    """The same learning rates; the same losses, bit for bit where ``exact``; norms within ``rtol``."""
     assert len(actual) == len(expected) > 0
     assert [line["learning_rate"] for line in actual] == [line["learning_rate"] for line in expected]
     if exact:
         assert [line["loss"] for line in actual] == [line["loss"] for line in expected]
     for got, want in zip(actual, expected, strict=True):
-        assert math.isclose(got["loss"], want["loss"], rel_tol=RTOL), (got, want)
-        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=RTOL), (got, want)
+        assert math.isclose(got["loss"], want["loss"], rel_tol=rtol), (got, want)
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=rtol), (got, want)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +141,74 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     assert stats.optimizer_steps == 3
     assert stats.peak_device_bytes <= budget
     assert stats.evictions > 0, "the budget must be tight enough to move chunks"
+
+
+def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``use_cpu=True`` on a GPU machine: Trainer puts the model, each batch and its loss
+    accumulator on the CPU, so ChunkTrainer computes there too, not on the GPU the plugin would pick
+    by itself, and in the CPU's default precision (fp32) where the plugin's is left unset, not the
+    GPU's (bf16). The machine's own choice is made a device nothing can compute on (``meta``), as a
+    GPU is to this CPU run: training takes it only if ChunkTrainer ignores TrainingArguments."""
+    monkeypatch.setattr(chunkmem.plugin, "compute_device", lambda: torch.device("meta"))
+    with monkeypatch.context() as gpu_machine:  # one with bf16, while the plugin is built
+        gpu_machine.setattr(torch.cuda, "is_available", lambda: True)
+        gpu_machine.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        default_precision = ChunkPlugin(placement=AutoPlacementConfig(device_budget=BUDGET), chunk_size=8192)
+    assert default_precision.precision == "bf16", "the default for the GPU the plugin would pick"
+    data = dataset(n=4)
+    overrides = {"max_steps": 1, "gradient_accumulation_steps": 1}
+    plain = Trainer(model=gpt2(n_layer=1), args=training_args(tmp_path / "plain", **overrides), train_dataset=data)
+    plain.train()
+    chunked = ChunkTrainer(
+        model=gpt2(n_layer=1),
+        args=training_args(tmp_path / "chunked", **overrides),
+        train_dataset=data,
+        plugin=default_precision,
+    )
+    assert chunked.model.compute_device == chunked.args.device == torch.device("cpu")
+    assert all(chunk.compute_dtype == torch.float32 for chunk in chunked.model.manager.chunks)
+    chunked.train()
+    assert_same_training(logged(chunked), logged(plain), exact=True)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_computes_on_the_gpu_like_plain_trainer(tmp_path: Path) -> None:
+    """Without ``use_cpu`` Trainer computes on the GPU, and so does ChunkTrainer: the same losses,
+    learning rates and norms as plain Trainer there, under a budget that moves chunks."""
+    if torch.cuda.device_count() > 1:
+        pytest.skip("plain Trainer would run torch.nn.DataParallel over several GPUs (refused under chunkmem)")
+    data = dataset()
+    plain = Trainer(model=gpt2(), args=training_args(tmp_path / "plain", use_cpu=False), train_dataset=data)
+    plain.train()
+    chunked = ChunkTrainer(
+        model=gpt2(), args=training_args(tmp_path / "chunked", use_cpu=False), train_dataset=data, plugin=plugin()
+    )
+    assert plain.args.device.type == "cuda"
+    assert chunked.model.compute_device == chunked.args.device == plain.args.device
+    chunked.train()
+    # RTOL for what differs by design (module docstring), widened where chunkmem's AdamW steps
+    # masters on the host while plain Trainer's steps on the GPU (DEVICE_TOLERANCE).
+    assert_same_training(logged(chunked), logged(plain), exact=False, rtol=tolerance(chunked.model, rtol=RTOL).rtol)
+    stats = chunked.model.stats()
+    assert stats.peak_device_bytes <= BUDGET
+    assert stats.evictions > 0, "the budget must be tight enough to move chunks"
+
+
+def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp_path: Path) -> None:
+    """A plugin whose Communicator already chose a device other than Trainer's cannot follow
+    TrainingArguments: refused before boosting, naming both devices."""
+    model = gpt2(n_layer=1, n_embd=32)
+    elsewhere = ChunkPlugin(
+        placement=AutoPlacementConfig(device_budget=BUDGET),
+        chunk_size=8192,
+        precision="fp32",
+        process_group=Communicator(None, torch.device("meta")),
+    )
+    with pytest.raises(NotSupportedError, match=r"Communicator computes on meta, but the trainer computes on cpu"):
+        ChunkTrainer(model=model, args=training_args(tmp_path), train_dataset=dataset(4), plugin=elsewhere)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
 
 
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:

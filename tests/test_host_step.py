@@ -7,6 +7,7 @@ over the same parameters."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,9 +15,9 @@ from unittest import mock
 
 import pytest
 import torch
-from models import copies
+from models import copies, device_of
 
-from chunkmem import Booster, ChunkPlugin, Location
+from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
 from chunkmem.optim.host_kernels import HostKernels
 from placement import StaticPlacementConfig
 
@@ -53,15 +54,23 @@ def _data(steps: int, width: int) -> list[torch.Tensor]:
 def _train(
     model: Any, optimizer: torch.optim.Optimizer, data: list[torch.Tensor], skips: list[bool] | None = None
 ) -> None:
+    device = device_of(model)  # a plain reference's parameters' device; a boosted model's compute device
     for step, x in enumerate(data):
         kwargs = {"skip": skips[step]} if skips is not None else {}
-        model(x, **kwargs).square().mean().backward()
+        model(x.to(device), **kwargs).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
-def _boost(model: torch.nn.Module, optimizer: torch.optim.Optimizer, placement: Any, chunk_size: int) -> Any:
-    booster = Booster(plugin=ChunkPlugin(placement=placement, precision="fp32", chunk_size=chunk_size))
+def _boost(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    placement: Any,
+    chunk_size: int,
+    host_step: StepAfterBackward | StepDuringBackward | None = None,
+) -> Any:
+    plugin = ChunkPlugin(placement=placement, precision="fp32", chunk_size=chunk_size, host_step=host_step)
+    booster = Booster(plugin=plugin)
     chunked, boosted, *_ = booster.boost(model, optimizer)
     return chunked, boosted
 
@@ -83,7 +92,7 @@ def _counting(name: str) -> Iterator[list[tuple[torch.Tensor, ...]]]:
 def _assert_identical(chunked: Any, optimizer: torch.optim.Optimizer, ref: torch.nn.Module, ref_opt: Any) -> None:
     state = chunked.state_dict()
     for name, value in ref.state_dict().items():
-        assert torch.equal(state[name], value), name
+        assert torch.equal(state[name].cpu(), value.cpu()), name
     mine, theirs = optimizer.state_dict(), ref_opt.state_dict()
     assert mine["state"].keys() == theirs["state"].keys()
     for pid, entry in theirs["state"].items():
@@ -179,16 +188,23 @@ def test_an_explicit_kernel_choice_is_kept_on_the_host(choice: dict[str, bool], 
     _assert_identical(chunked, optimizer, ref, reference)
 
 
-def test_device_and_host_runs_never_share_a_call() -> None:
+@pytest.mark.parametrize(
+    "host_step", [StepAfterBackward(), StepDuringBackward()], ids=["after-backward", "during-backward"]
+)
+def test_device_and_host_runs_never_share_a_call(host_step: StepAfterBackward | StepDuringBackward) -> None:
     """Half the chunks keep their optimizer side on the device: their runs step in a call of their
-    own, the host runs in another (a host tensor in a call with device tensors would turn PyTorch's
-    default for all of them into its per-tensor loop)."""
+    own, the host runs in others (a host tensor in a call with device tensors would turn PyTorch's
+    default for all of them into its per-tensor loop). Stepped after the backward (the default on a
+    CPU), a step's host runs share one call; during the backward (the default on a GPU), each host
+    chunk steps in a call of its own as its gradient lands, once the first step recorded the order."""
     model = _mlp(layers=8)
     placement = StaticPlacementConfig(offload_optim_frac=0.5, max_prefetch=0)
-    chunked, optimizer = _boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), placement, 2_200)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    chunked, optimizer = _boost(model, optimizer, placement, 2_200, host_step)
     chunks = chunked.manager.chunks
     host = {c.chunk_id for c in chunks if c.store.master_location is Location.HOST}
-    assert 0 < len(host) < len(chunks)
+    device = {c.chunk_id for c in chunks} - host
+    assert len(host) > 1 and device
 
     def owner(tensor: torch.Tensor) -> int:
         for chunk in chunks:
@@ -198,12 +214,20 @@ def test_device_and_host_runs_never_share_a_call() -> None:
                 return chunk.chunk_id
         raise AssertionError("a stepped tensor outside every master shard")
 
+    steps = 2
     with _counting("_fused_adamw_") as calls:
-        _train(chunked, optimizer, _data(2, 32))
-    assert len(calls) == 4  # two steps, a device call and a host call each
+        _train(chunked, optimizer, _data(steps, 32))
     owners = [{owner(t) for t in call} for call in calls]
-    assert owners.count(host) == 2
-    assert all(o == host or not (o & host) for o in owners)
+    host_calls = [o for o in owners if o & host]
+    assert all(o <= host for o in host_calls), f"a call mixed device and host runs: {owners}"
+    assert [o for o in owners if not o & host] == [device] * steps  # every device run, one call a step
+    # Every host chunk stepped once a step, whatever the calls.
+    assert Counter(c for o in host_calls for c in o) == dict.fromkeys(host, steps)
+    if isinstance(host_step, StepAfterBackward):
+        assert host_calls == [host] * steps
+    else:
+        assert host_calls[-len(host) :] == [{c} for c in sorted(host, reverse=True)]  # backward order
+        assert chunked.stats().early_steps == len(host)
 
 
 def test_a_parameter_without_a_gradient_splits_its_run_and_keeps_its_own_state() -> None:

@@ -41,11 +41,15 @@ class ChunkTrainerMixin:
     def __init__(self, *args: Any, plugin: ChunkPlugin, **kwargs: Any) -> None:
         if not isinstance(plugin, ChunkPlugin):
             raise TypeError(f"plugin must be a ChunkPlugin, got {type(plugin).__name__}")
-        self.booster = Booster(plugin)
-        # Refused before Trainer builds anything (its accelerator would set up DeepSpeed or FSDP).
+        # chunkmem computes where Trainer does (use_cpu, the local rank's GPU): Trainer moves the
+        # model there and puts each batch and its loss accumulator there.
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None:
+            plugin = plugin.on_device(given.device)
+        # Refused before Trainer builds anything (its accelerator would set up DeepSpeed or FSDP).
         refuse_unsupported(given, plugin, kwargs.get("model_init"))
         super().__init__(*args, **kwargs)
+        self.booster = Booster(plugin.on_device(self.args.device))  # without args: Trainer's default ones
         # Trainer keeps the dataset columns that the model's forward names; the boosted model's
         # forward takes (*args, **kwargs), so read them from the module before boosting.
         self._set_signature_columns_if_needed()
