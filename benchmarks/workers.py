@@ -214,6 +214,8 @@ class RankPool:
         start_timeout: seconds the ranks may take to start and form the group.
         wait: wait for the ranks here; with ``False`` the first ``call`` (or ``wait_ready``) does,
             so that several pools can start at once.
+        error_grace: seconds the other ranks get to report their own error once one rank raised
+            (they may be stuck in a collective it never joined) before they are killed.
     """
 
     def __init__(
@@ -226,6 +228,7 @@ class RankPool:
         device_memory: int | None = None,
         start_timeout: float = 300.0,
         wait: bool = True,
+        error_grace: float = 10.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -260,6 +263,7 @@ class RankPool:
         self._closed = False
         self._started = False
         self._start_timeout = start_timeout
+        self._error_grace = error_grace
         for proc in self._procs:
             proc.start()
         if wait:
@@ -297,7 +301,7 @@ class RankPool:
             now = time.monotonic()
             # After one rank raised, the others may be stuck in a collective it never joined:
             # give them a moment to report their own error, not the whole timeout.
-            limit = deadline if first_error is None else min(deadline, first_error + 10.0)
+            limit = deadline if first_error is None else min(deadline, first_error + self._error_grace)
             if now >= limit:
                 break
             try:

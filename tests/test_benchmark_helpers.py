@@ -169,14 +169,14 @@ def _hang(ctx: RankContext) -> None:
 
 @pytest.mark.benchmark
 def test_rank_pool_runs_commands_keeps_state_and_reports_the_failing_rank() -> None:
-    pool = RankPool(2, env={"BENCH_PG_TIMEOUT": "30"})
+    pool = RankPool(2, env={"BENCH_PG_TIMEOUT": "30"}, error_grace=2.0)
     try:
         assert pool.call(60, _sum_ranks, 10) == [(0, 21 + 100), (1, 21 + 100)]
         assert pool.call(60, _sum_ranks, 0) == [(0, 1 + 200), (1, 1 + 200)]  # state kept between calls
         began = time.monotonic()
         with pytest.raises(CallFailure) as failure:
             pool.call(60, _raise_on_rank_1)
-        assert time.monotonic() - began < 30, "one rank raised: the others are not waited for to the limit"
+        assert time.monotonic() - began < 20, "one rank raised: the others are not waited for to the limit"
         assert failure.value.kind == "error"
         assert "rank 1 raised" in str(failure.value) and "rank one refuses" in str(failure.value)
         assert "rank one refuses" in failure.value.summary()
