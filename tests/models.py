@@ -53,7 +53,7 @@ def as_reference(model: M, device: torch.device | None = None) -> M:
 
 
 def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) -> GPT2LMHeadModel:
-    """Tied input/output embeddings, no dropout (so runs are deterministic)."""
+    """Tied input/output embeddings, no dropout unless an override asks (so runs are deterministic)."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB,
@@ -61,12 +61,9 @@ def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) ->
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
-        **overrides,
+        **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **overrides},
     )
     return GPT2LMHeadModel(config)
 

@@ -18,7 +18,7 @@ from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunke
 
 from chunkmem import BudgetTooSmallError, StepAfterBackward, StepDuringBackward
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
 
@@ -119,6 +119,10 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
     "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
     "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),
     "w2-offload-p3": (2, lambda r, w: _train(r, w, _offload(3))),
+    "activation-offload": (
+        1,
+        lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"])),
+    ),
     "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
 }
 
