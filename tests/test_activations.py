@@ -281,3 +281,21 @@ def test_no_grad_forward_of_an_offloaded_block_copies_nothing() -> None:
     with torch.no_grad():
         chunked(_data()[0])
     assert chunked.stats().activation_d2h_bytes == 0
+
+
+def test_a_storage_freed_in_the_block_and_one_made_at_its_address_are_two_copies() -> None:
+    """Each saved tensor is freed once packed (autograd keeps the handle): the next tensor may get
+    its storage's address, and must not be taken for it."""
+    from chunkmem.activations import ActivationOffload, BlockCall
+    from chunkmem.device import device_layer
+    from chunkmem.stats import Stats
+    from chunkmem.transfers import HostTransfers
+
+    offload = ActivationOffload(HostTransfers(Stats(), device_layer(torch.device("cpu"))), torch.device("cpu"), 1, 0)
+    weight = torch.ones(256, requires_grad=True)
+    total = torch.zeros(())
+    with offload.hooks(BlockCall("block", torch.nn.Module())):
+        for i in range(20):
+            total = total + (torch.full((256,), float(i)) * weight).sum()  # saves the filled tensor
+    total.backward()
+    assert torch.equal(weight.grad, torch.full((256,), float(sum(range(20)))))
