@@ -5,7 +5,7 @@ measured on the plain model with a saved-tensor hooks counter and derived from t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -107,22 +107,39 @@ def _assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert torch.equal(value, b["state"][key]), f"{key} differs"
 
 
-def _saved_bytes_per_block(model: Stack, keep_below: int) -> int:
-    """What autograd saves in one block call of the plain model, apart from parameters and views
-    of them (fc2's transposed weight): each storage once, those under ``keep_below`` bytes left
-    out."""
-    counted: dict[int, int] = {}
+def _saved_bytes(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep_below: int = 1024) -> int:
+    """What autograd saves inside the calls of ``blocks`` (of a plain model) while ``run()`` runs,
+    apart from parameters and views of them (such as a transposed weight): each storage once per
+    call, those under ``keep_below`` bytes left out."""
+    calls: list[dict[int, int]] = []
+    contexts: list[Any] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.untyped_storage().nbytes()
         parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
         if not parameter and nbytes >= keep_below:
-            counted[tensor.untyped_storage().data_ptr()] = nbytes
+            calls[-1][tensor.untyped_storage().data_ptr()] = nbytes
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.blocks[0](_data()[0])
-    return sum(counted.values())
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        calls.append({})
+        contexts.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        contexts[-1].__enter__()
+
+    def leave(module: torch.nn.Module, args: Any, out: Any) -> None:
+        contexts.pop().__exit__(None, None, None)
+
+    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(sum(call.values()) for call in calls)
+
+
+def _saved_bytes_per_block(model: Stack, keep_below: int) -> int:
+    return _saved_bytes([model.blocks[0]], lambda: model.blocks[0](_data()[0]), keep_below)
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -259,8 +276,12 @@ def test_gpt2_keep_offload_and_recompute_equal_plain_pytorch_bit_for_bit() -> No
     enable_checkpointing(checkpointed, reentrant=False)
     plain_checkpointed = {"losses": train_reference(checkpointed, adamw_two_groups, batches(2))}
     plain_checkpointed["state"] = checkpointed.state_dict()
-    for name in ("keep", "offload"):
-        _assert_identical(_gpt2_run(0, 1, PLACEMENTS[name](), "fp32", False), plain)
+    _assert_identical(_gpt2_run(0, 1, PLACEMENTS["keep"](), "fp32", False), plain)
+    offloaded = _gpt2_run(0, 1, PLACEMENTS["offload"](), "fp32", False)
+    _assert_identical(offloaded, plain)
+    model = gpt2(n_embd=32)
+    per_step = _saved_bytes(model.transformer.h, lambda: lm_loss(model, batches(1)[0]))
+    assert offloaded["offloaded"] == 2 * per_step > 0
     _assert_identical(_gpt2_run(0, 1, PLACEMENTS["recompute"](), "fp32", False), plain_checkpointed)
 
 
