@@ -21,13 +21,14 @@ import copy
 import os
 import weakref
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
+from .activations import ActivationBlocks
 from .agreement import agree, on_first_rank
 from .chunk import Chunk
 from .chunk_layout import ShardPiece
@@ -86,6 +87,7 @@ class ChunkedModel(torch.nn.Module):
         manager: ChunkManager,
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
+        activations: ActivationBlocks | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -97,6 +99,7 @@ class ChunkedModel(torch.nn.Module):
         self._markers = GradientMarkers((info.name, info.param) for info in manager.infos)
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
+        self._activations = activations
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
         weakref.finalize(module, runtime.detach)
@@ -153,7 +156,10 @@ class ChunkedModel(torch.nn.Module):
 
     def stats(self) -> Stats:
         """Counters since boosting; see :class:`chunkmem.Stats`."""
-        return self._runtime.stats()
+        stats = self._runtime.stats()
+        if self._activations is not None:
+            self._activations.counts(stats)
+        return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients in the chunks (what ``optimizer.zero_grad()`` does): gradients would
@@ -337,7 +343,8 @@ class ChunkedModel(torch.nn.Module):
             memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
-            plain = copy.deepcopy(self.module, memo)
+            with self._activations.detached() if self._activations is not None else nullcontext():
+                plain = copy.deepcopy(self.module, memo)
         finally:
             self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
         for module_name, module in plain.named_modules():

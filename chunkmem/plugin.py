@@ -15,6 +15,7 @@ from pydantic import TypeAdapter
 
 import placement as placement_pkg
 from placement import (
+    ActivationPlacement,
     AutoPlacementConfig,
     ChunkPlacement,
     ChunkSpec,
@@ -25,6 +26,7 @@ from placement import (
     make_policy,
 )
 
+from .activations import ActivationBlocks
 from .backing import Backing, TrainingBacking
 from .boosted_params import already_boosted, note_boosted, the_fix
 from .chunk import Chunk
@@ -129,6 +131,17 @@ def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> Los
     )
 
 
+def _activation_placement(value: ActivationPlacement | Mapping[str, Any] | None) -> ActivationPlacement | None:
+    if value is None or isinstance(value, ActivationPlacement):
+        return value
+    if isinstance(value, Mapping):
+        return ActivationPlacement.model_validate(dict(value))
+    raise TypeError(
+        f"activations must be an ActivationPlacement or a mapping of its fields (recompute, offload, max_prefetch, "
+        f"min_offload_bytes), got {type(value).__name__}"
+    )
+
+
 # Chunks are flat buffers indexed by a 32-bit offset in fused kernels; far below that, a chunk much
 # larger than the model is mostly padding (see ``ChunkPlugin._check_chunk_size``).
 MAX_CHUNK_SIZE = 2**31 - 1
@@ -170,6 +183,9 @@ class ChunkPlugin:
             policy moves optimizer sides to the host until they fit), and nothing moves to the host
             then. Without it, or where no placement can, buffers move to the host inside
             ``no_sync`` when the device needs their room (added back at the reduction).
+        activations: an ``ActivationPlacement`` (or a mapping of its fields, validated into one):
+            the block classes whose saved tensors are recomputed in the backward or offloaded to
+            host memory. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
     """
 
     def __init__(
@@ -183,6 +199,7 @@ class ChunkPlugin:
         gradient_accumulation: bool = False,
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
+        activations: ActivationPlacement | Mapping[str, Any] | None = None,
     ) -> None:
         # Left unset, the precision follows the device (``on_device`` picks it again for another).
         self._precision_is_default = precision is None
@@ -210,6 +227,7 @@ class ChunkPlugin:
         self.gradient_accumulation = gradient_accumulation
         self.host_step = None if host_step is None else _host_step_config(host_step)
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
+        self.activations = _activation_placement(activations)
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
@@ -316,10 +334,13 @@ class ChunkPlugin:
         values.prepare_buffers(model)
         manager.close_all(places.placement, places.disk_file)
         buffer_dtypes = self._place_buffers(model, device, dtype)
+        activations = (
+            ActivationBlocks(model, self.activations, comm.layer, stats) if self.activations is not None else None
+        )
         runtime = ChunkRuntime(manager, policy, specs, stats)
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None

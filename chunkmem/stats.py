@@ -42,6 +42,19 @@ class Stats:
     between ranks and runs."""
     d2h_seconds: float = 0.0
     """Seconds the device-to-host copies took (as ``h2d_seconds``)."""
+    activation_d2h_bytes: int = 0
+    """Bytes of saved activations copied to host memory (``ActivationPlacement(offload=...)``: each
+    offloaded storage once per block call); not in ``d2h_bytes``, which counts chunk traffic."""
+    activation_h2d_bytes: int = 0
+    """Bytes of saved activations copied back to the compute device for the backward; not in
+    ``h2d_bytes``."""
+    activation_d2h_seconds: float = 0.0
+    """Seconds the activation copies to host memory took (as ``d2h_seconds``)."""
+    activation_h2d_seconds: float = 0.0
+    """Seconds the activation copies back took (as ``h2d_seconds``)."""
+    recomputed_blocks: int = 0
+    """Forwards of blocks rerun in the backward (``ActivationPlacement(recompute=...)``): one per
+    block call per backward."""
     pageable_copies: int = 0
     """Host-device copies on CUDA whose host buffer was not pinned, so the CPU waited for them (0
     under offload; always 0 on the CPU, where nothing is pinned)."""
@@ -92,7 +105,17 @@ class Stats:
     skipped_steps: int = 0
     """Optimizer steps skipped for inf/nan gradients (fp16 loss scaling)."""
 
-    TIMINGS = frozenset({"h2d_seconds", "d2h_seconds", "host_step_seconds", "disk_read_seconds", "disk_write_seconds"})
+    TIMINGS = frozenset(
+        {
+            "h2d_seconds",
+            "d2h_seconds",
+            "activation_h2d_seconds",
+            "activation_d2h_seconds",
+            "host_step_seconds",
+            "disk_read_seconds",
+            "disk_write_seconds",
+        }
+    )
     """The fields that are timings; every other field is an exact count, the same on every rank,
     but ``prefetch_waits`` and ``early_steps_in_backward`` (whether a gather or an early step was
     still running when looked at)."""

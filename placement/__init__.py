@@ -3,6 +3,7 @@
 Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
+from .activations import ActivationPlacement, BlockClass, block_class_name, matches_block
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .factory import make_policy
@@ -28,8 +29,10 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 __all__ = [
     "DISK_WINDOW",
     "Action",
+    "ActivationPlacement",
     "AutoPlacementConfig",
     "AutoPolicy",
+    "BlockClass",
     "BudgetNeed",
     "BudgetTooSmallError",
     "BufferKind",
@@ -61,8 +64,10 @@ __all__ = [
     "TraceStep",
     "Verb",
     "WorkingSet",
+    "block_class_name",
     "load_placement_config",
     "make_policy",
+    "matches_block",
     "simulate",
     "step_digest",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
@@ -53,7 +54,7 @@ def as_reference(model: M, device: torch.device | None = None) -> M:
 
 
 def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) -> GPT2LMHeadModel:
-    """Tied input/output embeddings, no dropout (so runs are deterministic)."""
+    """Tied input/output embeddings, no dropout unless an override asks (so runs are deterministic)."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB,
@@ -61,12 +62,9 @@ def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) ->
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
-        **overrides,
+        **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **overrides},
     )
     return GPT2LMHeadModel(config)
 
@@ -180,6 +178,30 @@ def train_chunked(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(mean_over_ranks(loss.detach().float(), world_size))
+    return losses
+
+
+def train_accumulating(
+    model: ChunkedModel,
+    optimizer: ChunkOptimizer,
+    booster: Booster,
+    data: Sequence[torch.Tensor],
+    rank: int = 0,
+    world_size: int = 1,
+    no_sync: bool = True,
+) -> list[float]:
+    """chunkmem: each rank's slice of every batch in two micro-batches a step, the first inside
+    ``no_sync`` when asked; returns this rank's loss of each second micro-batch."""
+    losses = []
+    for ids in data:
+        first, second = ids.chunk(world_size)[rank].chunk(2)
+        with booster.no_sync(model, optimizer) if no_sync else nullcontext():
+            booster.backward(lm_loss(model, first), optimizer)
+        loss = lm_loss(model, second)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
     return losses
 
 

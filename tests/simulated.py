@@ -9,16 +9,16 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunked
+from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_accumulating, train_chunked
 
 from chunkmem import BudgetTooSmallError, StepAfterBackward, StepDuringBackward
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
 
@@ -42,16 +42,7 @@ def _accumulate(rank: int, world_size: int, placement: Any, no_sync: bool) -> di
     chunked, optimizer, booster = boost(
         gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000, placement=placement
     )
-    losses: list[Any] = []
-    for ids in batches(3, batch=8):
-        first, second = ids.chunk(world_size)[rank].chunk(2)
-        with booster.no_sync(chunked, optimizer) if no_sync else nullcontext():
-            booster.backward(lm_loss(chunked, first), optimizer)
-        loss = lm_loss(chunked, second)
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+    losses: list[Any] = train_accumulating(chunked, optimizer, booster, batches(3, batch=8), rank, world_size, no_sync)
     return {"losses": [*losses, chunked.stats().grad_spills], "state": chunked.state_dict()}
 
 
@@ -119,6 +110,10 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
     "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
     "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),
     "w2-offload-p3": (2, lambda r, w: _train(r, w, _offload(3))),
+    "activation-offload": (
+        1,
+        lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"])),
+    ),
     "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
 }
 

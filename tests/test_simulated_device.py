@@ -69,6 +69,10 @@ def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() 
 # Which scenario fails without each wait (file: function: call). The ones below it no scenario
 # can catch, and why.
 CATCHES = {
+    "activations/offload.py: _recycle: self._transfers.before_host_write(host)": "activation-offload",
+    "activations/offload.py: _unpack: self._layer.wait_event(call.ready)": "activation-offload",
+    "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": None,
+    "activations/offload.py: _fetch: self._transfers.before_host_read(copy.host)": "activation-offload",
     "chunk_grads.py: spill: transfers.before_host_write(host)": None,
     "chunk_grads.py: _load_host: self._transfers.before_host_read(host)": "w2-no-sync-spill",
     "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
@@ -87,6 +91,11 @@ CATCHES = {
     "transfers.py: before_host_write: self.before_host_read(host)": None,
 }
 UNCATCHABLE = {
+    "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": "the "
+    "device copy is made on the fetch stream and read on the compute stream after it waited for the fetch; without "
+    "record_stream a GPU's allocator could give its memory to the fetch stream's next copy while the compute stream "
+    "still reads it, but the simulated device only models freed memory going to the compute stream, which the "
+    "wait already orders",
     "chunk_grads.py: spill: transfers.before_host_write(host)": "the host buffer is written by the copy out of "
     "the device buffer, on the copy stream after the compute stream, where the copy that last read it (into the "
     "device buffer it loaded) was queued: stream order already puts the write after that read",

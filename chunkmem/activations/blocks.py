@@ -1,0 +1,143 @@
+"""``ActivationBlocks``: the blocks an ``ActivationPlacement`` names, run so that what autograd
+saves in them is recomputed or offloaded.
+
+Each matched block's ``forward`` is replaced, on the instance, by one that runs the class's own
+under ``torch.utils.checkpoint`` (recompute) or under the offload's saved-tensor hooks (offload);
+``detached()`` takes the replacements away (a deep copy of the module must not carry them).
+
+Double checkpointing is refused: a recomputed or offloaded block that runs inside a checkpointed
+region (Hugging Face's ``gradient_checkpointing_enable()``, or the user's own
+``torch.utils.checkpoint`` around it) raises, naming the block and the two ways out. A checkpoint
+the user put inside a block's forward is left alone: in a recomputed block it nests (PyTorch
+supports nested non-reentrant checkpoints), in an offloaded block what it saves (its inputs) goes
+through its own hooks and stays on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from placement import ActivationPlacement, block_class_name, matches_block
+
+from ..device import DeviceLayer
+from ..errors import NotSupportedError
+from ..stats import Stats
+from ..transfers import HostTransfers
+from .offload import ActivationOffload, BlockCall
+
+__all__ = ["ActivationBlocks"]
+
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def _in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are those of a non-reentrant checkpoint."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and any(getattr(top[0], "__qualname__", "").startswith(p) for p in _CHECKPOINT_HOOKS)
+
+
+def _refuse_double_checkpointing(name: str, how: str) -> None:
+    raise NotSupportedError(
+        f"block {name} is {how} by ActivationPlacement, but it runs inside an activation checkpoint already "
+        f"(model.gradient_checkpointing_enable() or your own torch.utils.checkpoint around it): that would "
+        "checkpoint it twice. Either drop the block's class from ActivationPlacement, or turn your checkpointing "
+        "off (model.gradient_checkpointing_disable()) and name the class in ActivationPlacement(recompute=[...])."
+    )
+
+
+class ActivationBlocks:
+    """The named blocks of one model and how each runs; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, config: ActivationPlacement, layer: DeviceLayer, stats: Stats) -> None:
+        self._stats = stats
+        # The copies count apart from chunk traffic (``counts``).
+        self._copies = Stats()
+        self._transfers = HostTransfers(self._copies, layer)
+        self._offload = ActivationOffload(self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes)
+        self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
+        for name, module in model.named_modules():
+            recompute = any(matches_block(b, module) for b in config.recompute)
+            offloaded = any(matches_block(b, module) for b in config.offload)
+            if not (recompute or offloaded):
+                continue
+            inside = next((outer for outer, m, _ in self._blocks if name.startswith(outer + ".")), None)
+            if inside is not None:
+                raise ValueError(
+                    f"ActivationPlacement names the class of {name} ({type(module).__name__}) and of {inside}, "
+                    "which holds it: a block's saved tensors are placed once; name one of the two classes"
+                )
+            run = self._recomputed if recompute else self._offloaded
+            self._blocks.append((name, module, functools.partial(run, name or "(the model)", module, module.forward)))
+        for block in (*config.recompute, *config.offload):
+            if not any(matches_block(block, m) for _, m, _ in self._blocks):
+                present = sorted({type(m).__name__ for m in model.modules()})
+                raise ValueError(
+                    f"ActivationPlacement names the block class {block_class_name(block)!r}, but no module of the "
+                    f"model is one; its module classes are {present}"
+                )
+        self._attach()
+
+    def counts(self, into: Stats) -> None:
+        """Add the activation copies' counters to a snapshot of the model's ``Stats``."""
+        self._transfers.settle()
+        into.activation_d2h_bytes = self._copies.d2h_bytes
+        into.activation_h2d_bytes = self._copies.h2d_bytes
+        into.activation_d2h_seconds = self._copies.d2h_seconds
+        into.activation_h2d_seconds = self._copies.h2d_seconds
+
+    def _attach(self) -> None:
+        for _, module, run in self._blocks:
+            module.forward = run
+
+    def _detach(self) -> None:
+        for _, module, _ in self._blocks:
+            del module.forward
+
+    @contextmanager
+    def detached(self) -> Iterator[None]:
+        """Within the block, the blocks run their class's own ``forward`` (for a deep copy)."""
+        self._detach()
+        try:
+            yield
+        finally:
+            self._attach()
+
+    @staticmethod
+    def _placed(name: str, module: torch.nn.Module, how: str) -> bool:
+        """Whether this call of a block places what it saves (autograd records it), refusing it
+        inside a checkpoint."""
+        if not torch.is_grad_enabled():
+            return False
+        if (getattr(module, "gradient_checkpointing", False) is True and module.training) or _in_checkpoint():
+            _refuse_double_checkpointing(name, how)
+        return True
+
+    def _recomputed(
+        self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        if not self._placed(name, module, "recomputed"):
+            return forward(*args, **kwargs)
+        calls = 0
+
+        def run(*inner: Any, **inner_kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                self._stats.recomputed_blocks += 1
+            return forward(*inner, **inner_kwargs)
+
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    def _offloaded(
+        self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        if not self._placed(name, module, "offloaded"):
+            return forward(*args, **kwargs)
+        with self._offload.hooks(BlockCall(name, module)):
+            return forward(*args, **kwargs)
