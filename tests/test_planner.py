@@ -144,6 +144,11 @@ def test_prediction_equals_a_run_at_world_size_2(placement: str, precision: str,
 
 
 def _trains_at(rank: int, world_size: int, budget: int) -> int:
+    with _on("cuda"):
+        return _trains_at_here(rank, world_size, budget)
+
+
+def _trains_at_here(rank: int, world_size: int, budget: int) -> int:
     model = gpt2(n_layer=3)
     placement = AutoPlacementConfig(device_budget=budget, max_prefetch=1)
     booster = Booster(ChunkPlugin(placement=placement, precision="fp32", chunk_size=CHUNK))
