@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> Plan:
             bandwidth=args.bandwidth,
             disk_bandwidth=args.disk_bandwidth,
             grad_accum=args.grad_accum,
+            device=args.device,
         )
     except (ChunkmemError, ValueError) as error:  # a ValidationError is a ValueError
         parser.error(_one_line(error))

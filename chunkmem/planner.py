@@ -15,6 +15,11 @@ arithmetic (its state is created with the shapes and dtypes a probe of the optim
 showed), and fp16 loss scaling (planned as bf16: the same bytes). Non-model memory (activations),
 which the auto policy measures in its first step, is measured the way it is on a CPU (bytes that
 autograd saves for backward), which on a GPU leaves out the temporaries inside ops.
+
+The device's own behaviour is planned by its type (``plan(..., device=)``): on a GPU, copies to and
+from pinned host memory run while the host goes on (``PlannedAccelerator``), and what a run
+decides by that (host steps during the backward by default, when gradient buffers are freed) is
+decided as a GPU run decides it; on the CPU, as the CPU does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -30,6 +36,8 @@ import torch.distributed as dist
 from placement.policy import format_bytes
 
 from .comm import Communicator
+from .device import PLANNED_DEVICES, DeviceLayer
+from .device.layer import Stream
 from .disk import PlannedDiskFile, SidesFile
 from .errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError, HostBudgetTooSmallError
 from .model import ChunkedModel
@@ -48,18 +56,46 @@ _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
 
+class PlannedAccelerator(DeviceLayer):
+    """The device a plan is for: an accelerator whose copies to and from pinned host memory return
+    before the bytes have moved (a GPU). What a run decides by that is decided as on a GPU: host
+    optimizer steps run during the backward by default, and a reduced gradient slot leaves for a
+    host master while the backward goes on, its device buffer freed when the reductions are waited
+    for. On the meta device nothing moves, so every stream, event and wait is nothing."""
+
+    asynchronous = True
+
+    def __init__(self) -> None:
+        super().__init__(_META)
+        self._stream = object()  # the copy stream: a handle the transfers hold, never run on
+
+    def new_stream(self) -> Stream:
+        return self._stream
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return True  # a run's host buffers that cross to the device are pinned
+
+
 class PlanningCommunicator(Communicator):
     """Rank 0 of ``world_size`` ranks with nothing behind it: tensors on the meta device,
     collectives that move nothing (every rank holds what this one holds, which is what chunkmem
-    keeps true in a real run), and a device of ``capacity`` bytes."""
+    keeps true in a real run), and a device of ``capacity`` bytes of type ``device``: a GPU
+    (``PlannedAccelerator``) or the CPU (synchronous)."""
 
-    def __init__(self, world_size: int, capacity: int) -> None:
+    def __init__(self, world_size: int, capacity: int, device: str = PLANNED_DEVICES[0]) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         if capacity <= 0:
             raise ValueError(f"device capacity must be a positive byte count, got {capacity}")
+        if device not in PLANNED_DEVICES:
+            raise ValueError(f"a plan is for a device of type {' or '.join(PLANNED_DEVICES)}, got {device!r}")
         super().__init__(None, _META, world_size=world_size)
         self._capacity = capacity
+        self._planned = PlannedAccelerator() if device != "cpu" else DeviceLayer(_META)
+
+    @property
+    def layer(self) -> DeviceLayer:
+        return self._planned
 
     @property
     def host_device(self) -> torch.device:
@@ -178,20 +214,31 @@ def _planned_plugin(plugin: ChunkPlugin, comm: PlanningCommunicator, budget: int
     return planned
 
 
+@dataclass(frozen=True)
+class _Target:
+    """What a plan is for: ``world_size`` ranks, each with ``capacity`` bytes of a ``device``."""
+
+    world_size: int
+    capacity: int
+    device: str
+
+    def communicator(self) -> PlanningCommunicator:
+        return PlanningCommunicator(self.world_size, self.capacity, self.device)
+
+
 def _run(
     model: torch.nn.Module,
     plugin: ChunkPlugin,
     make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
     inputs: Mapping[str, Any],
-    world_size: int,
-    capacity: int,
+    target: _Target,
     steps: int,
     budget: int | None,
     grad_accum: int = 1,
 ) -> tuple[ChunkedModel, list[StepCounters]]:
     """Boost a copy of the meta model over a planning communicator and train ``steps`` steps of
     ``grad_accum`` micro-batches each (all but the last under ``no_sync``)."""
-    comm = PlanningCommunicator(world_size, capacity)
+    comm = target.communicator()
     local = copy.deepcopy(model)
     optimizer = make_optimizer(local.parameters())
     template = _StateTemplate(optimizer)
@@ -226,8 +273,7 @@ def _minimum_budget(
     plugin: ChunkPlugin,
     make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
     inputs: Mapping[str, Any],
-    world_size: int,
-    capacity: int,
+    target: _Target,
     grad_accum: int,
 ) -> int:
     """The smallest budget a run accepts: what the placement needs under a budget of one byte,
@@ -236,14 +282,14 @@ def _minimum_budget(
     device, and a one-byte device budget would leave more on the host than the real one."""
     plugin = _with_host_budget(plugin, None)
     try:
-        _run(model, plugin, make_optimizer, inputs, world_size, capacity, 0, 1)
+        _run(model, plugin, make_optimizer, inputs, target, 0, 1)
     except BudgetTooSmallError as refused:
         minimum = refused.minimum
     else:  # pragma: no cover - a one-byte budget holds nothing
         return 1
     for _ in range(8):
         try:
-            _run(model, plugin, make_optimizer, inputs, world_size, capacity, 2, minimum, grad_accum)
+            _run(model, plugin, make_optimizer, inputs, target, 2, minimum, grad_accum)
             return minimum
         except BudgetTooSmallError as refused:
             minimum = max(minimum + 1, refused.minimum)
@@ -266,6 +312,7 @@ def plan(
     disk_bandwidth: float = 2e9,
     steps: int = 3,
     grad_accum: int = 1,
+    device: str = PLANNED_DEVICES[0],
 ) -> Plan:
     """Predict a training run of ``model`` (on the meta device; nothing is allocated) boosted with
     ``plugin`` at ``world_size`` ranks, each step a forward on ``example_inputs`` (the keyword
@@ -275,11 +322,17 @@ def plan(
     host-device copy speed for the modelled transfer time, ``disk_bandwidth`` the disk's for the
     disk tier's (the defaults: a PCIe 4 x16 link, an NVMe drive). With ``grad_accum`` N, a step is
     N micro-batches, all but the last under ``no_sync`` (as ``booster.no_sync`` runs them), then the
-    optimizer step; pass the ``ChunkPlugin(gradient_accumulation=...)`` the run will use. A host
+    optimizer step; pass the ``ChunkPlugin(gradient_accumulation=...)`` the run will use. ``device``
+    is the type of device the run computes on, ``"cuda"`` or ``"cpu"``: what a run decides by whether
+    its copies are asynchronous is decided as there (on a GPU host masters step during the backward
+    by default, and gradient buffers of chunks whose optimizer side is on disk are freed as their
+    early step reads them, which lowers the peak). A host
     budget below what the placement needs is reported as not fitting (``why_not``), planned at the
     minimum, as a device budget is. See the module docstring."""
     if steps < 2:
         raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
+    if device not in PLANNED_DEVICES:
+        raise ValueError(f"plan: device must be {' or '.join(map(repr, PLANNED_DEVICES))}, got {device!r}")
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"plan: grad_accum must be a whole number of micro-batches of at least 1, got {grad_accum!r}")
     for name, speed in (("bandwidth", bandwidth), ("disk_bandwidth", disk_bandwidth)):
@@ -294,20 +347,19 @@ def plan(
     budget = plugin.placement.device_budget
     budget = None if budget is None else int(budget)
     capacity = device_capacity or 80 * 2**30
+    target = _Target(world_size, capacity, device)
     inputs = _meta_inputs(example_inputs)
     quiet = log.level
     log.setLevel(logging.ERROR)  # the search runs at budgets nobody asked for: say nothing of them
     try:
-        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, world_size, capacity, grad_accum)
+        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, target, grad_accum)
     finally:
         log.setLevel(quiet)
     refusals: list[str] = []
     planned_budget = budget
     for _ in range(3):  # a host budget and a device budget may each be refused once
         try:
-            chunked, counters = _run(
-                model, plugin, make_optimizer, inputs, world_size, capacity, steps, planned_budget, grad_accum
-            )
+            chunked, counters = _run(model, plugin, make_optimizer, inputs, target, steps, planned_budget, grad_accum)
             break
         except HostBudgetTooSmallError as refused:
             # What it would need: plan at the minimum, and say it does not fit.

@@ -117,8 +117,12 @@ class Stats:
         }
     )
     """The fields that are timings; every other field is an exact count, the same on every rank,
-    but ``prefetch_waits`` and ``early_steps_in_backward`` (whether a gather or an early step was
-    still running when looked at)."""
+    but those of ``RANK_LOCAL``."""
+
+    RANK_LOCAL = frozenset({"prefetch_waits", "early_steps_in_backward"})
+    """Counts of whether asynchronous work was still running when looked at (a gather when its
+    prefetch was claimed, the backward when an early host step started on its worker thread): they
+    depend on each rank's timing, on a GPU more than on the CPU, and no decision reads them."""
 
     def snapshot(self) -> Stats:
         """A copy that later counting does not change."""

@@ -221,18 +221,38 @@ def copies(model: M) -> tuple[M, M]:
 
 
 def assert_state_close(
-    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float, atol: float
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    rtol: float,
+    atol: float,
+    *,
+    zero_gradient: Tolerance | None = None,
 ) -> None:
-    """Every entry within tolerance, both sides compared on the CPU (wherever they were computed)."""
+    """Every entry within tolerance, both sides compared on the CPU (wherever they were computed);
+    the elements whose exact gradient is zero (``zero_gradient_part``) within ``zero_gradient`` too,
+    where given (``reordered``)."""
     assert actual.keys() == expected.keys(), f"key mismatch: {set(actual) ^ set(expected)}"
     for name, value in expected.items():
-        torch.testing.assert_close(
-            actual[name].detach().float().cpu(),
-            value.detach().float().cpu(),
-            rtol=rtol,
-            atol=atol,
-            msg=lambda m, n=name: f"{n}: {m}",
-        )
+        a, e = actual[name].detach().float().cpu(), value.detach().float().cpu()
+        part = zero_gradient_part(name, e)
+        if zero_gradient is not None and part is not None:
+            noisy = Tolerance(rtol, atol).at_least(zero_gradient)
+            torch.testing.assert_close(a[part], e[part], rtol=noisy.rtol, atol=noisy.atol, msg=f"{name}[{part}]")
+            a, e = _without(a, part), _without(e, part)
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def zero_gradient_part(name: str, value: torch.Tensor) -> slice | None:
+    """The elements of a parameter of these models whose exact gradient is zero: the key third of
+    GPT-2's fused query/key/value bias (see ``reordered``)."""
+    if not name.endswith("attn.c_attn.bias"):
+        return None
+    width = value.numel() // 3
+    return slice(width, 2 * width)
+
+
+def _without(value: torch.Tensor, part: slice) -> torch.Tensor:
+    return torch.cat([value[: part.start], value[part.stop :]])
 
 
 def assert_close_on_cpu(actual: torch.Tensor, expected: torch.Tensor, within: Tolerance, msg: str = "") -> None:
@@ -331,3 +351,31 @@ def device_tolerance(chunked: ChunkedModel) -> Tolerance:
 def tolerance(*runs: ChunkedModel, rtol: float, atol: float = 0.0) -> Tolerance:
     """A comparison's own ``rtol`` / ``atol``, widened for ``runs`` (``Tolerance.widened_for``)."""
     return Tolerance(rtol, atol).widened_for(*runs)
+
+
+# --- gradients summed in another order than the reference's -------------------------------------------
+# An element whose exact gradient is zero gets only the rounding noise of its sums as a gradient, of
+# either sign. GPT-2's key biases are such elements (``zero_gradient_part``): softmax is invariant to
+# adding one number to all of a query's scores, so over the keys dS sums to 0, and so does each key
+# bias's gradient. AdamW moves such an element by lr*|m_hat|/(sqrt(v_hat)+eps) <= lr*n/eps a step, n
+# bounding the noise (|m_hat| <= n), so two runs summing the same gradients in two orders (W ranks
+# each on a slice of the batch, against one full-batch reference) end up to 2*k*lr*n/eps apart after k
+# steps, whatever their other elements do. Measured in plain PyTorch on the CPU, the tiny GPT-2 on
+# 4x16 tokens, full batch against two half batches summed: n <= 3.2e-11 with 2 layers, 5.7e-11 with
+# 1, and after 5 AdamW steps (lr 1e-3, eps 1e-8) the key biases end up 5.7e-6 apart while every
+# other element stays within 1e-8. On the H200 (2026-11) they ended up 1.26e-5 apart (past the tests'
+# 1e-5; n >= 1.3e-11 there). ``ZERO_GRADIENT_NOISE`` (checked where the tests compute by
+# test_tolerances.py) makes the bound 2*5*1e-3*1e-10/1e-8 = 1e-4 after 5 steps, for those elements
+# alone. Only a GPU widens by it: the CPU keeps each test's own tolerance, which holds its measured
+# 5.7e-6 (the CPU suite never gets looser).
+ZERO_GRADIENT_NOISE = 1e-10
+
+
+def reordered(*runs: ChunkedModel, steps: int, lr: float = 1e-3, eps: float = 1e-8) -> Tolerance | None:
+    """For ``assert_state_close(..., zero_gradient=)`` of a comparison whose gradients were summed
+    in another order than the reference's over ``steps`` AdamW steps, where a run computed on a GPU:
+    ``2*steps*lr*n/eps`` absolute, ``n`` bounding the gradient noise of an element whose exact
+    gradient is zero (``ZERO_GRADIENT_NOISE``). ``None`` (no widening) on the CPU."""
+    if all(run.compute_device.type == "cpu" for run in runs):
+        return None
+    return Tolerance(0.0, 2 * steps * lr * ZERO_GRADIENT_NOISE / eps)

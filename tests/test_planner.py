@@ -11,15 +11,17 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from distributed import run_ranks
-from models import batches, gpt2, llama
+from models import batches, gpt2, llama, reference_device
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
+from chunkmem.device.simulated import simulated_device
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
 CHUNK = 6_000
@@ -48,11 +50,29 @@ PLACEMENTS: dict[str, Any] = {
 }
 
 
+def _on(planned_for: str) -> Any:
+    """Where a run that a plan for a ``planned_for`` device predicts happens: a plan is by default
+    for a GPU (asynchronous copies; host masters step during the backward by default), and on a
+    machine without one the simulated asynchronous device stands in for it."""
+    if planned_for == "cuda" and reference_device().type == "cpu":
+        return simulated_device()
+    assert reference_device().type == planned_for, f"a run for a {planned_for} plan computes on {reference_device()}"
+    return nullcontext()
+
+
 def _count_steps(
-    rank: int, world_size: int, model: Any, plugin: ChunkPlugin, accumulation: int = 1
+    rank: int, world_size: int, model: Any, plugin: ChunkPlugin, accumulation: int = 1, planned_for: str = "cuda"
 ) -> tuple[list[dict[str, int]], Any]:
     """Three training steps of ``model`` boosted with ``plugin``, each of ``accumulation``
-    micro-batches (all but the last in ``booster.no_sync``): each step's counters, and the ledger."""
+    micro-batches (all but the last in ``booster.no_sync``), where a plan for a ``planned_for``
+    device says they run (``_on``): each step's counters, and the ledger."""
+    with _on(planned_for):
+        return _count_steps_here(rank, world_size, model, plugin, accumulation)
+
+
+def _count_steps_here(
+    rank: int, world_size: int, model: Any, plugin: ChunkPlugin, accumulation: int
+) -> tuple[list[dict[str, int]], Any]:
     booster = Booster(plugin)
     chunked, optimizer, *_ = booster.boost(model, adamw_groups(model.parameters()))
     ledger = chunked.manager.ledger
@@ -124,6 +144,11 @@ def test_prediction_equals_a_run_at_world_size_2(placement: str, precision: str,
 
 
 def _trains_at(rank: int, world_size: int, budget: int) -> int:
+    with _on("cuda"):
+        return _trains_at_here(rank, world_size, budget)
+
+
+def _trains_at_here(rank: int, world_size: int, budget: int) -> int:
     model = gpt2(n_layer=3)
     placement = AutoPlacementConfig(device_budget=budget, max_prefetch=1)
     booster = Booster(ChunkPlugin(placement=placement, precision="fp32", chunk_size=CHUNK))
@@ -187,22 +212,27 @@ DISK_PLACEMENTS: dict[str, Any] = {
 }
 
 
-def _measured_on_disk(rank: int, world_size: int, placement: Any, disk_dir: str) -> list[dict[str, int]]:
+def _measured_on_disk(
+    rank: int, world_size: int, placement: Any, disk_dir: str, planned_for: str = "cuda"
+) -> list[dict[str, int]]:
     plugin = ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir)
-    steps, ledger = _count_steps(rank, world_size, gpt2(n_layer=3), plugin)
+    steps, ledger = _count_steps(rank, world_size, gpt2(n_layer=3), plugin, planned_for=planned_for)
     return [*steps, {"disk": ledger.disk_bytes, "host": ledger.host_bytes}]
+
+
+def _planned_on_disk(placement: Any, device: str = "cuda") -> Plan:
+    with torch.device("meta"):
+        model = gpt2(n_layer=3)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    plugin = ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK)
+    inputs = {"input_ids": ids, "labels": ids}
+    return plan(model, plugin, inputs, optimizer=adamw_groups, device_capacity=CAPACITY, steps=3, device=device)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("placement", list(DISK_PLACEMENTS))
 def test_disk_and_host_figures_equal_a_run_with_the_disk_tier(placement: str, tmp_path: Path) -> None:
-    with torch.device("meta"):
-        model = gpt2(n_layer=3)
-    ids = torch.zeros(4, 16, dtype=torch.long)
-    plugin = ChunkPlugin(placement=DISK_PLACEMENTS[placement], precision="bf16", chunk_size=CHUNK)
-    predicted = plan(
-        model, plugin, {"input_ids": ids, "labels": ids}, optimizer=adamw_groups, device_capacity=CAPACITY, steps=3
-    )
+    predicted = _planned_on_disk(DISK_PLACEMENTS[placement])
     measured = run_ranks(_measured_on_disk, 1, args=(DISK_PLACEMENTS[placement], str(tmp_path)))[0]
     totals = measured.pop()
     assert [vars(s) for s in predicted.steps] == measured
@@ -212,6 +242,24 @@ def test_disk_and_host_figures_equal_a_run_with_the_disk_tier(placement: str, tm
     assert predicted.disk_seconds_per_step == pytest.approx(2 * predicted.disk_read_bytes_per_step / 2e9)
     if DISK_PLACEMENTS[placement].host_budget is not None:
         assert predicted.peak_host_bytes <= DISK_PLACEMENTS[placement].host_budget
+
+
+@pytest.mark.multirank
+@pytest.mark.cpu_compute(reason="a plan for the CPU against a run on the synchronous CPU")
+def test_a_plan_for_the_cpu_equals_a_run_on_it_and_a_gpu_frees_disk_chunks_gradients_sooner(tmp_path: Path) -> None:
+    # The CPU steps host masters after the backward by default: every gradient buffer lives until the
+    # backward ends. A GPU steps them during it, and frees the buffer of a chunk whose optimizer side
+    # is on disk as soon as its reduced slot is in the shard its early step reads: a lower peak.
+    placement = DISK_PLACEMENTS["static-disk"]
+    on_cpu = _planned_on_disk(placement, device="cpu")
+    measured = run_ranks(_measured_on_disk, 1, args=(placement, str(tmp_path), "cpu"))[0]
+    measured.pop()
+    assert [vars(s) for s in on_cpu.steps] == measured
+    on_gpu = _planned_on_disk(placement)
+    assert on_gpu.steps[-1].peak_device_bytes < on_cpu.steps[-1].peak_device_bytes
+    assert on_gpu.steps[0] == on_cpu.steps[0]  # the first step records the trace: no early steps yet
+    with pytest.raises(ValueError, match="device must be 'cuda' or 'cpu'"):
+        _planned_on_disk(placement, device="tpu")
 
 
 def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from distributed import run_ranks
 from killed_saves import dead_workspace, live_workspace
-from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunked
+from models import adamw_two_groups, as_reference, batches, boost, gpt2, lm_loss, train_chunked
 from state_helpers import assert_identical, raw_state
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -40,8 +40,9 @@ DATA = 5
 
 
 def _plain_from_directories(root: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A plain model and optimizer loaded from sharded directories by plain DCP (not chunkmem)."""
-    model = gpt2(seed=11)
+    """A plain model and optimizer loaded from sharded directories by plain DCP (not chunkmem), where
+    chunkmem computes: a comparison bit for bit needs the same kernels on both sides."""
+    model = as_reference(gpt2(seed=11))
     optimizer = adamw_two_groups(model)
     state = model.state_dict()
     with warnings.catch_warnings():
@@ -143,7 +144,7 @@ def test_a_plain_pytorch_dcp_checkpoint_loads_and_trains_on(tmp_path: Path) -> N
     """A DCP checkpoint written by plain PyTorch (module state dict; optimizer state keyed by
     parameter name) loads unverified, at another layout, and training goes on identically."""
     data = batches(DATA)
-    model = gpt2()
+    model = as_reference(gpt2())  # where chunkmem computes: the same kernels on both sides, bit for bit
     optimizer = adamw_two_groups(model)
     _plain_steps(model, optimizer, data[:SAVED_AT])
     with warnings.catch_warnings():
