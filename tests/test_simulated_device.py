@@ -11,7 +11,7 @@ import torch
 from distributed import run_ranks
 from simulated import SCENARIOS, assert_identical, caught_without, run_scenario, wait_sites
 
-from chunkmem import Booster, ChunkPlugin
+from chunkmem import Booster, ChunkPlugin, Communicator
 from chunkmem.device import bf16_supported, compute_device, device_layer
 from chunkmem.device.simulated import SimulatedLayer, UnorderedAccessError, simulated_device
 
@@ -74,7 +74,7 @@ def test_the_scenarios_compute_on_the_cpu_where_a_gpu_is_present(
 def test_a_block_in_which_nothing_computed_on_the_simulated_device_fails() -> None:
     """A model boosted before the block keeps its synchronous layer (as one on a GPU keeps the
     GPU's): training it inside the block checks nothing, so the block fails rather than pass."""
-    booster = Booster(plugin=ChunkPlugin(precision="fp32"))
+    booster = Booster(plugin=ChunkPlugin(precision="fp32", process_group=Communicator(None, torch.device("cpu"))))
     model, *_ = booster.boost(torch.nn.Linear(8, 8))
     with pytest.raises(RuntimeError, match="nothing computed on the simulated device"), simulated_device():
         model(torch.ones(2, 8)).sum().backward()
