@@ -55,6 +55,19 @@ def _compile_refused() -> NotSupportedError:
     )
 
 
+@torch.compiler.assume_constant_result
+def _refuse_compiling(compiling: bool) -> bool:
+    """Raise ``_compile_refused()`` where ``compiling``. Dynamo runs a function marked
+    ``assume_constant_result`` for real while it traces (to take its result as a constant), so the
+    error ends the compile before any graph is built. A ``raise`` in traced code would only break
+    the graph: ``forward`` would run eagerly and Dynamo compile what it calls (the inputs' casts: on
+    CUDA a Triton kernel and Inductor's pool of compile workers, a minute and more under load) until
+    the op hooks refused."""
+    if compiling:
+        raise _compile_refused()
+    return False
+
+
 def _holding_values(value: Any) -> torch.Tensor | str:
     """A state dict's entry, or what it is instead of a tensor with values."""
     if not isinstance(value, torch.Tensor):
@@ -140,8 +153,7 @@ class ChunkedModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module: floating tensors in the compute dtype, all tensors on the device."""
-        if torch.compiler.is_compiling():
-            raise _compile_refused()
+        _refuse_compiling(torch.compiler.is_compiling())
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         self._runtime.begin_forward()
         try:

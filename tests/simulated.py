@@ -16,11 +16,27 @@ from typing import Any
 import torch
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_accumulating, train_chunked
 
-from chunkmem import BudgetTooSmallError, StepAfterBackward, StepDuringBackward
+from chunkmem import (
+    Booster,
+    BudgetTooSmallError,
+    ChunkedModel,
+    ChunkOptimizer,
+    Communicator,
+    StepAfterBackward,
+    StepDuringBackward,
+)
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
 from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
+
+
+def _boost(model: torch.nn.Module, **options: Any) -> tuple[ChunkedModel, ChunkOptimizer, Booster]:
+    """Boosted onto the CPU whatever GPU the machine has: the simulated device is the CPU, and so
+    must be the synchronous run it is compared with bit for bit (on a GPU machine the plugin's own
+    choice would be the GPU, where the simulated device does nothing)."""
+    cpu = Communicator(None, torch.device("cpu"), check_plans=True)
+    return boost(model, adamw_two_groups, process_group=cpu, **options)
 
 
 def _offload(prefetch: int, **extra: Any) -> StaticPlacementConfig:
@@ -29,9 +45,7 @@ def _offload(prefetch: int, **extra: Any) -> StaticPlacementConfig:
 
 def _train(rank: int, world_size: int, placement: Any, precision: str = "fp32", **options: Any) -> dict[str, Any]:
     clip = options.pop("clip", None)
-    chunked, optimizer, booster = boost(
-        gpt2(), adamw_two_groups, precision=precision, chunk_size=6_000, placement=placement, **options
-    )
+    chunked, optimizer, booster = _boost(gpt2(), precision=precision, chunk_size=6_000, placement=placement, **options)
     losses = train_chunked(chunked, optimizer, booster, batches(3), rank, world_size, clip=clip)
     return {"losses": losses, "state": chunked.state_dict()}
 
@@ -39,9 +53,7 @@ def _train(rank: int, world_size: int, placement: Any, precision: str = "fp32", 
 def _accumulate(rank: int, world_size: int, placement: Any, no_sync: bool) -> dict[str, Any]:
     """Two micro-batches a step, the first inside ``no_sync`` when asked (a spill to the host
     where the budget is small, folded back by the reduction)."""
-    chunked, optimizer, booster = boost(
-        gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000, placement=placement
-    )
+    chunked, optimizer, booster = _boost(gpt2(), precision="fp32", chunk_size=10_000, placement=placement)
     losses: list[Any] = train_accumulating(chunked, optimizer, booster, batches(3, batch=8), rank, world_size, no_sync)
     return {"losses": [*losses, chunked.stats().grad_spills], "state": chunked.state_dict()}
 
@@ -54,7 +66,7 @@ def _smallest(placement: Callable[[int], Any]) -> Any:
     """``placement`` at the smallest budget boost accepts: inside ``no_sync`` gradient buffers
     then go to the host and are folded back by the reduction."""
     try:
-        boost(gpt2(), adamw_two_groups, precision="fp32", chunk_size=10_000, placement=placement(1))
+        _boost(gpt2(), precision="fp32", chunk_size=10_000, placement=placement(1))
     except BudgetTooSmallError as refused:
         return placement(refused.minimum)
     raise AssertionError("a budget of one byte was accepted")
@@ -71,17 +83,15 @@ def _checkpoint(rank: int, world_size: int, precision: str, evaluate: bool) -> d
     its own, or with ``evaluate`` right after a forward without gradients: no copy back to the
     host stands between the gathers that read host shards and the load that rewrites them),
     trained on."""
-    chunked, optimizer, booster = boost(
-        gpt2(), adamw_two_groups, precision=precision, chunk_size=6_000, placement=_offload(2)
-    )
+    chunked, optimizer, booster = _boost(gpt2(), precision=precision, chunk_size=6_000, placement=_offload(2))
     data = batches(4)
     train_chunked(chunked, optimizer, booster, data[:2], rank, world_size)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch)
         booster.save_model(chunked, path / "model.pt")
         booster.save_optimizer(optimizer, path / "optim.pt")
-        other, other_optimizer, other_booster = boost(
-            gpt2(seed=5), adamw_two_groups, precision=precision, chunk_size=6_000, placement=_offload(2)
+        other, other_optimizer, other_booster = _boost(
+            gpt2(seed=5), precision=precision, chunk_size=6_000, placement=_offload(2)
         )
         if evaluate:
             with torch.no_grad():

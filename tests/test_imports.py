@@ -13,10 +13,12 @@ imported: a sibling import does not run it again).
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("chunkmem", "placement", "hooks")
@@ -140,15 +142,26 @@ def test_the_packages_import_each_other_without_cycles() -> None:
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
 
 
-def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries() -> None:
+def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import;
-    the trainer libraries (optional extras) only with their integration's own module."""
+    the trainer libraries (optional extras) only with their integration's own module. The child
+    gets this checkout's chunkmem and keeps the caller's ``PYTHONPATH``: a dependency found only
+    there (pydantic under /tmp/site on the GPU machine) must still import."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "only_on_the_callers_path.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     lazy = ("torch.distributed.checkpoint", "transformers", "accelerate", "lightning", "pytorch_lightning")
-    code = f"import sys, chunkmem, chunkmem.integrations; print([name for name in {lazy!r} if name in sys.modules])"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    code = (
+        "import sys, only_on_the_callers_path, chunkmem, chunkmem.integrations; "
+        f"print(chunkmem.__file__); print([name for name in {lazy!r} if name in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]", f"importing chunkmem loaded {result.stdout.strip()}"
+    where, loaded = result.stdout.strip().splitlines()
+    assert Path(where).is_relative_to(ROOT), f"the child imported chunkmem from {where}, not from {ROOT}"
+    assert loaded == "[]", f"importing chunkmem loaded {loaded}"
 
 
 # The optimizer side's layers, lowest first: a module of ``chunkmem.optim`` imports only modules of

@@ -4,7 +4,6 @@ creating or using, never one that merely looks like chunkmem's."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from child_env import child_env
 from distributed import run_ranks
 from test_disk_tier import ON_DISK, _boost, _scratch, _train
-
-ROOT = Path(__file__).resolve().parent.parent
 
 _SCRATCH = """
 import os, signal, sys, time
@@ -31,9 +29,8 @@ time.sleep(120)
 
 def _scratch_process(disk_dir: Path, how: str) -> tuple[subprocess.Popen[str], Path]:
     """A process with a scratch directory in ``disk_dir``: killed at once (``"kill"``), or running."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        [sys.executable, "-c", _SCRATCH, str(disk_dir), how], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _SCRATCH, str(disk_dir), how], stdout=subprocess.PIPE, text=True, env=child_env()
     )
     assert process.stdout is not None
     return process, Path(process.stdout.readline().strip())
@@ -94,9 +91,8 @@ def test_scratch_being_created_survives_another_process_reaping_the_same_disk_di
     """What a rank does at boost (remove dead scratch) while another creates its own, over and over."""
     from chunkmem.disk import ScratchDir
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     reaper = subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(tmp_path), "60"], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _REAPER, str(tmp_path), "60"], stdout=subprocess.PIPE, text=True, env=child_env()
     )
     lost = []
     try:
@@ -144,9 +140,12 @@ print(scratch.path.is_dir())
 
 @pytest.mark.slow
 def test_a_forked_child_leaving_normally_keeps_its_parents_scratch(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", _FORKED_CHILD, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", _FORKED_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True", "the forked child removed its parent's scratch directory"

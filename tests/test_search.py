@@ -13,7 +13,7 @@ from tier import examples
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import search_chunk_size
-from chunkmem.search import default_search_range
+from chunkmem.search import CANDIDATE_BLOCK, default_search_range
 
 
 @functools.cache
@@ -173,3 +173,16 @@ def test_default_search_range() -> None:
     for total in (1, 10**6, 124_439_808, 6_738_415_616):
         low, high = default_search_range(total)
         assert 1024 <= low <= high <= 2**26
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_range_of_several_blocks_matches_brute_force(seed: int) -> None:
+    """More candidates than one block (``CANDIDATE_BLOCK``, evaluated apart so that no op goes parallel):
+    the best of all blocks, as trying every size one by one finds it."""
+    g = torch.Generator().manual_seed(seed)
+    numels = [int(n) for n in torch.randint(1, 60_000, (8,), generator=g)]
+    params = [torch.empty(n, device="meta") for n in numels]
+    high = 2 * CANDIDATE_BLOCK + 5_000
+    result = search_chunk_size(params, 1, high, granularity=1, world_size=8)
+    sizes = [(n, (torch.float32, False)) for n in numels]
+    assert (result.waste_elements, result.chunk_size) == brute_force(sizes, 1, high, 1, 8)

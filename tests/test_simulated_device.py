@@ -11,7 +11,8 @@ import torch
 from distributed import run_ranks
 from simulated import SCENARIOS, assert_identical, caught_without, run_scenario, wait_sites
 
-from chunkmem.device import device_layer
+from chunkmem import Booster, ChunkPlugin, Communicator
+from chunkmem.device import bf16_supported, compute_device, device_layer
 from chunkmem.device.simulated import SimulatedLayer, UnorderedAccessError, simulated_device
 
 pytestmark = pytest.mark.simulated
@@ -45,6 +46,38 @@ def test_the_simulated_device_is_asynchronous_and_pins() -> None:
         assert isinstance(layer, SimulatedLayer) and layer.asynchronous and layer.pins
         assert layer.is_pinned(layer.host_empty(4, torch.float32, torch.device("cpu")))
         assert not layer.is_pinned(torch.empty(4))
+
+
+def test_a_gpu_is_neither_picked_nor_taken_on_the_simulated_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a GPU is present the plugin picks it by itself, and nothing would be simulated there:
+    asked for the simulated device, chunkmem computes on the CPU (in fp32, as on any CPU) and
+    refuses a GPU handed to it. The GPU is made to look present, so this holds on any machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with simulated_device(check=False):
+        assert compute_device() == torch.device("cpu")
+        assert not bf16_supported(None)
+        with pytest.raises(ValueError, match=r"CHUNKMEM_DEVICE=cpu-async .* handed cuda:0"):
+            device_layer(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+def test_the_scenarios_compute_on_the_cpu_where_a_gpu_is_present(
+    monkeypatch: pytest.MonkeyPatch, simulated: bool
+) -> None:
+    """Both runs a scenario compares (simulated and synchronous) compute on the CPU on a GPU
+    machine too: the GPU is made to look present, so a run handed to it fails here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = run_scenario(0, 1, "offload-p0", simulated)
+    assert len(result["losses"]) == 3 and all(value.device.type == "cpu" for value in result["state"].values())
+
+
+def test_a_block_in_which_nothing_computed_on_the_simulated_device_fails() -> None:
+    """A model boosted before the block keeps its synchronous layer (as one on a GPU keeps the
+    GPU's): training it inside the block checks nothing, so the block fails rather than pass."""
+    booster = Booster(plugin=ChunkPlugin(precision="fp32", process_group=Communicator(None, torch.device("cpu"))))
+    model, *_ = booster.boost(torch.nn.Linear(8, 8))
+    with pytest.raises(RuntimeError, match="nothing computed on the simulated device"), simulated_device():
+        model(torch.ones(2, 8)).sum().backward()
 
 
 def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() -> None:

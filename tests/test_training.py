@@ -425,6 +425,24 @@ def test_torch_compile_of_the_inner_module_is_refused_where_ops_are_not_observed
         torch.compile(chunked.module, backend="eager")(torch.randn(2, 8))
 
 
+def test_torch_compile_of_a_boosted_model_is_refused_before_anything_is_compiled() -> None:
+    """The refusal ends the compile before Dynamo hands any graph to the backend: compiling one
+    first (the inputs' casts, as a graph break would) costs a Triton build on CUDA, a minute and
+    more beside other processes, before the op hooks refused."""
+    graphs: list[str] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(str(graph.graph))
+        return graph.forward
+
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    chunked, *_ = boost(inner, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), precision="fp32", chunk_size=150)
+    with pytest.raises(Exception) as refused:  # Dynamo wraps chunkmem's error; the message is chunkmem's
+        torch.compile(chunked, backend=backend)(torch.randn(2, 8))
+    assert graphs == [], f"compiled before refusing: {graphs}"
+    assert "torch.compile of a boosted model is not supported" in str(refused.value)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])  # without op hooks, and with them
 def test_double_backward_is_refused(precision: str) -> None:

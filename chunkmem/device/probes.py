@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .layer import is_accelerator
+from .simulated import simulation_requested
 
 __all__ = [
     "PLANNED_DEVICES",
@@ -51,12 +52,14 @@ class DeviceMemory:
 
 
 def accelerator_available() -> bool:
-    """Whether a CUDA GPU is there to compute on (the accelerator chunkmem picks by itself)."""
-    return torch.cuda.is_available()
+    """Whether a CUDA GPU is there to compute on (the accelerator chunkmem picks by itself): not
+    where ``CHUNKMEM_DEVICE`` asks for the simulated device, which is the CPU."""
+    return torch.cuda.is_available() and not simulation_requested()
 
 
 def compute_device() -> torch.device:
-    """The local GPU (``LOCAL_RANK`` under torchrun, else the current device), or the CPU."""
+    """The local GPU (``LOCAL_RANK`` under torchrun, else the current device), or the CPU (also
+    where a GPU is present but ``CHUNKMEM_DEVICE`` asks for the simulated device)."""
     if not accelerator_available():
         return torch.device("cpu")
     local = os.environ.get("LOCAL_RANK")

@@ -22,7 +22,8 @@ sanitizer does, over every schedule at once rather than one drawn at random:
   one is an error and a read of it without a refill changes the numbers.
 
 Enter :func:`simulated_device` (tests: it checks pool threads too) or set ``CHUNKMEM_DEVICE=cpu-async`` before the first
-``device_layer``: ``device_layer(cpu)`` is then a :class:`SimulatedLayer`.
+``device_layer``: ``device_layer(cpu)`` is then a :class:`SimulatedLayer`, and chunkmem computes on the CPU even where a
+GPU is present (the simulated device is that CPU).
 """
 
 from __future__ import annotations
@@ -42,7 +43,15 @@ from torch.utils._pytree import tree_flatten
 
 from .layer import DeviceLayer
 
-__all__ = ["SIMULATED", "SimulatedLayer", "Simulator", "UnorderedAccessError", "simulated_device", "simulated_layer"]
+__all__ = [
+    "SIMULATED",
+    "SimulatedLayer",
+    "Simulator",
+    "UnorderedAccessError",
+    "simulated_device",
+    "simulated_layer",
+    "simulation_requested",
+]
 
 SIMULATED = "cpu-async"
 """``CHUNKMEM_DEVICE`` value that makes the CPU a simulated asynchronous device."""
@@ -55,6 +64,11 @@ Clock = dict[str, int]
 
 class UnorderedAccessError(RuntimeError):
     """Two accesses to one buffer that a GPU could run in either order (a missing wait)."""
+
+
+def simulation_requested() -> bool:
+    """Whether ``CHUNKMEM_DEVICE`` asks for the simulated device (set by :func:`simulated_device`)."""
+    return os.environ.get("CHUNKMEM_DEVICE", "") == SIMULATED
 
 
 @dataclass
@@ -117,7 +131,18 @@ class Simulator:
         self._watched: dict[int, _Accesses] = {}  # device storages a non-allocating stream used
         self._local = threading.local()
         self._streams = 0
+        self._layers = 0
         self.errors: list[str] = []
+
+    @property
+    def layers(self) -> int:
+        """How many device layers compute on this simulator (0: nothing ran on it)."""
+        return self._layers
+
+    def attach_layer(self) -> None:
+        """A :class:`SimulatedLayer` computes on this simulator from now on."""
+        with self._lock:
+            self._layers += 1
 
     # --- streams and events -------------------------------------------------------------------
     def new_stream(self) -> SimStream:
@@ -309,6 +334,7 @@ class SimulatedLayer(DeviceLayer):
     def __init__(self, device: torch.device, simulator: Simulator) -> None:
         super().__init__(device)
         self.simulator = simulator
+        simulator.attach_layer()
 
     def new_stream(self) -> SimStream:
         return self.simulator.new_stream()
@@ -370,8 +396,9 @@ def simulated_layer(device: torch.device) -> SimulatedLayer:
 @contextmanager
 def simulated_device(check: bool = True) -> Iterator[Simulator]:
     """Within the block, the CPU is the simulated asynchronous device for models boosted in it,
-    with its checks on this thread; on exit, raise if an error was recorded (one a worker thread
-    swallowed) and ``check``."""
+    with its checks on this thread. On exit with ``check``, raise if an error was recorded (one a
+    worker thread swallowed), or if nothing computed on the simulated device: a model boosted
+    before the block, or handed a GPU, runs on its own device and the block would check nothing."""
     simulator = Simulator()
     previous = os.environ.get("CHUNKMEM_DEVICE")
     os.environ["CHUNKMEM_DEVICE"] = SIMULATED
@@ -397,3 +424,9 @@ def simulated_device(check: bool = True) -> Iterator[Simulator]:
             os.environ["CHUNKMEM_DEVICE"] = previous
     if check and simulator.errors:
         raise UnorderedAccessError(simulator.errors[0])
+    if check and not simulator.layers:
+        raise RuntimeError(
+            "simulated_device(): nothing computed on the simulated device, so nothing was checked. Boost the model "
+            "inside the block (a model boosted before it keeps its own device layer) on the CPU: the plugin's default "
+            "device, or a Communicator on torch.device('cpu'), not on a GPU"
+        )
