@@ -323,12 +323,12 @@ def plan(
     disk tier's (the defaults: a PCIe 4 x16 link, an NVMe drive). With ``grad_accum`` N, a step is
     N micro-batches, all but the last under ``no_sync`` (as ``booster.no_sync`` runs them), then the
     optimizer step; pass the ``ChunkPlugin(gradient_accumulation=...)`` the run will use. ``device``
-    is the type of device the run computes on, ``"cuda"`` or ``"cpu"``: what a run decides by whether
-    its copies are asynchronous is decided as there (on a GPU host masters step during the backward
-    by default, and gradient buffers of chunks whose optimizer side is on disk are freed as their
-    early step reads them, which lowers the peak). A host
-    budget below what the placement needs is reported as not fitting (``why_not``), planned at the
-    minimum, as a device budget is. See the module docstring."""
+    is the type of device the run computes on, one of ``PLANNED_DEVICES`` (a GPU's, then the CPU's):
+    what a run decides by whether its copies are asynchronous is decided as there (on a GPU host
+    masters step during the backward by default, and gradient buffers of chunks whose optimizer side
+    is on disk are freed as their early step reads them, which lowers the peak). A host budget below
+    what the placement needs is reported as not fitting (``why_not``), planned at the minimum, as a
+    device budget is. See the module docstring."""
     if steps < 2:
         raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
     if device not in PLANNED_DEVICES:

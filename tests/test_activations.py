@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from models import (
     adamw_two_groups,
+    as_reference,
     batches,
     boost,
+    device_of,
     enable_checkpointing,
     gpt2,
     lm_loss,
@@ -75,11 +77,13 @@ def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(model: torch.nn.Module) -> dict[str, Any]:
+    """Plain PyTorch where chunkmem computes (on a GPU machine, the GPU)."""
+    model = as_reference(model)
     optimizer = adamw_two_groups(model)
     torch.manual_seed(7)
     losses = []
     for x in _data():
-        loss = _loss(model, x)
+        loss = _loss(model, x.to(device_of(model)))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,7 +110,7 @@ def _assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["losses"] == b["losses"]
     assert a["state"].keys() == b["state"].keys()
     for key, value in a["state"].items():
-        assert torch.equal(value, b["state"][key]), f"{key} differs"
+        assert torch.equal(value.cpu(), b["state"][key].cpu()), f"{key} differs"
 
 
 def _saved_bytes(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep_below: int = 1024) -> int:
@@ -272,10 +276,10 @@ def _gpt2_every_placement(rank: int, world_size: int, precision: str) -> None:
 def test_gpt2_keep_offload_and_recompute_equal_plain_pytorch_bit_for_bit() -> None:
     from models import train_reference
 
-    reference = gpt2(n_embd=32)
+    reference = as_reference(gpt2(n_embd=32))
     losses = train_reference(reference, adamw_two_groups, batches(2))
     plain = {"losses": losses, "state": reference.state_dict()}
-    checkpointed = gpt2(n_embd=32)
+    checkpointed = as_reference(gpt2(n_embd=32))
     enable_checkpointing(checkpointed, reentrant=False)
     plain_checkpointed = {"losses": train_reference(checkpointed, adamw_two_groups, batches(2))}
     plain_checkpointed["state"] = checkpointed.state_dict()

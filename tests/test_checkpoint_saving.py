@@ -339,7 +339,7 @@ def test_a_sharded_save_beside_another_jobs_save_is_refused_on_every_rank(tmp_pa
 
 
 _SAVER = """
-import sys, torch
+import os, sys, time, torch
 from chunkmem import Booster, CheckpointWriteError, ChunkPlugin
 
 torch.manual_seed(0)
@@ -348,6 +348,9 @@ booster = Booster(ChunkPlugin(precision="fp32", chunk_size=200))
 chunked, *_ = booster.boost(model)
 value, saved, refused = float(sys.argv[2]), 0, 0
 chunked.load_state_dict({k: torch.full_like(v, value) for k, v in chunked.state_dict().items()})
+print("ready", flush=True)
+while not os.path.exists(sys.argv[4]):  # both start saving together, however long each took to start
+    time.sleep(0.01)
 while saved + refused < int(sys.argv[3]):
     try:
         booster.save_model(chunked, sys.argv[1])
@@ -365,12 +368,17 @@ def test_two_jobs_saving_to_one_path_are_told_and_a_reader_sees_no_false_corrupt
     target = tmp_path / "model.pt"
     _fill(chunked, 1.0)
     booster.save_model(chunked, target)
+    go = tmp_path / "go"
     savers = [
-        subprocess.Popen([sys.executable, "-c", _SAVER, str(target), value, "300"], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(target), value, "150", str(go)], stdout=subprocess.PIPE, text=True
+        )
         for value in ("1.0", "2.0")
     ]
     seen: list[float] = []
     try:
+        assert all(saver.stdout is not None and saver.stdout.readline() == "ready\n" for saver in savers)
+        go.touch()
         while any(saver.poll() is None for saver in savers):
             _fill(chunked, -1.0)
             booster.load_model(chunked, target)  # a false "corrupted" raises here

@@ -13,6 +13,7 @@ imported: a sibling import does not run it again).
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,7 +152,8 @@ def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
     there (pydantic under /tmp/site on the GPU machine) must still import."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "only_on_the_callers_path.py").write_text("")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    callers = (str(tmp_path / "site"), os.environ.get("PYTHONPATH"))  # what it held stays after it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(entry for entry in callers if entry))
     lazy = ("torch.distributed.checkpoint", "transformers", "accelerate", "lightning", "pytorch_lightning")
     code = (
         "import sys, only_on_the_callers_path, chunkmem, chunkmem.integrations; "

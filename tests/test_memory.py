@@ -105,9 +105,12 @@ def test_cuda_probes_see_a_known_allocation() -> None:
         torch.cuda.empty_cache()
         drops.append(before - during)
         rises.append(device_free(device) - during)
-    # The caching allocator rounds up; the driver may add a little for its own bookkeeping.
-    assert GiB <= statistics.median(drops) <= GiB + 64 * 2**20, drops
-    assert GiB <= statistics.median(rises) <= GiB + 64 * 2**20, rises
+    # The caching allocator rounds up and the driver may add a little for its own bookkeeping; on a
+    # shared GPU another process allocating or freeing in the same instant moves a trial either way
+    # (on the H200 with 14 workers one median drop was 2 MiB short of 1 GiB), so 64 MiB each way.
+    slack = 64 * 2**20
+    assert abs(statistics.median(drops) - GiB) <= slack, drops
+    assert abs(statistics.median(rises) - GiB) <= slack, rises
     mem = nvml_memory(0)
     if mem is not None:
         assert abs(mem.total - device_capacity(device)) <= 0.05 * mem.total

@@ -137,7 +137,9 @@ def test_saved_at_two_ranks_resumes_at_one_two_and_four_ranks_like_plain_pytorch
         # its lr (1e-3) per step in that element.
         for key, value in expected.items():
             where = f"{label} {key}"
-            torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(
+                resumed[key].cpu(), value.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}"
+            )
 
 
 def test_a_plain_pytorch_dcp_checkpoint_loads_and_trains_on(tmp_path: Path) -> None:
