@@ -139,6 +139,7 @@ class ChunkedModel(torch.nn.Module):
         """Run the wrapped module: floating tensors in the compute dtype, all tensors on the device."""
         if torch.compiler.is_compiling():
             raise _compile_refused()
+        self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         self._runtime.begin_forward()
         try:
@@ -146,6 +147,22 @@ class ChunkedModel(torch.nn.Module):
                 return self.module(*args, **kwargs)
         finally:
             self._runtime.end_forward()
+
+    def _refuse_parameters_added_after_boost(self) -> None:
+        """A parameter in no chunk would train (or not) outside chunkmem's optimizer, on one rank's
+        values: ``peft.get_peft_model`` on a boosted model, or a layer replaced after boosting."""
+        manager = self._manager
+        if all(manager.manages(p) for p in self.module.parameters()):
+            return
+        added = [name for name, p in self.module.named_parameters() if not manager.manages(p)]
+        shown = ", ".join(repr(n) for n in added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise NotSupportedError(
+            f"rank {manager.comm.rank}: {type(self.module).__name__} holds parameters that were added after boosting "
+            f"({shown}), which no chunk and no optimizer hold, as when peft.get_peft_model wraps a boosted model or a "
+            "layer is replaced after boosting. Chunks, gradients and optimizer pieces are built when boosting: apply "
+            "peft.get_peft_model(model, config) (or any change to the layers) to the plain model first, then boost it "
+            "with an optimizer over its parameters."
+        )
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see ``_compile_refused``."""
