@@ -193,6 +193,22 @@ def test_lora_trains_like_plain_peft_bit_for_bit(precision: str, placement: str,
     chunked.save_pretrained(tmp_path / "chunkmem")
     reference.save_pretrained(tmp_path / "plain")
     assert_same_adapter(tmp_path / "chunkmem", tmp_path / "plain")
+    # booster.save_model / save_optimizer (one file each) resume a new job to the uninterrupted run.
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    more = batches(2, seed=5)
+    after = train(chunked, optimizer, booster, more, 0, 1)
+    resumed, resumed_optimizer, resumed_booster = boosted(precision, placement, tmp_path, seed=3)
+    resumed_booster.load_model(resumed, tmp_path / "model.pt")
+    resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
+    assert train(resumed, resumed_optimizer, resumed_booster, more, 0, 1) == after
+    assert_same_states(resumed.state_dict(), chunked.state_dict())
+
+
+def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
 
 
 def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: str) -> dict[str, Any]:
