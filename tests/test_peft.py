@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -211,12 +212,31 @@ def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert torch.equal(actual[name], value), name
 
 
+@contextmanager
+def gathered_elements(chunked: Any) -> Iterator[list[int]]:
+    """The number of elements of each all-gather of the model's communicator in the block."""
+    comm = chunked.manager.comm
+    sizes: list[int] = []
+    original = comm.all_gather
+
+    def counted(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(output.numel())
+        return original(output, *args, **kwargs)
+
+    comm.all_gather = counted
+    try:
+        yield sizes
+    finally:
+        del comm.all_gather  # the class's method again
+
+
 def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: str) -> dict[str, Any]:
     data = batches(STEPS + 2)
     chunked, optimizer, booster = boosted(precision, placement, out)  # ranks may share a disk_dir
     losses = train(chunked, optimizer, booster, data[:STEPS], rank, world_size)
     report = adapter_report(chunked, optimizer)
-    chunked.save_pretrained(Path(out) / "adapter")  # every rank calls; rank 0 writes
+    with gathered_elements(chunked) as gathered:
+        chunked.save_pretrained(Path(out) / "adapter")  # every rank calls; rank 0 writes
     booster.save_model(chunked, Path(out) / "model", shard=True)
     booster.save_optimizer(optimizer, Path(out) / "optim", shard=True)
     state = {k: v for k, v in chunked.state_dict().items() if "lora_" in k}
@@ -226,7 +246,14 @@ def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: 
     resumed_booster.load_model(resumed, Path(out) / "model")
     resumed_booster.load_optimizer(resumed_optimizer, Path(out) / "optim")
     again = train(resumed, resumed_optimizer, resumed_booster, data[STEPS:], rank, world_size)
-    return {"losses": losses, "report": report, "state": state, "after": after, "resumed": again}
+    return {
+        "losses": losses,
+        "report": report,
+        "state": state,
+        "after": after,
+        "resumed": again,
+        "saved_elements": sum(gathered),
+    }
 
 
 @pytest.mark.multirank
@@ -247,6 +274,8 @@ def test_lora_at_two_ranks_equals_plain_peft_saves_its_adapter_and_resumes(
         assert result["losses"] == [step[rank] for step in expected_losses], rank
         assert_only_the_adapter_trains(result["report"], placement, 2)
         assert result["resumed"] == result["after"], rank
+        # save_pretrained gathers the adapter's chunk, not the base: the file holds the adapter only.
+        assert result["saved_elements"] == CHUNK, rank
         for name, value in result["state"].items():
             assert torch.equal(value, reference.state_dict()[name]), name
     assert sum(result["report"]["optimizer_state_numel"] for result in results) == 2 * ADAPTER_NUMEL
