@@ -321,3 +321,25 @@ def test_quantized_base_weights_are_refused_naming_the_fix(kind: str) -> None:
     assert "16-bit" in str(refused.value)
     for name, p in model.named_parameters():  # nothing changed
         assert torch.equal(p.detach(), before[name]), name
+
+
+def _save_on_one_rank(rank: int, world_size: int, out: str) -> tuple[str, str] | None:
+    chunked, optimizer, booster = boosted("fp32", "auto-budget", None)
+    try:
+        for step, ids in enumerate(batches(3)):
+            if step == 1 and rank == 0:
+                chunked.save_pretrained(out)
+            train(chunked, optimizer, booster, [ids], rank, world_size)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # fresh ranks: a departure leaves the group unusable
+def test_saving_the_adapter_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path: Path) -> None:
+    results = run_ranks(_save_on_one_rank, 2, args=(str(tmp_path / "adapter"),), timeout=120, pg_timeout=60)
+    for rank, result in enumerate(results):
+        assert result is not None and result[0] == "TraceDivergenceError", (rank, result)
+        assert "save_pretrained()" in result[1]
+    assert not (tmp_path / "adapter").exists()
