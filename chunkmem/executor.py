@@ -294,6 +294,14 @@ class PlanExecutor:
                 "more to the host."
             )
 
+    def transient_room(self, nbytes: int) -> int | None:
+        """The device bytes a temporary buffer outside training steps may take once idle gathered
+        chunks are released for ``nbytes`` (``None``: no budget). Accounted bytes are the same on
+        every rank, so every rank gets the same answer."""
+        budget = self._policy.budget
+        self._carry(self._residency.make_room(nbytes))
+        return None if budget is None else max(0, budget - self._ledger.device_bytes)
+
     @contextmanager
     def transient(self, nbytes: int, what: str) -> Iterator[None]:
         """Account a temporary device buffer used outside training steps (state dicts,

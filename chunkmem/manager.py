@@ -148,7 +148,11 @@ class ChunkManager:
         if type(param) is not torch.nn.Parameter:
             raise UnmanageableParameter(
                 f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
-                "parameter subclasses (unwrap it first)"
+                "parameter or tensor subclasses. Quantized weights (bitsandbytes' Params4bit / Int8Params, torchao's "
+                "quantized tensors) are such subclasses: their packed data, scales and kernels cannot be put in a "
+                "chunk's flat 16-bit or fp32 storage and gathered back. Load the base in 16-bit or fp32 without a "
+                "quantization config (chunks shard and offload it instead) and boost with ChunkPlugin(precision="
+                "'bf16'); other subclasses: unwrap them first"
             )
         self._values.check(param, where)
         if param.dtype not in SUPPORTED_DTYPES:

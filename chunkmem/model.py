@@ -36,6 +36,7 @@ from .device import gpu_device
 from .errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from .gather import Destination, gather_full
 from .grad_markers import GradientMarkers, clear_markers
+from .integrations.peft_adapter import adapter_entries
 from .manager import ChunkManager
 from .model_state import StagedModelLoad, check_model_state
 from .progress import TrainingProgress
@@ -154,6 +155,7 @@ class ChunkedModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module: floating tensors in the compute dtype, all tensors on the device."""
         _refuse_compiling(torch.compiler.is_compiling())
+        self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         self._runtime.begin_forward()
         try:
@@ -161,6 +163,22 @@ class ChunkedModel(torch.nn.Module):
                 return self.module(*args, **kwargs)
         finally:
             self._runtime.end_forward()
+
+    def _refuse_parameters_added_after_boost(self) -> None:
+        """A parameter in no chunk would train (or not) outside chunkmem's optimizer, on one rank's
+        values: ``peft.get_peft_model`` on a boosted model, or a layer replaced after boosting."""
+        manager = self._manager
+        if all(manager.manages(p) for p in self.module.parameters()):
+            return
+        added = [name for name, p in self.module.named_parameters() if not manager.manages(p)]
+        shown = ", ".join(repr(n) for n in added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise NotSupportedError(
+            f"rank {manager.comm.rank}: {type(self.module).__name__} holds parameters that were added after boosting "
+            f"({shown}), which no chunk and no optimizer hold, as when peft.get_peft_model wraps a boosted model or a "
+            "layer is replaced after boosting. Chunks, gradients and optimizer pieces are built when boosting: apply "
+            "peft.get_peft_model(model, config) (or any change to the layers) to the plain model first, then boost it "
+            "with an optimizer over its parameters."
+        )
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see ``_compile_refused``."""
@@ -237,14 +255,19 @@ class ChunkedModel(torch.nn.Module):
                 out[name] = (tuple(tensor.shape), self._buffer_dtypes.get(name, tensor.dtype))
         return out
 
-    def _gather_params(self, destination: Destination, what: str) -> dict[int, torch.Tensor]:
+    def _gather_params(
+        self, destination: Destination, what: str, only: set[int] | None = None
+    ) -> dict[int, torch.Tensor]:
         """Each parameter's full fp32 values on the CPU, keyed by ``id(param)``, on the ranks
-        ``destination`` names (empty elsewhere); one chunk at a time. A collective."""
+        ``destination`` names (empty elsewhere); one chunk at a time, only the chunks holding a
+        parameter of ``only`` (ids) when given. A collective."""
         self._runtime.enter_state_access(what)
         self._runtime.finish_backward()
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
         for chunk in self._manager.chunks:
+            if only is not None and not any(id(info.param) in only for info in chunk.tensors):
+                continue
             with chunk.store.resident_master() as master:  # one at a time when masters are on disk
                 full = gather_full(runtime, self._manager.comm, chunk, master, destination, what)
                 if full is None:
@@ -253,14 +276,21 @@ class ChunkedModel(torch.nn.Module):
                     values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
         return values
 
-    def full_state_dict(self, destination: Destination = Destination.EVERY_RANK) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, destination: Destination = Destination.EVERY_RANK, names: set[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Full fp32 parameters and buffers (original dtypes) under the module's own names, on
-        the CPU, on the ranks ``destination`` names (``{}`` elsewhere). A collective."""
-        values = self._gather_params(destination, "gathering a state dict")
+        the CPU, on the ranks ``destination`` names (``{}`` elsewhere); only the entries ``names``
+        when given. A collective."""
+        own = self.module.state_dict(keep_vars=True)
+        if names is not None:
+            own = {name: tensor for name, tensor in own.items() if name in names}
+        only = None if names is None else {id(tensor) for tensor in own.values()}
+        values = self._gather_params(destination, "gathering a state dict", only)
         if not destination.receives(self._manager.comm.rank):
             return {}
         out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
+        for name, tensor in own.items():
             if id(tensor) in values:
                 out[name] = values[id(tensor)]
             else:
@@ -369,7 +399,19 @@ class ChunkedModel(torch.nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
         """Hugging Face ``save_pretrained`` with the full fp32 weights: rank 0 writes (from a plain
-        copy built chunk by chunk); every rank raises if the write fails. A collective."""
+        copy built chunk by chunk); every rank raises if the write fails. A collective. A PEFT
+        model writes its adapter, and only the chunks holding the adapter are gathered for it."""
+        entries = adapter_entries(self.module, self.state_shapes(), kwargs)
+        if entries is not None:
+            state = self.full_state_dict(Destination.FIRST_RANK, entries)
+
+            def write_adapter() -> None:
+                self.module.save_pretrained(save_directory, state_dict=state, **kwargs)
+
+            on_first_rank(
+                self._manager.comm, "save_pretrained", write_adapter, CheckpointWriteError, f"to {save_directory}"
+            )
+            return
         plain = self.plain_copy()
         if plain is not None and not hasattr(plain, "save_pretrained"):
             raise AttributeError(f"{type(self.module).__name__} has no save_pretrained (not a transformers model)")

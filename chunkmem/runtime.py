@@ -420,6 +420,10 @@ class ChunkRuntime(ParamOpHook):
         """Raise if accounted device memory is over the budget after ``what`` allocated."""
         self._executor.check_budget(what)
 
+    def transient_room(self, nbytes: int) -> int | None:
+        """Device bytes free for a temporary buffer wanting ``nbytes`` (see ``PlanExecutor``)."""
+        return self._executor.transient_room(nbytes)
+
     def transient(self, nbytes: int, what: str) -> Any:
         """Account a temporary device buffer used outside training steps (see ``PlanExecutor``)."""
         return self._executor.transient(nbytes, what)

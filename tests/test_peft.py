@@ -1,0 +1,353 @@
+"""PEFT (LoRA) under chunkmem: ``peft.get_peft_model`` first, then boost. Only the adapter has fp32
+gradients and optimizer states; the base is frozen chunks. Losses and adapter weights equal plain
+PEFT training bit for bit (fp32, and bf16 against the same mixed-precision recipe: 16-bit compute
+copies of the model, fp32 adapter masters stepped by the same AdamW) at one and two ranks, under a
+device budget (the auto policy moving chunks every step) and with the optimizer sides on disk;
+``save_pretrained`` writes the adapter plain PEFT writes; a checkpoint resumes exactly. Boosting
+before ``get_peft_model``, and quantized (tensor-subclass) weights, are refused naming the fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from models import batches, gpt2
+
+from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
+from placement import AutoPlacementConfig, StaticPlacementConfig
+
+peft = pytest.importorskip("peft")
+
+RANK, TARGET = 4, "c_attn"  # GPT-2 2x64: c_attn is 64 -> 192
+ADAPTER_NUMEL = 2 * RANK * (64 + 192)  # two layers, lora_A (r x 64) and lora_B (192 x r)
+CHUNK = 4_000  # the adapter (2048 elements) fills one trainable chunk of 4000
+STEPS = 3
+PLACEMENTS = {
+    "auto-budget": lambda: AutoPlacementConfig(device_budget=150_000),  # below the model: chunks move
+    "sides-on-disk": lambda: StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def lora_model(seed: int = 0) -> Any:
+    config = peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=[TARGET], lora_dropout=0.0, fan_in_fan_out=True)
+    model = peft.get_peft_model(gpt2(seed=seed), config)
+    # PEFT starts lora_B at zero (the adapter's output is 0): draw it, so that every adapter
+    # weight matters from the first step (the same values on both sides: same seed).
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def plain_peft(precision: str, data: Sequence[torch.Tensor], world_size: int = 1) -> tuple[list[list[float]], Any]:
+    """Plain PEFT on the CPU: each step, every rank's share of the batch through a copy of the model
+    in the compute dtype, the fp32 gradients of the shares added and divided by the world size (as
+    DDP does), AdamW on fp32 adapter masters, the compute copy refreshed from them. Returns each
+    step's per-rank losses and the fp32 model."""
+    masters = lora_model()
+    trainable = {n: p for n, p in masters.named_parameters() if p.requires_grad}
+    compute = copy.deepcopy(masters).to(DTYPES[precision])
+    weights = dict(compute.named_parameters())
+    optimizer = adamw(masters)
+    losses = []
+    for ids in data:
+        grads: dict[str, torch.Tensor] = {}
+        step = []
+        for share in ids.chunk(world_size):
+            loss = compute(input_ids=share, labels=share).loss
+            loss.backward()
+            step.append(loss.item())
+            for name in trainable:
+                g = weights[name].grad.float()
+                grads[name] = g if name not in grads else grads[name] + g
+                weights[name].grad = None
+        for name, p in trainable.items():
+            p.grad = grads[name] / world_size
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for name, p in trainable.items():
+                weights[name].copy_(p)
+        losses.append(step)
+    return losses, masters
+
+
+def boosted(precision: str, placement: str, disk_dir: str | Path | None, seed: int = 0) -> tuple[Any, Any, Booster]:
+    model = lora_model(seed)
+    booster = Booster(
+        ChunkPlugin(
+            placement=PLACEMENTS[placement](),
+            precision=precision,
+            chunk_size=CHUNK,
+            disk_dir=disk_dir if placement == "sides-on-disk" else None,
+        )
+    )
+    chunked, optimizer, *_ = booster.boost(model, adamw(model))
+    return chunked, optimizer, booster
+
+
+def train(chunked: Any, optimizer: Any, booster: Booster, data: Sequence[torch.Tensor], rank: int, world: int) -> list:
+    losses = []
+    for ids in data:
+        share = ids.chunk(world)[rank]
+        loss = chunked(input_ids=share, labels=share).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def adapter_report(chunked: Any, optimizer: Any) -> dict[str, Any]:
+    """What chunkmem reports about where the fp32 training state lives, for the analytic count."""
+    manager = chunked.manager
+    ledger = manager.ledger
+    trainable = [c for c in manager.chunks if c.trainable]
+    return {
+        "trainable_names": sorted(info.name for c in trainable for info in c.tensors),
+        "trainable_shard_numel": sum(c.shard_numel for c in trainable),
+        "frozen_chunks": sum(not c.trainable for c in manager.chunks),
+        "grad_shard_bytes": sum(ledger.bytes(where, MemoryKind.GRAD_SHARD) for where in Location),
+        "optim_state_bytes": sum(ledger.bytes(where, MemoryKind.OPTIM_STATE) for where in Location),
+        "optim_state_on_disk": ledger.bytes(Location.DISK, MemoryKind.OPTIM_STATE),
+        "optimizer_state_numel": sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k != "step"),
+        "reduce_scatter_bytes": chunked.stats().reduce_scatter_bytes,
+        "evictions": chunked.stats().evictions,
+        "grad_reductions": chunked.stats().grad_reductions,
+        "grad_flushes": chunked.stats().grad_flushes,
+    }
+
+
+def assert_only_the_adapter_trains(report: dict[str, Any], placement: str, world_size: int) -> None:
+    names = report["trainable_names"]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    assert len(names) == 4  # lora_A and lora_B in each of the two layers
+    assert report["frozen_chunks"] > 0
+    shard = CHUNK // world_size  # the one trainable chunk holds the whole adapter
+    assert report["trainable_shard_numel"] == shard
+    assert report["grad_shard_bytes"] == 4 * shard  # fp32 gradients for the adapter's chunk only
+    # AdamW: exp_avg and exp_avg_sq over the adapter's elements, and one fp32 step count per parameter.
+    assert report["optim_state_bytes"] == 2 * 4 * shard + 4 * len(names)
+    if world_size == 1:  # at two ranks each holds the state of its pieces: summed over ranks below
+        assert report["optimizer_state_numel"] == 2 * ADAPTER_NUMEL
+    if placement == "sides-on-disk":
+        assert report["optim_state_on_disk"] == report["optim_state_bytes"]
+    else:
+        assert report["evictions"] > 0, "the budget must move chunks"
+    if world_size > 1:  # only the adapter's chunk is reduced: once a step, plus early flushes under a budget
+        assert report["grad_reductions"] - report["grad_flushes"] == STEPS
+        assert report["reduce_scatter_bytes"] == report["grad_reductions"] * 4 * CHUNK
+
+
+def adapter_files(directory: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return {"files": sorted(p.name for p in directory.iterdir()), "config": config}, load_file(
+        directory / "adapter_model.safetensors"
+    )
+
+
+def assert_same_adapter(saved: Path, expected: Path) -> None:
+    """The files plain PEFT writes, with the same tensors; both load with plain PEFT onto a fresh
+    base and give the same outputs."""
+    (meta, tensors), (expected_meta, expected_tensors) = adapter_files(saved), adapter_files(expected)
+    assert meta == expected_meta
+    assert tensors.keys() == expected_tensors.keys()
+    for name, value in expected_tensors.items():
+        assert torch.equal(tensors[name], value), name
+    ids = batches(1, seed=7)[0]
+    loaded = [peft.PeftModel.from_pretrained(gpt2(), d).eval() for d in (saved, expected)]
+    with torch.no_grad():
+        assert torch.equal(loaded[0](input_ids=ids).logits, loaded[1](input_ids=ids).logits)
+
+
+SLOW = pytest.mark.slow  # the fast tier keeps a representative of each matrix
+
+
+@pytest.mark.parametrize(
+    ("precision", "placement"),
+    [
+        ("bf16", "auto-budget"),
+        ("fp32", "sides-on-disk"),
+        pytest.param("fp32", "auto-budget", marks=SLOW),
+        pytest.param("bf16", "sides-on-disk", marks=SLOW),
+    ],
+)
+def test_lora_trains_like_plain_peft_bit_for_bit(precision: str, placement: str, tmp_path: Path) -> None:
+    data = batches(STEPS)
+    expected_losses, reference = plain_peft(precision, data)
+    chunked, optimizer, booster = boosted(precision, placement, tmp_path)
+    losses = train(chunked, optimizer, booster, data, 0, 1)
+    assert losses == [step[0] for step in expected_losses]
+    state = chunked.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name  # the adapter trained, the base unchanged
+    assert_only_the_adapter_trains(adapter_report(chunked, optimizer), placement, 1)
+    chunked.save_pretrained(tmp_path / "chunkmem")
+    reference.save_pretrained(tmp_path / "plain")
+    assert_same_adapter(tmp_path / "chunkmem", tmp_path / "plain")
+    # booster.save_model / save_optimizer (one file each) resume a new job to the uninterrupted run.
+    booster.save_model(chunked, tmp_path / "model.pt")
+    booster.save_optimizer(optimizer, tmp_path / "optim.pt")
+    more = batches(2, seed=5)
+    after = train(chunked, optimizer, booster, more, 0, 1)
+    resumed, resumed_optimizer, resumed_booster = boosted(precision, placement, tmp_path, seed=3)
+    resumed_booster.load_model(resumed, tmp_path / "model.pt")
+    resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
+    assert train(resumed, resumed_optimizer, resumed_booster, more, 0, 1) == after
+    assert_same_states(resumed.state_dict(), chunked.state_dict())
+
+
+def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), name
+
+
+@contextmanager
+def gathered_elements(chunked: Any) -> Iterator[list[int]]:
+    """The number of elements of each all-gather of the model's communicator in the block."""
+    comm = chunked.manager.comm
+    sizes: list[int] = []
+    original = comm.all_gather
+
+    def counted(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(output.numel())
+        return original(output, *args, **kwargs)
+
+    comm.all_gather = counted
+    try:
+        yield sizes
+    finally:
+        del comm.all_gather  # the class's method again
+
+
+def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: str) -> dict[str, Any]:
+    data = batches(STEPS + 2)
+    chunked, optimizer, booster = boosted(precision, placement, out)  # ranks may share a disk_dir
+    losses = train(chunked, optimizer, booster, data[:STEPS], rank, world_size)
+    report = adapter_report(chunked, optimizer)
+    with gathered_elements(chunked) as gathered:
+        chunked.save_pretrained(Path(out) / "adapter")  # every rank calls; rank 0 writes
+    booster.save_model(chunked, Path(out) / "model", shard=True)
+    booster.save_optimizer(optimizer, Path(out) / "optim", shard=True)
+    state = {k: v for k, v in chunked.state_dict().items() if "lora_" in k}
+    after = train(chunked, optimizer, booster, data[STEPS:], rank, world_size)
+    # A new job from the checkpoint (another seed: every value must come from the files).
+    resumed, resumed_optimizer, resumed_booster = boosted(precision, placement, out, seed=3)
+    resumed_booster.load_model(resumed, Path(out) / "model")
+    resumed_booster.load_optimizer(resumed_optimizer, Path(out) / "optim")
+    again = train(resumed, resumed_optimizer, resumed_booster, data[STEPS:], rank, world_size)
+    return {
+        "losses": losses,
+        "report": report,
+        "state": state,
+        "after": after,
+        "resumed": again,
+        "saved_elements": sum(gathered),
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("precision", "placement"),
+    [
+        # The fast tier's two-rank case; its fp32 state is gathered in slices (a whole chunk does not fit the budget).
+        pytest.param("bf16", "auto-budget", marks=pytest.mark.fast_tier),
+        pytest.param("fp32", "sides-on-disk", marks=SLOW),
+        pytest.param("bf16", "sides-on-disk", marks=SLOW),
+    ],
+)
+def test_lora_at_two_ranks_equals_plain_peft_saves_its_adapter_and_resumes(
+    precision: str, placement: str, tmp_path: Path
+) -> None:
+    results = run_ranks(_two_ranks, 2, args=(precision, placement, str(tmp_path)))
+    expected_losses, reference = plain_peft(precision, batches(STEPS + 2)[:STEPS], world_size=2)
+    for rank, result in enumerate(results):
+        assert result["losses"] == [step[rank] for step in expected_losses], rank
+        assert_only_the_adapter_trains(result["report"], placement, 2)
+        assert result["resumed"] == result["after"], rank
+        # save_pretrained gathers the adapter's chunk, not the base: the file holds the adapter only.
+        assert result["saved_elements"] == CHUNK, rank
+        for name, value in result["state"].items():
+            assert torch.equal(value, reference.state_dict()[name]), name
+    assert sum(result["report"]["optimizer_state_numel"] for result in results) == 2 * ADAPTER_NUMEL
+    reference.save_pretrained(tmp_path / "plain")
+    assert_same_adapter(tmp_path / "adapter", tmp_path / "plain")
+
+
+def test_get_peft_model_after_boosting_is_refused_naming_the_order() -> None:
+    """PEFT replaces the boosted model's layers with its wrappers and adds adapter parameters that
+    are in no chunk and no optimizer: the next forward refuses, saying to apply it first."""
+    model = gpt2()
+    booster = Booster(ChunkPlugin(precision="fp32", chunk_size=CHUNK))
+    chunked, *_ = booster.boost(model, adamw(model))
+    config = peft.LoraConfig(r=RANK, target_modules=[TARGET], lora_dropout=0.0, fan_in_fan_out=True)
+    wrapped = peft.get_peft_model(chunked, config)
+    ids = batches(1)[0]
+    with pytest.raises(NotSupportedError, match=r"added after boosting.*lora_A\.default\.weight.*get_peft_model"):
+        wrapped(input_ids=ids, labels=ids)
+
+
+class _Packed(torch.Tensor):
+    """Stands in for a quantized weight (torchao's tensors are ``torch.Tensor`` subclasses that
+    ``nn.Parameter`` keeps as they are)."""
+
+
+class _Params4bit(torch.nn.Parameter):
+    """Stands in for bitsandbytes' ``Params4bit``: an ``nn.Parameter`` subclass over packed uint8."""
+
+
+@pytest.mark.parametrize("kind", ["tensor subclass", "parameter subclass"])
+def test_quantized_base_weights_are_refused_naming_the_fix(kind: str) -> None:
+    model = gpt2()
+    attention = model.transformer.h[0].attn.c_attn
+    weight = attention.weight.detach()
+    if kind == "tensor subclass":
+        attention.weight = torch.nn.Parameter(weight.as_subclass(_Packed), requires_grad=False)
+    else:
+        attention.weight = _Params4bit(torch.zeros(weight.numel() // 2, dtype=torch.uint8), requires_grad=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    booster = Booster(ChunkPlugin(precision="fp32"))
+    with pytest.raises(UnmanageableParameter, match=r"transformer\.h\.0\.attn\.c_attn\.weight.*quantized") as refused:
+        booster.boost(model, adamw(model))
+    assert "16-bit" in str(refused.value)
+    for name, p in model.named_parameters():  # nothing changed
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def _save_on_one_rank(rank: int, world_size: int, out: str) -> tuple[str, str] | None:
+    chunked, optimizer, booster = boosted("fp32", "auto-budget", None)
+    try:
+        for step, ids in enumerate(batches(3)):
+            if step == 1 and rank == 0:
+                chunked.save_pretrained(out)
+            train(chunked, optimizer, booster, [ids], rank, world_size)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # fresh ranks: a departure leaves the group unusable
+def test_saving_the_adapter_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path: Path) -> None:
+    results = run_ranks(_save_on_one_rank, 2, args=(str(tmp_path / "adapter"),), timeout=120, pg_timeout=60)
+    for rank, result in enumerate(results):
+        assert result is not None and result[0] == "TraceDivergenceError", (rank, result)
+        assert "save_pretrained()" in result[1]
+    assert not (tmp_path / "adapter").exists()
