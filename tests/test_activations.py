@@ -214,11 +214,15 @@ def test_a_checkpoint_inside_an_offloaded_block_is_left_alone() -> None:
 
 @pytest.mark.parametrize("how", ["offload", "recompute"])
 def test_double_checkpointing_is_refused(how: str) -> None:
-    chunked, optimizer, booster = boost(
-        Stack(outer_checkpoint=True), adamw_two_groups, activations=ActivationPlacement(**{how: ["Block"]})
-    )
-    with pytest.raises(NotSupportedError, match=r"block blocks.0 is \w+ by ActivationPlacement.*checkpoint it twice"):
-        booster.backward(_loss(chunked, _data()[0]), optimizer)
+    from chunkmem.activations.blocks import SEES_CHECKPOINTS
+
+    if SEES_CHECKPOINTS:  # a checkpoint of the user's own around the block: seen from PyTorch 2.8
+        chunked, optimizer, booster = boost(
+            Stack(outer_checkpoint=True), adamw_two_groups, activations=ActivationPlacement(**{how: ["Block"]})
+        )
+        twice = r"block blocks.0 is \w+ by ActivationPlacement.*checkpoint it twice"
+        with pytest.raises(NotSupportedError, match=twice):
+            booster.backward(_loss(chunked, _data()[0]), optimizer)
     model = gpt2(n_embd=32)
     enable_checkpointing(model, reentrant=False)
     chunked, optimizer, booster = boost(

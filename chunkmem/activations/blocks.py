@@ -34,11 +34,19 @@ from .offload import ActivationOffload, BlockCall
 __all__ = ["ActivationBlocks"]
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+SEES_CHECKPOINTS = _TOP_HOOKS is not None
+"""Whether this PyTorch lets a block see that it runs inside a ``torch.utils.checkpoint`` (2.8 and
+later); before, only a Hugging Face model's own ``gradient_checkpointing`` flag is seen, and a
+checkpoint of the user's own around a placed block is not refused (it recomputes the block again,
+which costs time and gives the same values)."""
 
 
 def _in_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are those of a non-reentrant checkpoint."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if _TOP_HOOKS is None:
+        return False
+    top = _TOP_HOOKS(False)
     return top is not None and any(getattr(top[0], "__qualname__", "").startswith(p) for p in _CHECKPOINT_HOOKS)
 
 
