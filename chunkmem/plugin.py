@@ -7,11 +7,11 @@ import copy
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 import placement as placement_pkg
 from placement import (
@@ -118,27 +118,19 @@ def _host_step_config(value: StepAfterBackward | StepDuringBackward | Mapping[st
     )
 
 
-def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> LossScaleConfig:
-    if value is None:
-        return LossScaleConfig()
-    if isinstance(value, LossScaleConfig):
-        return value
-    if isinstance(value, Mapping):
-        return LossScaleConfig.model_validate(dict(value))
-    raise TypeError(
-        f"loss_scale must be a LossScaleConfig or a mapping of its fields (initial_scale, growth_factor, "
-        f"backoff_factor, growth_interval, min_scale), got {type(value).__name__}"
-    )
+_Config = TypeVar("_Config", bound=BaseModel)
 
 
-def _activation_placement(value: ActivationPlacement | Mapping[str, Any] | None) -> ActivationPlacement | None:
-    if value is None or isinstance(value, ActivationPlacement):
+def _config(value: _Config | Mapping[str, Any], config: type[_Config], argument: str) -> _Config:
+    """A config given as itself or as a mapping of its fields (validated, naming the field)."""
+    if isinstance(value, config):
         return value
     if isinstance(value, Mapping):
-        return ActivationPlacement.model_validate(dict(value))
+        return config.model_validate(dict(value))
+    article = "an" if config.__name__[0] in "AEIOU" else "a"
     raise TypeError(
-        f"activations must be an ActivationPlacement or a mapping of its fields (recompute, offload, max_prefetch, "
-        f"min_offload_bytes), got {type(value).__name__}"
+        f"{argument} must be {article} {config.__name__} or a mapping of its fields "
+        f"({', '.join(config.model_fields)}), got {type(value).__name__}"
     )
 
 
@@ -220,14 +212,16 @@ class ChunkPlugin:
         self.precision = precision
         self.chunk_size = chunk_size
         self._process_group = process_group
-        self.loss_scale = _loss_scale_config(loss_scale)
+        self.loss_scale = (
+            LossScaleConfig() if loss_scale is None else _config(loss_scale, LossScaleConfig, "loss_scale")
+        )
         if check_plans is None:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
         self.gradient_accumulation = gradient_accumulation
         self.host_step = None if host_step is None else _host_step_config(host_step)
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
-        self.activations = _activation_placement(activations)
+        self.activations = None if activations is None else _config(activations, ActivationPlacement, "activations")
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
