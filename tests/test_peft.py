@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
-from models import batches, gpt2
+from models import Step, as_reference, batches, device_of, gpt2, optimizer_step_side
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -53,14 +53,17 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
-def plain_peft(precision: str, data: Sequence[torch.Tensor], world_size: int = 1) -> tuple[list[list[float]], Any]:
-    """Plain PEFT on the CPU: each step, every rank's share of the batch through a copy of the model
-    in the compute dtype, the fp32 gradients of the shares added and divided by the world size (as
-    DDP does), AdamW on fp32 adapter masters, the compute copy refreshed from them. Returns each
-    step's per-rank losses and the fp32 model."""
-    masters = lora_model()
+def plain_peft(
+    precision: str, data: Sequence[torch.Tensor], steps_on: torch.device, world_size: int = 1
+) -> tuple[list[list[float]], Any]:
+    """Plain PEFT: each step, every rank's share of the batch through a copy of the model in the
+    compute dtype on the device chunkmem computes on, the fp32 gradients of the shares added and
+    divided by the world size (as DDP does), AdamW on fp32 adapter masters on ``steps_on`` (where
+    chunkmem steps them: a GPU's Adam rounds otherwise than the CPU's), the compute copy refreshed
+    from them. Returns each step's per-rank losses and the fp32 model (on ``steps_on``)."""
+    masters = lora_model().to(steps_on)
     trainable = {n: p for n, p in masters.named_parameters() if p.requires_grad}
-    compute = copy.deepcopy(masters).to(DTYPES[precision])
+    compute = as_reference(copy.deepcopy(masters).to(DTYPES[precision]))
     weights = dict(compute.named_parameters())
     optimizer = adamw(masters)
     losses = []
@@ -68,11 +71,12 @@ def plain_peft(precision: str, data: Sequence[torch.Tensor], world_size: int = 1
         grads: dict[str, torch.Tensor] = {}
         step = []
         for share in ids.chunk(world_size):
+            share = share.to(device_of(compute))
             loss = compute(input_ids=share, labels=share).loss
             loss.backward()
             step.append(loss.item())
             for name in trainable:
-                g = weights[name].grad.float()
+                g = weights[name].grad.float().to(steps_on)
                 grads[name] = g if name not in grads else grads[name] + g
                 weights[name].grad = None
         for name, p in trainable.items():
@@ -84,6 +88,11 @@ def plain_peft(precision: str, data: Sequence[torch.Tensor], world_size: int = 1
                 weights[name].copy_(p)
         losses.append(step)
     return losses, masters
+
+
+def steps_on(chunked: Any) -> torch.device:
+    """Where chunkmem's optimizer steps the adapter's fp32 masters."""
+    return torch.device("cpu") if optimizer_step_side(chunked) is Step.HOST else chunked.compute_device
 
 
 def boosted(precision: str, placement: str, disk_dir: str | Path | None, seed: int = 0) -> tuple[Any, Any, Booster]:
@@ -190,13 +199,13 @@ SLOW = pytest.mark.slow  # the fast tier keeps a representative of each matrix
 )
 def test_lora_trains_like_plain_peft_bit_for_bit(precision: str, placement: str, tmp_path: Path) -> None:
     data = batches(STEPS)
-    expected_losses, reference = plain_peft(precision, data)
     chunked, optimizer, booster = boosted(precision, placement, tmp_path)
+    expected_losses, reference = plain_peft(precision, data, steps_on(chunked))
     losses = train(chunked, optimizer, booster, data, 0, 1)
     assert losses == [step[0] for step in expected_losses]
     state = chunked.state_dict()
     for name, value in reference.state_dict().items():
-        assert torch.equal(state[name], value), name  # the adapter trained, the base unchanged
+        assert torch.equal(state[name], value.cpu()), name  # the adapter trained, the base unchanged
     assert_only_the_adapter_trains(adapter_report(chunked, optimizer), placement, 1)
     chunked.save_pretrained(tmp_path / "chunkmem")
     reference.save_pretrained(tmp_path / "plain")
@@ -242,6 +251,7 @@ def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: 
     chunked, optimizer, booster = boosted(precision, placement, out)  # ranks may share a disk_dir
     losses = train(chunked, optimizer, booster, data[:STEPS], rank, world_size)
     report = adapter_report(chunked, optimizer)
+    report["steps_on"] = str(steps_on(chunked))
     with gathered_elements(chunked) as gathered:
         chunked.save_pretrained(Path(out) / "adapter")  # every rank calls; rank 0 writes
     booster.save_model(chunked, Path(out) / "model", shard=True)
@@ -277,7 +287,11 @@ def test_lora_at_two_ranks_equals_plain_peft_saves_its_adapter_and_resumes(
     precision: str, placement: str, tmp_path: Path
 ) -> None:
     results = run_ranks(_two_ranks, 2, args=(precision, placement, str(tmp_path)))
-    expected_losses, reference = plain_peft(precision, batches(STEPS + 2)[:STEPS], world_size=2)
+    sides = {result["report"]["steps_on"] for result in results}
+    assert len(sides) == 1, sides
+    expected_losses, reference = plain_peft(
+        precision, batches(STEPS + 2)[:STEPS], torch.device(sides.pop()), world_size=2
+    )
     for rank, result in enumerate(results):
         assert result["losses"] == [step[rank] for step in expected_losses], rank
         assert_only_the_adapter_trains(result["report"], placement, 2)
@@ -285,7 +299,7 @@ def test_lora_at_two_ranks_equals_plain_peft_saves_its_adapter_and_resumes(
         # save_pretrained gathers the adapter's chunk, not the base: the file holds the adapter only.
         assert result["saved_elements"] == CHUNK, rank
         for name, value in result["state"].items():
-            assert torch.equal(value, reference.state_dict()[name]), name
+            assert torch.equal(value, reference.state_dict()[name].cpu()), name
     assert sum(result["report"]["optimizer_state_numel"] for result in results) == 2 * ADAPTER_NUMEL
     reference.save_pretrained(tmp_path / "plain")
     assert_same_adapter(tmp_path / "adapter", tmp_path / "plain")
