@@ -242,7 +242,8 @@ class ChunkGrads:
             host = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
             self._ledger.alloc(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
             self._host = host
-        transfers.before_host_write(host)  # the copy that loaded the last device buffer may still read it
+        # No wait for the copy that loaded the last device buffer from ``host``: it ran on the
+        # compute stream, which the copy stream waits for before this copy writes (``copy``'s rule).
         transfers.copy(host, buffer, Direction.TO_HOST)
         self._host_state = HostGrads.HOLDS
         self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
-from .device import DeviceLayer, is_accelerator
+from .device import DeviceLayer
 from .grad_on_disk import GradOnDisk
 from .transfers import Direction, HostTransfers
 
@@ -287,7 +287,6 @@ class ShardStore:
         direction = Direction.TO_DEVICE if target is Location.DEVICE else Direction.TO_HOST
         old, old_location = self._master, self._master_location
         self._master = self._master_buffers.take(target)
-        self._before_write(self._master)
         self._transfers.copy(self._master, old, direction)
         self._master_buffers.give_back(old_location)
         if self._trainable:
@@ -297,7 +296,6 @@ class ShardStore:
             self._settle_grad()
             old_grad = self._grad
             self._grad = self._grad_buffers.take(target)
-            self._before_write(self._grad)
             self._transfers.copy(self._grad, old_grad, direction)
             self._grad_buffers.give_back(old_location)
         self._master_location = target
@@ -367,7 +365,6 @@ class ShardStore:
             return
         if not accumulate:
             target = self.allocate_grad()
-            self._before_write(target)
             self._transfers.copy(target, reduced, Direction.TO_HOST, after, divide_by)
             return
         # Into a staging buffer, added to the shard when it is next read: adding now would make
@@ -385,10 +382,6 @@ class ShardStore:
             self._transfers.before_host_read(staged)
             self._grad.add_(staged)
             self._transfers.give_back(staged)
-
-    def _before_write(self, buffer: torch.Tensor) -> None:
-        if not is_accelerator(buffer.device):  # a host buffer (every buffer, on a device that is the CPU)
-            self._transfers.before_host_write(buffer)
 
     def mark_updated(self) -> None:
         """The master changed (optimizer step, checkpoint load): derived copies are stale. A master

@@ -13,7 +13,10 @@ copy. Two directions, two rules:
   **copy stream**, after the work queued so far on the current stream and after a collective
   still producing the source (``after``), so it overlaps the compute that follows. The device
   source is recorded on the copy stream, so the allocator does not reuse its memory before the copy
-  has read it. The CPU waits only when it reads the target (``before_host_read``).
+  has read it. The CPU waits only when it reads the target (``before_host_read``). A copy into a
+  host buffer needs no wait for the copies that read it before: those ran on a stream the copy
+  stream waits for (the current one, or a side stream the current one waited for before using
+  what it fetched); the simulated device checks that order in every scenario.
 
 A host buffer that is not pinned makes a copy synchronous (the CPU waits for the device to reach
 it): ``Stats.pageable_copies`` counts those on CUDA. Pinned staging buffers for copies that need a

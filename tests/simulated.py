@@ -104,6 +104,24 @@ def _checkpoint(rank: int, world_size: int, precision: str, evaluate: bool) -> d
     return {"losses": losses, "state": other.state_dict()}
 
 
+def _host_write_after_copy(rank: int, world_size: int) -> dict[str, Any]:
+    """``before_host_write``'s own contract on its own: the host writes a buffer a copy wrote into
+    (a master moved to the host, then stepped there), with no read between (in training some read
+    always comes first and waits already: this is the guard callers such as ``prepare_host_write``
+    rely on when none does)."""
+    from chunkmem.device import device_layer
+    from chunkmem.stats import Stats
+    from chunkmem.transfers import Direction, HostTransfers
+
+    transfers = HostTransfers(Stats(), device_layer(torch.device("cpu")))
+    host = transfers.staging(1_000, torch.float32, torch.device("cpu"))
+    transfers.copy(host, torch.arange(1_000.0), Direction.TO_HOST)
+    transfers.before_host_write(host)
+    host.mul_(2.0)
+    transfers.before_host_read(host)
+    return {"losses": [], "state": {"buffer": host.clone()}}
+
+
 SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
     # name: (world size, run)
     "offload-p0": (1, lambda r, w: _train(r, w, _offload(0), host_step=StepAfterBackward())),
@@ -125,6 +143,7 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
         lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"])),
     ),
     "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
+    "host-write-after-copy": (1, _host_write_after_copy),
 }
 
 

@@ -99,14 +99,16 @@ def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() 
         assert len(simulator.errors) == 1
 
 
-# Which scenario fails without each wait (file: function: call). The ones below it no scenario
-# can catch, and why.
+# Which scenario fails without each wait (file: function: call). Every wait is caught by one: a
+# wait no scenario could catch was removed (issue 29; the reasons are at the call sites that lost
+# them, and in ``transfers.py``'s rule for copies into host buffers).
 CATCHES = {
     "activations/offload.py: _recycle: self._transfers.before_host_write(host)": "activation-offload",
     "activations/offload.py: _unpack: self._layer.wait_event(call.ready)": "activation-offload",
-    "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": None,
+    "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": (
+        "activation-offload"
+    ),
     "activations/offload.py: _fetch: self._transfers.before_host_read(copy.host)": "activation-offload",
-    "chunk_grads.py: spill: transfers.before_host_write(host)": None,
     "chunk_grads.py: _load_host: self._transfers.before_host_read(host)": "w2-no-sync-spill",
     "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
     "comm.py: wait: self._comm.layer.wait_event(self._event)": "offload-p3-bf16",
@@ -115,28 +117,12 @@ CATCHES = {
     "shard.py: prepare_host_write: self._transfers.before_host_write(self._master)": "load-after-eval",
     "shard.py: _settle_grad: self._transfers.before_host_read(self._grad)": "offload-p0",
     "shard.py: _settle_grad: self._transfers.before_host_read(staged)": "auto-p3",
-    "shard.py: _before_write: self._transfers.before_host_write(buffer)": None,
     "shard.py: _host_compute: self._transfers.before_host_write(self._host_cast)": "load-after-eval-bf16",
     "transfers.py: copy: layer.wait_stream(stream, layer.current_stream())": "offload-p0",
     "transfers.py: copy: layer.record_stream(source, stream)": "offload-p0",
     "transfers.py: before_host_read: self._layer.synchronize(event)": "offload-p0",
     "transfers.py: before_host_write: self._layer.synchronize(event)": "load-after-eval",
-    "transfers.py: before_host_write: self.before_host_read(host)": None,
-}
-UNCATCHABLE = {
-    "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": "the "
-    "device copy is made on the fetch stream and read on the compute stream after it waited for the fetch; without "
-    "record_stream a GPU's allocator could give its memory to the fetch stream's next copy while the compute stream "
-    "still reads it, but the simulated device only models freed memory going to the compute stream, which the "
-    "wait already orders",
-    "chunk_grads.py: spill: transfers.before_host_write(host)": "the host buffer is written by the copy out of "
-    "the device buffer, on the copy stream after the compute stream, where the copy that last read it (into the "
-    "device buffer it loaded) was queued: stream order already puts the write after that read",
-    "shard.py: _before_write: self._transfers.before_host_write(buffer)": "the copy that then writes the buffer "
-    "is queued after the host's last use of it and on the copy stream after the compute stream; no copy on "
-    "another stream reads a master or gradient shard it guards",
-    "transfers.py: before_host_write: self.before_host_read(host)": "every host buffer a copy writes into is "
-    "read (before_host_read) before the host writes it",
+    "transfers.py: before_host_write: self.before_host_read(host)": "host-write-after-copy",
 }
 
 
@@ -154,20 +140,14 @@ SITES = {_label(site): site for site in wait_sites()}
 
 def test_every_wait_of_the_protocol_is_listed() -> None:
     assert sorted(SITES) == sorted(CATCHES), "a wait was added or moved: say which scenario catches it"
-    assert {label for label, name in CATCHES.items() if name is None} == set(UNCATCHABLE)
 
 
 @pytest.mark.parametrize(
     "label",
-    [
-        pytest.param(label, marks=[pytest.mark.slow, *_marks(name)[1:]])
-        for label, name in CATCHES.items()
-        if name is not None
-    ],
+    [pytest.param(label, marks=[pytest.mark.slow, *_marks(name)[1:]]) for label, name in CATCHES.items()],
 )
 def test_removing_one_wait_fails_a_run_on_the_simulated_device(label: str) -> None:
     site, name = SITES[label], CATCHES[label]
-    assert name is not None
     world_size = SCENARIOS[name][0]
     if world_size == 1:
         found = [caught_without(0, 1, site, name)]

@@ -17,7 +17,8 @@ sanitizer does, over every schedule at once rather than one drawn at random:
 * Two accesses to one storage, one of them a write, from actors not ordered by happens-before
   raise :class:`UnorderedAccessError`, naming both. A device tensor freed by the host while a
   stream other than its allocation stream may still use it, and not ``record_stream``-ed to that
-  stream, raises too (the caching allocator would hand its memory to the next op).
+  stream, raises too: the caching allocator hands freed memory to the next op of the stream that
+  allocated it (the compute stream, or the side stream an op that made the tensor ran on).
 * Host buffers handed back to a pool are filled with NaN (a host write), so a copy still using
   one is an error and a read of it without a refill changes the numbers.
 
@@ -92,6 +93,7 @@ class _Accesses:
     write: tuple[str, int, str] | None = None  # actor, its tick, the op
     reads: dict[str, tuple[int, str]] = field(default_factory=dict)
     streams: set[str] = field(default_factory=set)  # record_stream-ed to
+    allocated_on: str = COMPUTE  # the stream whose next op the allocator gives the memory to when freed
 
 
 def _merge(into: Clock, other: Clock) -> None:
@@ -128,7 +130,7 @@ class Simulator:
         self._clocks: dict[str, Clock] = {HOST: {HOST: 0}, COMPUTE: {COMPUTE: 0}}
         self._host_buffers: dict[int, tuple[Any, bool]] = {}  # storage -> (weak ref, pinned)
         self._accesses: dict[int, _Accesses] = {}
-        self._watched: dict[int, _Accesses] = {}  # device storages a non-allocating stream used
+        self._watched: dict[int, _Accesses] = {}  # device storages made on, or used by, a side stream
         self._local = threading.local()
         self._streams = 0
         self._layers = 0
@@ -260,25 +262,30 @@ class Simulator:
             self._watched[key] = entry
 
     def check_freed(self) -> None:
-        """A device tensor another stream used was freed by the host: unless that use is ordered
-        before the compute stream (which the allocator gives the memory to) or the tensor was
-        ``record_stream``-ed to that stream, its memory may be rewritten under the use."""
-        # The allocator hands freed memory to the compute stream's next op, which the host's
-        # waits so far precede.
-        compute = dict(self._clocks[COMPUTE])
-        _merge(compute, self._clocks[HOST])
+        """A device tensor a stream other than its allocation stream used was freed by the host:
+        unless that use is ordered before the allocation stream (which the allocator gives the
+        memory to) or the tensor was ``record_stream``-ed to that stream, its memory may be
+        rewritten under the use."""
         for key, entry in list(self._watched.items()):
             if not entry.ref.expired():
                 continue
             del self._watched[key]
+            # The allocation stream's next op, which the host's waits so far precede.
+            owner = dict(self._clocks[entry.allocated_on])
+            _merge(owner, self._clocks[HOST])
             used = [(a, t, o) for a, (t, o) in entry.reads.items()]
             if entry.write is not None:
                 used.append(entry.write)
             for actor, tick, op in used:
-                if actor not in (HOST, COMPUTE) and actor not in entry.streams and compute.get(actor, 0) < tick:
+                if (
+                    actor not in (HOST, entry.allocated_on)
+                    and actor not in entry.streams
+                    and owner.get(actor, 0) < tick
+                ):
                     self._fail(
-                        f"simulated device: a device tensor that {op} on the {actor} uses was freed before that use "
-                        f"is ordered, and it was not record_stream-ed to the {actor}: the allocator may reuse it"
+                        f"simulated device: a device tensor allocated on the {entry.allocated_on} that {op} on the "
+                        f"{actor} uses was freed before that use is ordered, and it was not record_stream-ed to the "
+                        f"{actor}: the allocator may give its memory to the {entry.allocated_on}'s next op"
                     )
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -309,11 +316,17 @@ class Simulator:
                 if actor != HOST or on_host:
                     self.access(tensor, actor, write, f"{name} ({'write' if write else 'read'})")
         out = func(*args, **kwargs)
-        if actor == HOST:
+        if actor != COMPUTE:
             inputs = {_key(t) for t, _ in touched}
-            for result in tree_flatten(out)[0]:
-                if isinstance(result, torch.Tensor) and _key(result) not in inputs:
+            made = [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor) and _key(r) not in inputs]
+            for result in made:
+                if actor == HOST:
                     self.register_host(result, pinned=False)
+                elif (key := _key(result)) is not None:
+                    with self._lock:
+                        entry = self._entry(key, result)
+                        entry.allocated_on = actor
+                        self._watched[key] = entry
         return out
 
 
