@@ -106,6 +106,8 @@ CATCHES = {
     "activations/offload.py: _unpack: self._layer.wait_event(call.ready)": "activation-offload",
     "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": None,
     "activations/offload.py: _fetch: self._transfers.before_host_read(copy.host)": "activation-offload",
+    "activations/offload.py: settle: self._transfers.before_host_read(copy.host)": None,
+    "activations/auto.py: _measure: layer.synchronize(layer.record_event())": None,
     "chunk_grads.py: spill: transfers.before_host_write(host)": None,
     "chunk_grads.py: _load_host: self._transfers.before_host_read(host)": "w2-no-sync-spill",
     "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
@@ -124,6 +126,12 @@ CATCHES = {
     "transfers.py: before_host_write: self.before_host_read(host)": None,
 }
 UNCATCHABLE = {
+    "activations/offload.py: settle: self._transfers.before_host_read(copy.host)": "it keeps the ledger honest: "
+    "an auto block's saved tensors leave the accounted device bytes once their copies to the host are done; the "
+    "copy's read of them is ordered by record_stream (their memory is not reused before), so no data depends on it",
+    "activations/auto.py: _measure: layer.synchronize(layer.record_event())": "timing only: the host waits for "
+    "the compute stream around a measured block call so that the wall clock measures its forward; no data "
+    "depends on it",
     "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": "the "
     "device copy is made on the fetch stream and read on the compute stream after it waited for the fetch; without "
     "record_stream a GPU's allocator could give its memory to the fetch stream's next copy while the compute stream "
