@@ -12,11 +12,13 @@ The model (estimates, not guarantees of time; the byte bounds are what the runti
   backward.
 * **recompute** costs the call's forward once more in the backward; between the two it holds
   nothing, during its backward its saved bytes again (the working set of one block).
-* **offload** costs the part of the two copies (device to host in the forward, back in the
-  backward) that does not hide behind compute: on an asynchronous device the copy out hides behind
-  the call's own forward and the copy back behind the backward of the call after it (about twice a
-  forward); on a synchronous one (the CPU) nothing hides. It holds the call's saved bytes on the
-  device while they are copied out and once fetched back, at most one call's at a time.
+* **offload** costs the host time its hooks took in the first step (packing, fetching, waits)
+  and the part of the two copies (device to host in the forward, back in the backward) that does
+  not hide behind compute: on an asynchronous device the copy out hides behind the call's own
+  forward and the copy back behind the backward of the call after it (about twice a forward); on a
+  synchronous one (the CPU) nothing hides, and the copies are part of the hooks' time. It holds
+  the call's saved bytes on the device while they are copied out and once fetched back, at most
+  one call's at a time.
 
 The budget: ``model + kept + reserve <= budget``, where ``model`` is what the placement of model
 data needs at least (what stays on the device and the largest working set of one op) and
@@ -54,6 +56,9 @@ class BlockMeasure:
     """Bytes autograd saved in the call, apart from model memory (each storage once)."""
     forward_seconds: float
     """The call's forward time: what recomputing it costs."""
+    offload_seconds: float = 0.0
+    """Host time the call's offload took in the first step (packing, waiting for its copies out,
+    fetching: copies included where they are synchronous)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +108,10 @@ def _offload_seconds(measure: BlockMeasure, after: BlockMeasure | None, rates: C
         return float("inf")  # nothing measured: never preferred
     out = measure.saved_bytes / rates.to_host
     back = measure.saved_bytes / rates.to_device
-    if not rates.overlap:
-        return out + back
+    if not rates.overlap:  # the copies ran on the host, inside the hooks' time
+        return max(measure.offload_seconds, out + back)
     behind = 2 * after.forward_seconds if after is not None else 0.0
-    return max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
+    return measure.offload_seconds + max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
 
 
 def choose_activations(

@@ -184,6 +184,7 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
     assert run["stats"].peak_device_bytes <= minimum
 
 
+@pytest.mark.slow
 @pytest.mark.simulated
 def test_on_the_simulated_asynchronous_device_the_budget_holds_and_results_are_exact() -> None:
     """Copies overlap compute there (the plan's model hides them), fetched copies are read after the
@@ -252,6 +253,16 @@ def test_recompute_where_compute_is_cheaper_than_the_copies_and_offload_where_th
     plan = choose_activations(_measures(1.0, 0.7, 0.7), overlapped, budget=2 * MB, model_bytes=MB)
     assert plan.choices == (ActivationChoice.OFFLOAD, ActivationChoice.OFFLOAD, ActivationChoice.RECOMPUTE)
     assert plan.seconds == pytest.approx(0.0 + 0.3 + 0.7)
+
+
+def test_the_offloads_own_host_time_counts_against_it() -> None:
+    """Copies of 1 MiB at 1 GiB/s cost next to nothing; the hooks' host time decides."""
+    fast = CopyRates(to_host=1024 * MB, to_device=1024 * MB, overlap=False)
+    costly = [BlockMeasure("b", MB, forward_seconds=1.0, offload_seconds=3.0)]
+    cheap = [BlockMeasure("b", MB, forward_seconds=1.0, offload_seconds=0.25)]
+    assert choose_activations(costly, fast, budget=2 * MB, model_bytes=MB).choices == (ActivationChoice.RECOMPUTE,)
+    plan = choose_activations(cheap, fast, budget=2 * MB, model_bytes=MB)
+    assert plan.choices == (ActivationChoice.OFFLOAD,) and plan.seconds == 0.25
 
 
 def test_the_calls_kept_are_those_whose_other_way_costs_most_per_byte() -> None:

@@ -105,7 +105,7 @@ CATCHES = {
     "activations/offload.py: _recycle: self._transfers.before_host_write(host)": "activation-offload",
     "activations/offload.py: _unpack: self._layer.wait_event(call.ready)": "activation-offload",
     "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": None,
-    "activations/offload.py: _fetch: self._transfers.before_host_read(copy.host)": "activation-offload",
+    "activations/offload.py: _fetch_now: self._transfers.before_host_read(copy.host)": "activation-offload",
     "activations/offload.py: settle: self._transfers.before_host_read(copy.host)": None,
     "activations/auto.py: _measure: layer.synchronize(layer.record_event())": None,
     "chunk_grads.py: spill: transfers.before_host_write(host)": None,

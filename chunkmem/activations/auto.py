@@ -54,6 +54,7 @@ class AutoBlocks:
         self._recompute = recompute
         self._index = 0
         self._measures: list[BlockMeasure] = []
+        self._offload_times: list[list[float]] = []  # per call index: the offload's host seconds
         self._plan: ActivationPlan | None = None
 
     @property
@@ -95,21 +96,19 @@ class AutoBlocks:
         call = BlockCall(name, module)
         layer = self._layer
         layer.synchronize(layer.record_event())
-        copying = self._copies.d2h_seconds
         began = time.perf_counter()
         out = self._offloaded(call, forward, *args, **kwargs)
         layer.synchronize(layer.record_event())
-        seconds = time.perf_counter() - began
-        if not layer.asynchronous:  # the copies ran inside the forward: not compute
-            self._settle()
-            seconds = max(0.0, seconds - (self._copies.d2h_seconds - copying))
-        measure = BlockMeasure(name, call.saved_bytes, seconds)
+        # The offload's own host time (its copies too, where they are synchronous) is not compute.
+        seconds = max(0.0, time.perf_counter() - began - call.host_seconds[0])
         if index < len(self._measures):
             old = self._measures[index]
-            measure = BlockMeasure(name, max(old.saved_bytes, measure.saved_bytes), max(old.forward_seconds, seconds))
-            self._measures[index] = measure
+            self._measures[index] = BlockMeasure(
+                name, max(old.saved_bytes, call.saved_bytes), max(old.forward_seconds, seconds)
+            )
         else:
-            self._measures.append(measure)
+            self._measures.append(BlockMeasure(name, call.saved_bytes, seconds))
+            self._offload_times.append(call.host_seconds)  # the fetch adds to it in the backward
         return out
 
     def _decide(self) -> None:
@@ -126,17 +125,20 @@ class AutoBlocks:
             copies.h2d_seconds / copies.h2d_bytes if copies.h2d_bytes else 0.0,
         ]
         saved = [m.saved_bytes for m in self._measures] + [0] * (n - len(self._measures))
-        seconds = [m.forward_seconds for m in self._measures] + [0.0] * (n - len(self._measures))
+        missing = n - len(self._measures)
+        seconds = [m.forward_seconds for m in self._measures] + [0.0] * missing
+        hooks = [box[0] for box in self._offload_times] + [0.0] * missing
         sizes = torch.tensor(saved, dtype=torch.int64, device=comm.tensor_device)
-        times = torch.tensor(seconds + per_byte, dtype=torch.float64, device=comm.tensor_device)
+        times = torch.tensor(seconds + hooks + per_byte, dtype=torch.float64, device=comm.tensor_device)
         comm.all_reduce(sizes, dist.ReduceOp.MAX)
         comm.all_reduce(times, dist.ReduceOp.MAX)
-        names = [m.name for m in self._measures] + ["(a call on another rank)"] * (n - len(self._measures))
+        names = [m.name for m in self._measures] + ["(a call on another rank)"] * missing
+        agreed = times.tolist()
         measures = [
-            BlockMeasure(name, int(b), float(t))
-            for name, b, t in zip(names, sizes.tolist(), times.tolist()[:n], strict=True)
+            BlockMeasure(name, int(b), float(t), float(h))
+            for name, b, t, h in zip(names, sizes.tolist(), agreed[:n], agreed[n : 2 * n], strict=True)
         ]
-        to_host, to_device = times.tolist()[n:]
+        to_host, to_device = agreed[2 * n :]
         if not to_device:  # no backward ran in the measured step: take the other direction's rate
             to_device = to_host
         rates = CopyRates(

@@ -24,6 +24,7 @@ fetch until the call's last handle is gone.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class BlockCall:
     saved_bytes: int = 0  # what the call saved apart from model memory, each storage once
     draining: int = 0  # accounted bytes of storages being copied to the host
     seen: set[int] = field(default_factory=set)  # storages counted in saved_bytes
+    host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
 
 
 @dataclass(eq=False)
@@ -132,7 +134,9 @@ class ActivationOffload:
             if self._account is not None:
                 self._account.add(storage.nbytes(), f"block {call.block} (a saved tensor on its way to the host)")
                 call.draining += storage.nbytes()
+            began = time.perf_counter()
             copy = call.copies[key] = _Copy(self._to_host(tensor), StorageWeakRef(storage))
+            call.host_seconds[0] += time.perf_counter() - began
         return _Saved(call, copy, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def settle(self, call: BlockCall) -> None:
@@ -140,8 +144,10 @@ class ActivationOffload:
         and their sources leave the ledger."""
         if self._account is None or not call.draining:
             return
+        began = time.perf_counter()
         for copy in call.copies.values():
             self._transfers.before_host_read(copy.host)
+        call.host_seconds[0] += time.perf_counter() - began
         self._account.remove(call.draining)
         call.draining = 0
 
@@ -184,6 +190,11 @@ class ActivationOffload:
         self._pending = [weakref.ref(c) for c in live if not c.fetched]
 
     def _fetch(self, call: BlockCall) -> None:
+        began = time.perf_counter()
+        self._fetch_now(call)
+        call.host_seconds[0] += time.perf_counter() - began
+
+    def _fetch_now(self, call: BlockCall) -> None:
         if self._account is not None:
             nbytes = sum(copy.host.numel() * copy.host.element_size() for copy in call.copies.values())
             self._account.add(nbytes, f"block {call.block} (its saved tensors fetched for its backward)")
