@@ -159,10 +159,10 @@ class ChunkedModel(torch.nn.Module):
         _refuse_compiling(torch.compiler.is_compiling())
         self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
-        if self._activations is not None:
-            self._activations.begin_forward()
         self._runtime.begin_forward()
         try:
+            if self._activations is not None:  # after the ranks agreed this forward (check mode)
+                self._activations.begin_forward()
             with self._runtime.forward_context():
                 return self.module(*args, **kwargs)
         finally:

@@ -177,7 +177,8 @@ class ChunkPlugin:
             ``no_sync`` when the device needs their room (added back at the reduction).
         activations: an ``ActivationPlacement`` (or a mapping of its fields, validated into one):
             the block classes whose saved tensors are recomputed in the backward or offloaded to
-            host memory. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
+            host memory, or (``auto``) placed per call under ``device_budget``, which then covers
+            them too. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
     """
 
     def __init__(

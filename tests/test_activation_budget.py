@@ -147,7 +147,7 @@ def test_activations_beyond_the_budget_train_bit_for_bit_within_it() -> None:
     _assert_identical(run, _plain(_recomputed(plan)))
     stats = run["stats"]
     assert stats.peak_device_bytes <= budget
-    assert stats.peak_device_bytes > _model_minimum() + PER_BLOCK  # activations are in the figure
+    assert stats.peak_device_bytes >= _model_minimum() + PER_BLOCK  # activations are in the figure
     offloaded = plan.choices.count(ActivationChoice.OFFLOAD)
     recomputed = len(_recomputed(plan))
     # The first step offloads every call; then the plan's calls copy, keep and recompute.

@@ -85,10 +85,11 @@ class AutoBlocks:
         return self._recompute(name, module, forward, saved, *args, **kwargs)
 
     def _offloaded(self, call: BlockCall, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with self._offload.hooks(call):
-            out = forward(*args, **kwargs)
-        self._offload.settle(call)
-        return out
+        try:
+            with self._offload.hooks(call):
+                return forward(*args, **kwargs)
+        finally:
+            self._offload.settle(call)  # also after a failed forward: what it copied leaves the ledger
 
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
