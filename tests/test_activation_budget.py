@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from test_activations import _assert_identical, _saved_bytes
 from torch.utils.checkpoint import checkpoint
 
-from chunkmem import BudgetTooSmallError, ChunkedModel
+from chunkmem import BudgetExceededError, BudgetTooSmallError, ChunkedModel
 from placement import (
     ActivationChoice,
     ActivationPlacement,
@@ -182,6 +182,25 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
     run = _train(minimum, _auto())  # the minimum named trains, keeping nothing
     assert ActivationChoice.KEEP not in run["plan"].choices
     assert run["stats"].peak_device_bytes <= minimum
+
+
+def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
+    chunked, optimizer, booster = boost(
+        Stack(),
+        adamw_two_groups,
+        chunk_size=8_000,
+        placement=StaticPlacementConfig(device_budget=budget),
+        activations=_auto(),
+    )
+    for x in _data()[:2]:
+        booster.backward(_loss(chunked, x), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert set(chunked.activation_plan.choices) == {ActivationChoice.KEEP}
+    with pytest.raises(BudgetExceededError, match=r"a step that saves more .* than the first does not fit"):
+        _loss(chunked, torch.cat(_data()[:2]))  # twice the rows: every kept call saves twice the bytes
+    assert chunked.stats().peak_device_bytes <= budget
 
 
 @pytest.mark.slow
