@@ -244,6 +244,41 @@ def test_two_ranks_train_under_one_budget_as_keep_with_one_plan() -> None:
     assert ActivationChoice.KEEP in first["choices"] and set(first["choices"]) != {ActivationChoice.KEEP}
 
 
+@pytest.mark.slow
+def test_gpt2_under_one_budget_equals_plain_pytorch_bit_for_bit() -> None:
+    """Hugging Face blocks (tuple outputs, attention masks, SDPA): the plan's choices are exact and
+    the budget holds, with plain activations alone above it."""
+    from models import batches, gpt2, lm_loss, train_reference
+
+    data = batches(3, batch=8, seq=32)
+    model = as_reference(gpt2(n_layer=3, n_embd=32))
+    saved = _saved_bytes(model.transformer.h, lambda: lm_loss(model, data[0]), keep_below=0)
+    per_block = saved // 3
+    with pytest.raises(BudgetTooSmallError) as refused:
+        boost(gpt2(n_layer=3, n_embd=32), adamw_two_groups, placement=StaticPlacementConfig(device_budget=1))
+    budget = refused.value.minimum + 2 * per_block + per_block // 2
+    assert saved > budget - refused.value.minimum
+    reference = as_reference(gpt2(n_layer=3, n_embd=32))
+    plain = {"losses": train_reference(reference, adamw_two_groups, data), "state": reference.state_dict()}
+    chunked, optimizer, booster = boost(
+        gpt2(n_layer=3, n_embd=32),
+        adamw_two_groups,
+        placement=StaticPlacementConfig(device_budget=budget),
+        activations=ActivationPlacement(auto=["GPT2Block"]),
+    )
+    losses = []
+    for ids in data:
+        loss = lm_loss(chunked, ids)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    # No dropout: recomputing a block gives the same values, so every choice equals plain PyTorch.
+    _assert_identical({"losses": losses, "state": chunked.state_dict()}, plain)
+    assert chunked.activation_plan.choices.count(ActivationChoice.KEEP) == 1
+    assert chunked.stats().peak_device_bytes <= budget
+
+
 # --- the choice -------------------------------------------------------------------------------
 MB = 1 << 20
 
