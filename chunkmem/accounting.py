@@ -1,7 +1,9 @@
 """Exact byte accounting of chunk memory, per location and per kind of buffer.
 
 Every allocation and free of chunk-owned memory goes through one ``MemoryLedger``; it is the number
-the budget is enforced against and what ``Stats.peak_device_bytes`` reports.
+the budget is enforced against and what ``Stats.peak_device_bytes`` reports. With
+``ActivationPlacement(auto=...)`` it accounts the saved activations of those blocks too
+(``MemoryKind.ACTIVATION``); other activations and temporaries are outside it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class MemoryKind(enum.Enum):
     """Temporary buffers of a collective outside training (state dicts, checkpoints)."""
     STAGING = "staging"
     """Host buffers a chunk's optimizer side from disk is stepped in."""
+    ACTIVATION = "activation"
+    """Saved activations of the blocks ``ActivationPlacement(auto=...)`` places under the device
+    budget, while they are on the device (see ``chunkmem.activations.ledger``)."""
 
 
 class MemoryLedger:

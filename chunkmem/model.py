@@ -28,6 +28,8 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
+from placement import ActivationPlan
+
 from .activations import ActivationBlocks
 from .agreement import agree, on_first_rank
 from .chunk import Chunk
@@ -159,6 +161,8 @@ class ChunkedModel(torch.nn.Module):
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         self._runtime.begin_forward()
         try:
+            if self._activations is not None:  # after the ranks agreed this forward (check mode)
+                self._activations.begin_forward()
             with self._runtime.forward_context():
                 return self.module(*args, **kwargs)
         finally:
@@ -183,6 +187,13 @@ class ChunkedModel(torch.nn.Module):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see ``_compile_refused``."""
         raise _compile_refused()
+
+    @property
+    def activation_plan(self) -> ActivationPlan | None:
+        """Where the saved activations of each ``ActivationPlacement(auto=...)`` block call go
+        (``placement.ActivationPlan``: per call of a forward, keep, offload or recompute), decided
+        after the first training step; ``None`` before, or without auto blocks."""
+        return self._activations.plan if self._activations is not None else None
 
     def stats(self) -> Stats:
         """Counters since boosting; see :class:`chunkmem.Stats`."""

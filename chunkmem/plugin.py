@@ -177,7 +177,8 @@ class ChunkPlugin:
             ``no_sync`` when the device needs their room (added back at the reduction).
         activations: an ``ActivationPlacement`` (or a mapping of its fields, validated into one):
             the block classes whose saved tensors are recomputed in the backward or offloaded to
-            host memory. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
+            host memory, or (``auto``) placed per call under ``device_budget``, which then covers
+            them too. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
     """
 
     def __init__(
@@ -313,6 +314,14 @@ class ChunkPlugin:
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
+        if self.activations is not None and self.activations.auto:
+            if policy.budget is None:
+                raise ValueError(
+                    "ActivationPlacement(auto=...) places saved activations under the device budget, but the "
+                    f"placement {type(self.placement).__name__} has no device_budget: give one "
+                    "(device_budget='20GiB'), or name the blocks in recompute or offload instead"
+                )
+            policy.cover_activations()
         try:
             layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
@@ -328,10 +337,12 @@ class ChunkPlugin:
         values.prepare_buffers(model)
         manager.close_all(places.placement, places.disk_file)
         buffer_dtypes = self._place_buffers(model, device, dtype)
-        activations = (
-            ActivationBlocks(model, self.activations, comm.layer, stats) if self.activations is not None else None
-        )
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        activations = (
+            ActivationBlocks(model, self.activations, comm, stats, (manager.ledger, runtime.transient_room, policy))
+            if self.activations is not None
+            else None
+        )
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
         boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)

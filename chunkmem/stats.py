@@ -11,12 +11,16 @@ __all__ = ["Stats"]
 @dataclass
 class Stats:
     """Cumulative since the model was boosted (take differences between two snapshots for a
-    per-step figure). Byte counts are accounted chunk memory and transfer volume, exact."""
+    per-step figure). Byte counts are accounted chunk memory and transfer volume, exact. With
+    ``ActivationPlacement(auto=...)`` the accounted device bytes include the saved activations of
+    those blocks while they are on the device (``activation_bytes``); activations elsewhere and
+    temporaries are never accounted."""
 
     peak_device_bytes: int = 0
-    """Highest accounted chunk bytes on the compute device (never above ``device_budget``)."""
+    """Highest accounted bytes on the compute device (never above ``device_budget``): chunk memory,
+    and the saved activations of ``auto`` blocks."""
     device_bytes: int = 0
-    """Accounted chunk bytes on the compute device now."""
+    """Accounted bytes on the compute device now (as ``peak_device_bytes``)."""
     host_bytes: int = 0
     """Accounted chunk bytes in host memory now."""
     peak_host_bytes: int = 0
@@ -42,9 +46,19 @@ class Stats:
     between ranks and runs."""
     d2h_seconds: float = 0.0
     """Seconds the device-to-host copies took (as ``h2d_seconds``)."""
+    activation_bytes: int = 0
+    """Saved activations of ``ActivationPlacement(auto=...)`` blocks accounted on the device now (in
+    ``device_bytes``): those kept, those of offloaded calls until copied out and once fetched back."""
+    activation_kept_bytes: int = 0
+    """Bytes of saved activations of ``auto`` blocks that stayed on the device (each storage once per
+    save): the calls kept, and the small tensors offloaded calls keep."""
+    activation_recomputed_bytes: int = 0
+    """Bytes of saved activations of ``auto`` blocks recomputed in the backward (the first step's
+    measure of the call, per recomputation); ``recomputed_blocks`` counts the recomputations."""
     activation_d2h_bytes: int = 0
-    """Bytes of saved activations copied to host memory (``ActivationPlacement(offload=...)``: each
-    offloaded storage once per block call); not in ``d2h_bytes``, which counts chunk traffic."""
+    """Bytes of saved activations copied to host memory (``ActivationPlacement(offload=...)``, and the
+    ``auto`` calls offloaded, every one in the first step: each offloaded storage once per block
+    call); not in ``d2h_bytes``, which counts chunk traffic."""
     activation_h2d_bytes: int = 0
     """Bytes of saved activations copied back to the compute device for the backward; not in
     ``h2d_bytes``."""

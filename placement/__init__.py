@@ -3,6 +3,7 @@
 Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
+from .activation_plan import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, choose_activations
 from .activations import ActivationPlacement, BlockClass, block_class_name, matches_block
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
@@ -29,16 +30,20 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 __all__ = [
     "DISK_WINDOW",
     "Action",
+    "ActivationChoice",
     "ActivationPlacement",
+    "ActivationPlan",
     "AutoPlacementConfig",
     "AutoPolicy",
     "BlockClass",
+    "BlockMeasure",
     "BudgetNeed",
     "BudgetTooSmallError",
     "BufferKind",
     "ChunkPlacement",
     "ChunkSpec",
     "ComputeTrace",
+    "CopyRates",
     "CursorMode",
     "DeviceResidency",
     "Divergence",
@@ -65,6 +70,7 @@ __all__ = [
     "Verb",
     "WorkingSet",
     "block_class_name",
+    "choose_activations",
     "load_placement_config",
     "make_policy",
     "matches_block",

@@ -78,6 +78,19 @@ class ActivationPlacement(BaseModel):
     copy is made too (the "host" is the same memory: it costs a copy and saves nothing, but the
     path and its counters run as on a GPU). Counted in ``Stats.activation_d2h_bytes`` /
     ``activation_h2d_bytes``, apart from chunk traffic."""
+    auto: Blocks = ()
+    """Block classes whose placement chunkmem chooses per block call under the placement's
+    ``device_budget``, which then covers their saved activations as well as model data, plus the
+    working set of one block (the budget needs one: a placement without ``device_budget`` is refused
+    at boost). The first training step offloads every call (what it saves is measured and stays off
+    the device); at the end of its backward the calls are measured (saved bytes, forward time, copy
+    bandwidth, the maximum over ranks) and each is kept, offloaded or recomputed from then on, the
+    kept ones while they fit, chosen to add the least estimated step time
+    (``placement.choose_activations``; the plan is ``model.activation_plan``). A budget that cannot
+    hold model data and one block's saved bytes is refused at the end of the first step with the
+    minimum. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
+    in ``Stats.peak_device_bytes``); offloaded calls copy with ``max_prefetch`` 0 (one call fetched at
+    a time) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
     max_prefetch: Annotated[int, Field(ge=0, strict=True)] = 1
     """How many offloaded block calls, next in backward order, are copied back to the device
     ahead of their backward, when a block's backward starts (0: each is copied back when its
@@ -88,11 +101,13 @@ class ActivationPlacement(BaseModel):
 
     @model_validator(mode="after")
     def _one_choice_per_class(self) -> ActivationPlacement:
-        named = {block_class_name(b) for b in self.recompute}
-        both = sorted(named & {block_class_name(b) for b in self.offload})
-        if both:
-            raise ValueError(
-                f"offload and recompute both name {both}: a block's saved tensors are either recomputed or "
-                "offloaded; name each class in one field"
-            )
+        fields = {"recompute": self.recompute, "offload": self.offload, "auto": self.auto}
+        names = {field: {block_class_name(b) for b in blocks} for field, blocks in fields.items()}
+        for first, second in (("offload", "recompute"), ("auto", "recompute"), ("auto", "offload")):
+            both = sorted(names[first] & names[second])
+            if both:
+                raise ValueError(
+                    f"{first} and {second} both name {both}: a block's saved tensors are placed one way (recompute, "
+                    "offload, or auto: chosen under the budget); name each class in one field"
+                )
         return self

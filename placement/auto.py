@@ -51,8 +51,14 @@ class AutoPolicy(PlacementPolicy):
         return self._config
 
     def _warmup_cap(self) -> int:
-        cap = int(self._capacity * (1.0 - self._config.warmup_non_model_data_ratio))
-        return cap if self._budget is None else min(cap, self._budget)
+        ratio = 1.0 - self._config.warmup_non_model_data_ratio
+        cap = int(self._capacity * ratio)
+        budget = self._hard_cap()
+        if budget is not None and self._covers_activations and not self._reserved:
+            # Activations are under the budget too, and not measured yet: leave them the share of
+            # the budget the ratio says (the layout's optimizer sides stay on the host until then).
+            budget = int(budget * ratio)
+        return cap if budget is None else min(cap, budget)
 
     def needs_profile(self, trace: ComputeTrace | None) -> bool:
         """Until non-model memory has been measured for the frozen trace."""
@@ -101,7 +107,8 @@ class AutoPolicy(PlacementPolicy):
         nxt = min(position + 1, len(self._non_model) - 1)
         non_model = max(self._non_model[position], self._non_model[nxt])
         cap = max(0, int(self._capacity * self._config.steady_device_cap_ratio) - non_model)
-        return cap if self._budget is None else min(cap, self._budget)
+        budget = self._hard_cap()
+        return cap if budget is None else min(cap, budget)
 
     def _decide_layout(self, working_sets: Sequence[WorkingSet]) -> Layout:
         """The device layout (``_device_layout``), then, under a host budget, optimizer sides left

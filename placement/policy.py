@@ -81,6 +81,8 @@ class PlacementPolicy(ABC):
         self._fetches_cost = False
         self._working_sets: tuple[WorkingSet, ...] = ()
         self._accumulate = False
+        self._covers_activations = False
+        self._reserved = 0
 
     @property
     def max_prefetch(self) -> int:
@@ -90,6 +92,32 @@ class PlacementPolicy(ABC):
     def budget(self) -> int | None:
         """The hard cap on accounted chunk bytes on the device (``None``: no hard cap)."""
         return self._budget
+
+    def cover_activations(self) -> None:
+        """The budget covers saved activations too (``ActivationPlacement(auto=...)``): called
+        before ``layout``, so that a policy that fills the device with model data can leave room."""
+        self._covers_activations = True
+
+    @property
+    def covers_activations(self) -> bool:
+        return self._covers_activations
+
+    def reserve_for_activations(self, nbytes: int) -> None:
+        """Keep ``nbytes`` of the budget free of model data from now on (saved activations and the
+        working set of one block, as planned from the first step): ``cap`` is lowered by it. The
+        budget itself stays the hard limit of what the ledger accounts."""
+        if nbytes < 0:
+            raise ValueError(f"reserve_for_activations: negative byte count {nbytes}")
+        self._reserved = nbytes
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the budget kept free of model data for activations (0 unless planned)."""
+        return self._reserved
+
+    def _hard_cap(self) -> int | None:
+        """The budget less what is reserved for activations (``None``: no budget)."""
+        return None if self._budget is None else max(0, self._budget - self._reserved)
 
     @property
     def host_budget(self) -> int | None:
@@ -197,8 +225,9 @@ class PlacementPolicy(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not use a non-model memory profile")
 
     def cap(self, position: int, trace: ComputeTrace | None) -> int | None:
-        """Model-data cap at a position of ``trace``; the hard budget unless a policy knows better."""
-        return self._budget
+        """Model-data cap at a position of ``trace``: the hard budget (less what is reserved for
+        activations) unless a policy knows better."""
+        return self._hard_cap()
 
     def before_op(self, snap: OpSnapshot) -> FetchPlan:
         """Evict (furthest next use first) until the op fits under the cap, then choose

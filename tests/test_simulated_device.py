@@ -108,7 +108,7 @@ CATCHES = {
     "activations/offload.py: _unpack: self._layer.record_stream(device, self._layer.current_stream())": (
         "activation-offload"
     ),
-    "activations/offload.py: _fetch: self._transfers.before_host_read(copy.host)": "activation-offload",
+    "activations/offload.py: _fetch_now: self._transfers.before_host_read(copy.host)": "activation-offload",
     "chunk_grads.py: _load_host: self._transfers.before_host_read(host)": "w2-no-sync-spill",
     "chunk_grads.py: _drop_host: self._transfers.before_host_write(self._host)": "w2-no-sync-spill",
     "comm.py: wait: self._comm.layer.wait_event(self._event)": "offload-p3-bf16",
@@ -123,6 +123,15 @@ CATCHES = {
     "transfers.py: before_host_read: self._layer.synchronize(event)": "offload-p0",
     "transfers.py: before_host_write: self._layer.synchronize(event)": "load-after-eval",
     "transfers.py: before_host_write: self.before_host_read(host)": "host-write-after-copy",
+}
+# Waits that order no data, so no run's numbers can show them missing; why each is there.
+NOT_DATA = {
+    "activations/offload.py: settle: self._transfers.before_host_read(copy.host)": "the ledger's truth: an "
+    "auto block's saved tensors leave the accounted device bytes once their copies to the host are done (until "
+    "then the allocator holds them, record_stream-ed to the copy stream); without it the accounted peak could "
+    "be under the allocator's",
+    "activations/auto.py: _measure: layer.synchronize(layer.record_event())": "timing only: the host waits for "
+    "the compute stream around a measured block call so that the wall clock measures its forward",
 }
 
 
@@ -139,7 +148,8 @@ SITES = {_label(site): site for site in wait_sites()}
 
 
 def test_every_wait_of_the_protocol_is_listed() -> None:
-    assert sorted(SITES) == sorted(CATCHES), "a wait was added or moved: say which scenario catches it"
+    assert not CATCHES.keys() & NOT_DATA.keys()
+    assert sorted(SITES) == sorted({**CATCHES, **NOT_DATA}), "a wait was added or moved: say which scenario catches it"
 
 
 @pytest.mark.parametrize(

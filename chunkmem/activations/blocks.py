@@ -1,8 +1,10 @@
 """``ActivationBlocks``: the blocks an ``ActivationPlacement`` names, run so that what autograd
-saves in them is recomputed or offloaded.
+saves in them is recomputed or offloaded, or, for ``auto`` blocks, placed under the device budget
+(``AutoBlocks``).
 
 Each matched block's ``forward`` is replaced, on the instance, by one that runs the class's own
-under ``torch.utils.checkpoint`` (recompute) or under the offload's saved-tensor hooks (offload);
+under ``torch.utils.checkpoint`` (recompute), under the offload's saved-tensor hooks (offload), or
+as the auto plan says (auto);
 ``detached()`` takes the replacements away (a deep copy of the module must not carry them).
 
 Double checkpointing is refused: a recomputed or offloaded block that runs inside a checkpointed
@@ -23,12 +25,15 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from placement import ActivationPlacement, block_class_name, matches_block
+from placement import ActivationPlacement, ActivationPlan, PlacementPolicy, block_class_name, matches_block
 
-from ..device import DeviceLayer
+from ..accounting import MemoryLedger
+from ..comm import Communicator
 from ..errors import NotSupportedError
 from ..stats import Stats
 from ..transfers import HostTransfers
+from .auto import AutoBlocks
+from .ledger import DeviceActivations
 from .offload import ActivationOffload, BlockCall
 
 __all__ = ["ActivationBlocks"]
@@ -60,19 +65,39 @@ def _refuse_double_checkpointing(name: str, how: str) -> None:
 
 
 class ActivationBlocks:
-    """The named blocks of one model and how each runs; see the module docstring."""
+    """The named blocks of one model and how each runs; see the module docstring. ``budget`` (the
+    ledger, the room the runtime makes, the policy) is what ``auto`` blocks are placed under."""
 
-    def __init__(self, model: torch.nn.Module, config: ActivationPlacement, layer: DeviceLayer, stats: Stats) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ActivationPlacement,
+        comm: Communicator,
+        stats: Stats,
+        budget: tuple[MemoryLedger, Callable[[int], int | None], PlacementPolicy] | None = None,
+    ) -> None:
         self._stats = stats
+        layer = comm.layer
         # The copies count apart from chunk traffic (``counts``).
         self._copies = Stats()
         self._transfers = HostTransfers(self._copies, layer)
         self._offload = ActivationOffload(self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes)
+        self._auto: AutoBlocks | None = None
+        self._account: DeviceActivations | None = None
+        if config.auto:
+            assert budget is not None and budget[2].budget is not None, "a device budget (checked when boosting)"
+            ledger, room, policy = budget
+            self._account = DeviceActivations(ledger, room, comm.rank)
+            offload = ActivationOffload(self._transfers, layer.device, 0, config.min_offload_bytes, self._account)
+            self._auto = AutoBlocks(
+                offload, self._account, comm, policy, self._copies, self._transfers.settle, self._recompute
+            )
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
             recompute = any(matches_block(b, module) for b in config.recompute)
             offloaded = any(matches_block(b, module) for b in config.offload)
-            if not (recompute or offloaded):
+            auto = any(matches_block(b, module) for b in config.auto)
+            if not (recompute or offloaded or auto):
                 continue
             inside = next((outer for outer, m, _ in self._blocks if name.startswith(outer + ".")), None)
             if inside is not None:
@@ -80,9 +105,9 @@ class ActivationBlocks:
                     f"ActivationPlacement names the class of {name} ({type(module).__name__}) and of {inside}, "
                     "which holds it: a block's saved tensors are placed once; name one of the two classes"
                 )
-            run = self._recomputed if recompute else self._offloaded
+            run = self._recomputed if recompute else self._offloaded if offloaded else self._automatic
             self._blocks.append((name, module, functools.partial(run, name or "(the model)", module, module.forward)))
-        for block in (*config.recompute, *config.offload):
+        for block in (*config.recompute, *config.offload, *config.auto):
             if not any(matches_block(block, m) for _, m, _ in self._blocks):
                 present = sorted({type(m).__name__ for m in model.modules()})
                 raise ValueError(
@@ -91,9 +116,22 @@ class ActivationBlocks:
                 )
         self._attach()
 
+    @property
+    def plan(self) -> ActivationPlan | None:
+        """The auto blocks' plan (``None`` without auto blocks, or before the first step ended)."""
+        return self._auto.plan if self._auto is not None else None
+
+    def begin_forward(self) -> None:
+        """The model's forward starts (the auto blocks number their calls, and may decide)."""
+        if self._auto is not None:
+            self._auto.begin_forward()
+
     def counts(self, into: Stats) -> None:
         """Add the activation copies' counters to a snapshot of the model's ``Stats``."""
         self._transfers.settle()
+        if self._account is not None:
+            into.activation_bytes = self._account.device_bytes
+            into.activation_kept_bytes = self._account.kept_total
         into.activation_d2h_bytes = self._copies.d2h_bytes
         into.activation_h2d_bytes = self._copies.h2d_bytes
         into.activation_d2h_seconds = self._copies.d2h_seconds
@@ -131,6 +169,21 @@ class ActivationBlocks:
     ) -> Any:
         if not self._placed(name, module, "recomputed"):
             return forward(*args, **kwargs)
+        return self._recompute(name, module, forward, 0, *args, **kwargs)
+
+    def _automatic(
+        self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        if not self._placed(name, module, "placed under the budget"):
+            return forward(*args, **kwargs)
+        assert self._auto is not None, "an auto block without auto placement"
+        return self._auto.run(name, module, forward, *args, **kwargs)
+
+    def _recompute(
+        self, name: str, module: torch.nn.Module, forward: Callable[..., Any], saved: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run a call checkpointed; each recomputation counts, and the ``saved`` bytes it makes
+        again (known for auto blocks, measured in the first step)."""
         calls = 0
 
         def run(*inner: Any, **inner_kwargs: Any) -> Any:
@@ -138,6 +191,7 @@ class ActivationBlocks:
             calls += 1
             if calls > 1:
                 self._stats.recomputed_blocks += 1
+                self._stats.activation_recomputed_bytes += saved
             return forward(*inner, **inner_kwargs)
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

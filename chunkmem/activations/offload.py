@@ -15,10 +15,16 @@ block to pinned host memory during the forward and back to the device before its
   view is rebuilt on the device copy. The next ``max_prefetch`` block calls in backward order are
   fetched at the same time.
 * Host buffers go back to the pool at the next forward, once the fetches that read them are done.
+
+With a ``DeviceActivations`` (the blocks of ``ActivationPlacement(auto=...)``) what stays on the
+device is accounted: small tensors it keeps, each storage until its copy to the host is done (the
+host waits for the call's copies at the call's end, ``settle``), and the device copies from their
+fetch until the call's last handle is gone.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..device.layer import Event
 from ..transfers import Direction, HostTransfers
+from .ledger import DeviceActivations, is_model_memory
 
 __all__ = ["ActivationOffload", "BlockCall"]
 
@@ -52,6 +59,10 @@ class BlockCall:
     copies: dict[tuple[int, int], _Copy] = field(default_factory=dict)  # (storage, version) -> copy
     fetched: bool = False
     ready: Event | None = None  # after the fetch, on the fetch stream
+    saved_bytes: int = 0  # what the call saved apart from model memory, each storage once
+    draining: int = 0  # accounted bytes of storages being copied to the host
+    seen: set[int] = field(default_factory=set)  # storages counted in saved_bytes
+    host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
 
 
 @dataclass(eq=False)
@@ -68,7 +79,15 @@ class _Saved:
 class ActivationOffload:
     """Saved-tensor hooks of the offloaded blocks of one model; see the module docstring."""
 
-    def __init__(self, transfers: HostTransfers, device: torch.device, max_prefetch: int, min_bytes: int) -> None:
+    def __init__(
+        self,
+        transfers: HostTransfers,
+        device: torch.device,
+        max_prefetch: int,
+        min_bytes: int,
+        account: DeviceActivations | None = None,
+    ) -> None:
+        self._account = account
         self._transfers = transfers
         self._layer = transfers.layer
         self._device = device
@@ -78,6 +97,10 @@ class ActivationOffload:
         self._pending: list[weakref.ref[BlockCall]] = []  # calls not fetched yet, in forward order
         self._fetched_hosts: list[torch.Tensor] = []  # host buffers a fetch read, back to the pool next
 
+    def waiting(self) -> int:
+        """Calls whose saved tensors wait on the host for their backward (their graph lives)."""
+        return sum(1 for ref in self._pending if (call := ref()) is not None and not call.fetched)
+
     def hooks(self, call: BlockCall) -> Any:
         """The saved-tensor hooks for one call of an offloaded block."""
         self._recycle()
@@ -85,33 +108,48 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
 
     # --- forward ------------------------------------------------------------------------------
-    def _keeps(self, call: BlockCall, tensor: torch.Tensor) -> bool:
-        if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
-            return True  # a parameter (chunk memory), a copy of one the hooks made, or no plain tensor
-        if isinstance(tensor._base, torch.nn.Parameter):
-            return True
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes < self._min_bytes or nbytes % tensor.element_size():
-            return True
-        # Chunk memory the runtime gathered for this op (a parameter's data is a view into its chunk
-        # while gathered), or a buffer of the block.
-        pointer = storage.data_ptr()
-        return any(
-            t.untyped_storage().data_ptr() == pointer for t in (*call.module.parameters(), *call.module.buffers())
-        )
+    def _small(self, tensor: torch.Tensor) -> bool:
+        nbytes = tensor.untyped_storage().nbytes()
+        return nbytes < self._min_bytes or nbytes % tensor.element_size() != 0
 
-    def _pack(self, call: BlockCall, tensor: torch.Tensor) -> torch.Tensor | _Saved:
-        if self._keeps(call, tensor):
+    def _count(self, call: BlockCall, storage: Any) -> None:
+        if storage._cdata not in call.seen:
+            call.seen.add(storage._cdata)
+            call.saved_bytes += storage.nbytes()
+
+    def _pack(self, call: BlockCall, tensor: torch.Tensor) -> Any:
+        # Chunk memory (a parameter, a view of one, a storage of the block's parameters or buffers:
+        # gathered and released by the runtime) stays as it is, and so do small storages.
+        if is_model_memory(call.module, tensor):
             return tensor
         storage = tensor.untyped_storage()
+        self._count(call, storage)
+        if self._small(tensor):
+            return tensor if self._account is None else self._account.keep(tensor, f"block {call.block}")
         key = (storage._cdata, tensor._version)
         copy = call.copies.get(key)
         if copy is None or copy.source.expired():
             if copy is not None:  # another storage, at the address of one copied and freed since
                 call.copies[(id(copy), -1)] = copy
+            if self._account is not None:
+                self._account.add(storage.nbytes(), f"block {call.block} (a saved tensor on its way to the host)")
+                call.draining += storage.nbytes()
+            began = time.perf_counter()
             copy = call.copies[key] = _Copy(self._to_host(tensor), StorageWeakRef(storage))
+            call.host_seconds[0] += time.perf_counter() - began
         return _Saved(call, copy, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def settle(self, call: BlockCall) -> None:
+        """The call's forward is done: with accounting, the host waits for its copies to the host,
+        and their sources leave the ledger."""
+        if self._account is None or not call.draining:
+            return
+        began = time.perf_counter()
+        for copy in call.copies.values():
+            self._transfers.before_host_read(copy.host)
+        call.host_seconds[0] += time.perf_counter() - began
+        self._account.remove(call.draining)
+        call.draining = 0
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         numel = tensor.untyped_storage().nbytes() // tensor.element_size()
@@ -152,6 +190,15 @@ class ActivationOffload:
         self._pending = [weakref.ref(c) for c in live if not c.fetched]
 
     def _fetch(self, call: BlockCall) -> None:
+        began = time.perf_counter()
+        self._fetch_now(call)
+        call.host_seconds[0] += time.perf_counter() - began
+
+    def _fetch_now(self, call: BlockCall) -> None:
+        if self._account is not None:
+            nbytes = sum(copy.host.numel() * copy.host.element_size() for copy in call.copies.values())
+            self._account.add(nbytes, f"block {call.block} (its saved tensors fetched for its backward)")
+            weakref.finalize(call, self._account.remove, nbytes)  # once the last handle is gone
         for copy in call.copies.values():
             self._transfers.before_host_read(copy.host)  # the copy into it is done
         with self._layer.on_stream(self._fetch_stream):

@@ -1,0 +1,164 @@
+"""The per-block activation choice under one device budget (``ActivationPlacement(auto=...)``):
+from what the first step measured of each block call (the bytes autograd saved in it, its forward
+time) and of the copies (bandwidth each way), which calls keep what they save on the device, which
+offload it to host memory and which recompute it, so that model data, kept activations and the
+working set of one block fit the budget with the least estimated step time.
+
+Pure decisions: nothing here measures or moves a tensor.
+
+The model (estimates, not guarantees of time; the byte bounds are what the runtime enforces):
+
+* **keep** costs no time and holds the call's saved bytes on the device from its forward to its
+  backward.
+* **recompute** costs the call's forward once more in the backward; between the two it holds
+  nothing, during its backward its saved bytes again (the working set of one block).
+* **offload** costs the host time its hooks took in the first step (packing, fetching, waits)
+  and the part of the two copies (device to host in the forward, back in the backward) that does
+  not hide behind compute: on an asynchronous device the copy out hides behind the call's own
+  forward and the copy back behind the backward of the call after it (about twice a forward); on a
+  synchronous one (the CPU) nothing hides, and the copies are part of the hooks' time. It holds
+  the call's saved bytes on the device while they are copied out and once fetched back, at most
+  one call's at a time.
+
+The budget: ``model + kept + reserve <= budget``, where ``model`` is what the placement of model
+data needs at least (what stays on the device and the largest working set of one op) and
+``reserve`` the largest call's saved bytes (one block's working set: the call being saved or
+copied, or a recomputation in the backward). The choice keeps, among the calls that fit, those whose
+cheapest other way costs the most time per byte.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .policy import BudgetTooSmallError, format_bytes
+
+__all__ = ["ActivationChoice", "ActivationPlan", "BlockMeasure", "CopyRates", "choose_activations"]
+
+
+class ActivationChoice(enum.Enum):
+    """Where one block call's saved tensors live between its forward and its backward."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeasure:
+    """What the first step measured of one block call (the maximum over ranks)."""
+
+    name: str
+    """The block's module name."""
+    saved_bytes: int
+    """Bytes autograd saved in the call, apart from model memory (each storage once)."""
+    forward_seconds: float
+    """The call's forward time: what recomputing it costs."""
+    offload_seconds: float = 0.0
+    """Host time the call's offload took in the first step (packing, waiting for its copies out,
+    fetching: copies included where they are synchronous)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRates:
+    """Copy bandwidths the first step measured (bytes per second; 0: none measured) and whether
+    copies run beside compute."""
+
+    to_host: float
+    to_device: float
+    overlap: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationPlan:
+    """The choice for each block call of a training forward, in forward order."""
+
+    blocks: tuple[str, ...]
+    choices: tuple[ActivationChoice, ...]
+    saved_bytes: tuple[int, ...]
+    kept_bytes: int
+    """Saved bytes of the kept calls (on the device from their forward to their backward)."""
+    reserve: int
+    """Device bytes kept free of model data for the working set of one block."""
+    seconds: float
+    """The model's estimate of the time the choice adds to a step (0 when everything is kept)."""
+
+    def choice(self, index: int) -> ActivationChoice:
+        """The choice for the ``index``-th block call of a forward (calls past the measured ones
+        are recomputed: they were not measured, and recomputing holds nothing)."""
+        return self.choices[index] if index < len(self.choices) else ActivationChoice.RECOMPUTE
+
+    @property
+    def device_bytes(self) -> int:
+        """The most saved activations this plan holds on the device (kept, plus one block)."""
+        return self.kept_bytes + self.reserve
+
+    def by_block(self) -> dict[str, ActivationChoice]:
+        """Each block's choice (a block called more than once a forward: its first call's)."""
+        out: dict[str, ActivationChoice] = {}
+        for name, choice in zip(self.blocks, self.choices, strict=True):
+            out.setdefault(name, choice)
+        return out
+
+
+def _offload_seconds(measure: BlockMeasure, after: BlockMeasure | None, rates: CopyRates) -> float:
+    if rates.to_host <= 0 or rates.to_device <= 0:
+        return float("inf")  # nothing measured: never preferred
+    out = measure.saved_bytes / rates.to_host
+    back = measure.saved_bytes / rates.to_device
+    if not rates.overlap:  # the copies ran on the host, inside the hooks' time
+        return max(measure.offload_seconds, out + back)
+    behind = 2 * after.forward_seconds if after is not None else 0.0
+    return measure.offload_seconds + max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
+
+
+def choose_activations(
+    measures: Sequence[BlockMeasure], rates: CopyRates, budget: int, model_bytes: int
+) -> ActivationPlan:
+    """The plan for ``measures`` (block calls in forward order) under ``budget`` with
+    ``model_bytes`` of model data at least; ``BudgetTooSmallError`` naming the minimum when even
+    keeping nothing does not fit."""
+    n = len(measures)
+    reserve = max((m.saved_bytes for m in measures), default=0)
+    minimum = model_bytes + reserve
+    if minimum > budget:
+        largest = max(measures, key=lambda m: m.saved_bytes)
+        raise BudgetTooSmallError(
+            f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data and the saved activations of one "
+            f"block: model data needs at least {format_bytes(model_bytes)} and block {largest.name} saved "
+            f"{format_bytes(largest.saved_bytes)} in the first step. A device_budget of at least {minimum} "
+            f"({format_bytes(minimum)}) would train with every block recomputed or offloaded; raise device_budget, "
+            "shorten the sequence or the micro-batch, or offload more model data to the host.",
+            budget,
+            minimum,
+        )
+    # The cheaper way of not keeping each call, and what it costs.
+    others: list[tuple[ActivationChoice, float]] = []
+    for i, m in enumerate(measures):
+        offload = _offload_seconds(m, measures[i + 1] if i + 1 < n else None, rates)
+        if offload < m.forward_seconds:
+            others.append((ActivationChoice.OFFLOAD, offload))
+        else:
+            others.append((ActivationChoice.RECOMPUTE, m.forward_seconds))
+    room = budget - model_bytes - reserve
+    # Keep the calls whose other way costs the most per byte, while they fit (ties: the earlier
+    # call, whose bytes wait longest for their backward either way; so every rank agrees).
+    order = sorted(range(n), key=lambda i: (-others[i][1] / max(1, measures[i].saved_bytes), i))
+    keep = [False] * n
+    kept = 0
+    for i in order:
+        if kept + measures[i].saved_bytes <= room:
+            keep[i] = True
+            kept += measures[i].saved_bytes
+    choices = tuple(ActivationChoice.KEEP if keep[i] else others[i][0] for i in range(n))
+    seconds = sum(others[i][1] for i in range(n) if not keep[i])
+    return ActivationPlan(
+        blocks=tuple(m.name for m in measures),
+        choices=choices,
+        saved_bytes=tuple(m.saved_bytes for m in measures),
+        kept_bytes=kept,
+        reserve=reserve,
+        seconds=seconds,
+    )

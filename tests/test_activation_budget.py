@@ -1,0 +1,337 @@
+"""One budget for model data and saved activations (``ActivationPlacement(auto=...)``): a model whose
+plain-PyTorch activations alone exceed ``device_budget`` trains within it, bit for bit as plain
+PyTorch (with the same checkpointing for the calls the plan recomputes, read from the public
+``activation_plan``); the ledger's activation bytes equal a saved-tensor hooks count over the plain
+model; a budget that cannot hold model data and one block is refused with the minimum; with room
+everything is kept. The choice itself is tested on synthetic measurements."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+from models import adamw_two_groups, as_reference, boost, device_of
+from pydantic import ValidationError
+from test_activations import _assert_identical, _saved_bytes
+from torch.utils.checkpoint import checkpoint
+
+from chunkmem import BudgetExceededError, BudgetTooSmallError, ChunkedModel
+from placement import (
+    ActivationChoice,
+    ActivationPlacement,
+    BlockMeasure,
+    CopyRates,
+    StaticPlacementConfig,
+    choose_activations,
+)
+
+WIDTH, HIDDEN, BATCH, BLOCKS, STEPS = 32, 64, 512, 4, 3
+FP32 = 4
+# What one block call saves (fc1's input, GELU's input, the product's operand, fc2's input).
+PER_BLOCK = BATCH * FP32 * (WIDTH + 3 * HIDDEN)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = F.gelu(self.fc1(x))
+        return x + self.fc2(g * g)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = torch.nn.Linear(WIDTH, 4)
+        self.checkpointed: set[int] = set()  # the reference's checkpointed blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=False) if i in self.checkpointed else block(x)
+        return self.head(x)
+
+
+def _data(rank: int = 0, world_size: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(BATCH * world_size, WIDTH, generator=g).chunk(world_size)[rank] for _ in range(STEPS)]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def _auto() -> ActivationPlacement:
+    return ActivationPlacement(auto=["Block"])
+
+
+def _train(
+    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
+) -> dict[str, Any]:
+    chunked, optimizer, booster = boost(
+        Stack(),
+        adamw_two_groups,
+        chunk_size=8_000,
+        placement=StaticPlacementConfig(device_budget=budget),
+        activations=activations,
+    )
+    losses, after_forward, after_first = [], [], None
+    for x in _data(rank, world_size):
+        loss = _loss(chunked, x)
+        after_forward.append(chunked.stats())
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        after_first = after_first or chunked.stats()
+    return {
+        "losses": losses,
+        "state": chunked.state_dict(),
+        "stats": chunked.stats(),
+        "after_forward": after_forward,
+        "after_first": after_first,
+        "plan": chunked.activation_plan,
+    }
+
+
+def _plain(recomputed: set[int]) -> dict[str, Any]:
+    """Plain PyTorch: the first step as it is, the next ones with the recomputed blocks under
+    non-reentrant checkpointing."""
+    model = as_reference(Stack())
+    optimizer = adamw_two_groups(model)
+    losses = []
+    for step, x in enumerate(_data()):
+        model.checkpointed = recomputed if step else set()
+        loss = _loss(model, x.to(device_of(model)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _plain_saved_bytes() -> int:
+    """What autograd saves in the blocks of the plain model in one forward, every storage counted."""
+    model = as_reference(Stack())
+    x = _data()[0].to(device_of(model))
+    return _saved_bytes(model.blocks, lambda: _loss(model, x), keep_below=0)
+
+
+def _model_minimum() -> int:
+    """The device budget model data alone needs (boost refuses a smaller one, naming it)."""
+    with pytest.raises(BudgetTooSmallError) as refused:
+        boost(Stack(), adamw_two_groups, chunk_size=8_000, placement=StaticPlacementConfig(device_budget=1))
+    return refused.value.minimum
+
+
+def _recomputed(plan: Any) -> set[int]:
+    return {i for i, choice in enumerate(plan.choices) if choice is ActivationChoice.RECOMPUTE}
+
+
+# --- end to end -------------------------------------------------------------------------------
+def test_activations_beyond_the_budget_train_bit_for_bit_within_it() -> None:
+    per_block = _plain_saved_bytes() // BLOCKS
+    assert per_block == PER_BLOCK
+    budget = _model_minimum() + 2 * PER_BLOCK + PER_BLOCK // 2  # one block kept, and one's working set
+    assert _plain_saved_bytes() > budget  # plain PyTorch's activations alone do not fit
+    run = _train(budget, _auto())
+    plan = run["plan"]
+    assert plan is not None and plan.choices.count(ActivationChoice.KEEP) == 1
+    _assert_identical(run, _plain(_recomputed(plan)))
+    stats = run["stats"]
+    assert stats.peak_device_bytes <= budget
+    assert stats.peak_device_bytes >= _model_minimum() + PER_BLOCK  # activations are in the figure
+    offloaded = plan.choices.count(ActivationChoice.OFFLOAD)
+    recomputed = len(_recomputed(plan))
+    # The first step offloads every call; then the plan's calls copy, keep and recompute.
+    assert stats.activation_d2h_bytes == PER_BLOCK * (BLOCKS + (STEPS - 1) * offloaded)
+    assert stats.activation_h2d_bytes == stats.activation_d2h_bytes
+    assert stats.activation_kept_bytes == (STEPS - 1) * PER_BLOCK
+    assert stats.recomputed_blocks == (STEPS - 1) * recomputed
+    assert stats.activation_recomputed_bytes == (STEPS - 1) * recomputed * PER_BLOCK
+    assert stats.activation_bytes == 0
+
+
+def test_with_room_everything_is_kept_and_the_ledger_counts_what_autograd_saves() -> None:
+    saved = _plain_saved_bytes()
+    budget = _model_minimum() + saved + PER_BLOCK
+    run = _train(budget, _auto())
+    assert set(run["plan"].choices) == {ActivationChoice.KEEP}
+    _assert_identical(run, _plain(set()))
+    first, last = run["after_first"], run["stats"]
+    assert last.activation_d2h_bytes == first.activation_d2h_bytes  # no copies after the first step
+    assert last.activation_h2d_bytes == first.activation_h2d_bytes
+    assert last.recomputed_blocks == 0
+    for forward in run["after_forward"][1:]:
+        assert forward.activation_bytes == saved  # in the ledger from the save to the backward
+    assert last.activation_bytes == 0
+    assert saved <= last.peak_device_bytes <= budget
+
+
+def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -> None:
+    minimum = _model_minimum() + PER_BLOCK
+    with pytest.raises(BudgetTooSmallError, match=rf"at least {minimum} .*every block recomputed or offloaded"):
+        _train(minimum - 1, _auto())
+    run = _train(minimum, _auto())  # the minimum named trains, keeping nothing
+    assert ActivationChoice.KEEP not in run["plan"].choices
+    assert run["stats"].peak_device_bytes <= minimum
+
+
+def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
+    chunked, optimizer, booster = boost(
+        Stack(),
+        adamw_two_groups,
+        chunk_size=8_000,
+        placement=StaticPlacementConfig(device_budget=budget),
+        activations=_auto(),
+    )
+    for x in _data()[:2]:
+        booster.backward(_loss(chunked, x), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert set(chunked.activation_plan.choices) == {ActivationChoice.KEEP}
+    with pytest.raises(BudgetExceededError, match=r"a step that saves more .* than the first does not fit"):
+        _loss(chunked, torch.cat(_data()[:2]))  # twice the rows: every kept call saves twice the bytes
+    assert chunked.stats().peak_device_bytes <= budget
+
+
+@pytest.mark.slow
+@pytest.mark.simulated
+def test_on_the_simulated_asynchronous_device_the_budget_holds_and_results_are_exact() -> None:
+    """Copies overlap compute there (the plan's model hides them), fetched copies are read after the
+    fetch stream, and the ledger frees a saved tensor only once its copy out is done."""
+    from chunkmem.device.simulated import simulated_device
+
+    budget = _model_minimum() + 2 * PER_BLOCK + PER_BLOCK // 2
+    with simulated_device():
+        run = _train(budget, _auto())
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].peak_device_bytes <= budget
+    assert run["plan"].choices.count(ActivationChoice.KEEP) == 1
+
+
+def test_auto_needs_a_device_budget_and_one_field_per_class() -> None:
+    with pytest.raises(ValueError, match="has no device_budget"):
+        _train(None, _auto())
+    with pytest.raises(ValidationError, match=r"auto and offload both name \['Block'\]"):
+        ActivationPlacement(auto=["Block"], offload=["Block"])
+
+
+def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """Each rank's half of the batch saves what the whole batch does at one rank (``_data``)."""
+    budget = _model_minimum() + 2 * PER_BLOCK + PER_BLOCK // 2  # sharded model data, one block kept, one's room
+    assert budget < BLOCKS * PER_BLOCK
+    keep = _train(None, None, rank, world_size)
+    auto = _train(budget, _auto(), rank, world_size)
+    _assert_identical(auto, keep)
+    assert auto["stats"].peak_device_bytes <= budget
+    return {"choices": auto["plan"].choices, "peak": auto["stats"].peak_device_bytes}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_train_under_one_budget_as_keep_with_one_plan() -> None:
+    first, second = run_ranks(_two_ranks, 2)
+    assert first["choices"] == second["choices"]
+    assert ActivationChoice.KEEP in first["choices"] and set(first["choices"]) != {ActivationChoice.KEEP}
+
+
+@pytest.mark.slow
+def test_gpt2_under_one_budget_equals_plain_pytorch_bit_for_bit() -> None:
+    """Hugging Face blocks (tuple outputs, attention masks, SDPA): the plan's choices are exact and
+    the budget holds, with plain activations alone above it."""
+    from models import batches, gpt2, lm_loss, train_reference
+
+    data = batches(3, batch=8, seq=32)
+    model = as_reference(gpt2(n_layer=3, n_embd=32))
+    saved = _saved_bytes(model.transformer.h, lambda: lm_loss(model, data[0]), keep_below=0)
+    per_block = saved // 3
+    with pytest.raises(BudgetTooSmallError) as refused:
+        boost(gpt2(n_layer=3, n_embd=32), adamw_two_groups, placement=StaticPlacementConfig(device_budget=1))
+    budget = refused.value.minimum + 2 * per_block + per_block // 2
+    assert saved > budget - refused.value.minimum
+    reference = as_reference(gpt2(n_layer=3, n_embd=32))
+    plain = {"losses": train_reference(reference, adamw_two_groups, data), "state": reference.state_dict()}
+    chunked, optimizer, booster = boost(
+        gpt2(n_layer=3, n_embd=32),
+        adamw_two_groups,
+        placement=StaticPlacementConfig(device_budget=budget),
+        activations=ActivationPlacement(auto=["GPT2Block"]),
+    )
+    losses = []
+    for ids in data:
+        loss = lm_loss(chunked, ids)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    # No dropout: recomputing a block gives the same values, so every choice equals plain PyTorch.
+    _assert_identical({"losses": losses, "state": chunked.state_dict()}, plain)
+    assert chunked.activation_plan.choices.count(ActivationChoice.KEEP) == 1
+    assert chunked.stats().peak_device_bytes <= budget
+
+
+# --- the choice -------------------------------------------------------------------------------
+MB = 1 << 20
+
+
+def _measures(*seconds: float) -> list[BlockMeasure]:
+    return [BlockMeasure(f"b{i}", MB, s) for i, s in enumerate(seconds)]
+
+
+def test_everything_is_kept_when_it_fits_with_one_blocks_working_set() -> None:
+    rates = CopyRates(to_host=MB, to_device=MB, overlap=False)
+    plan = choose_activations(_measures(1.0, 1.0, 1.0), rates, budget=10 * MB + 4 * MB, model_bytes=10 * MB)
+    assert plan.choices == (ActivationChoice.KEEP,) * 3 and plan.seconds == 0 and plan.reserve == MB
+    plan = choose_activations(_measures(1.0, 1.0, 1.0), rates, budget=10 * MB + 4 * MB - 1, model_bytes=10 * MB)
+    assert plan.choices.count(ActivationChoice.KEEP) == 2
+
+
+def test_recompute_where_compute_is_cheaper_than_the_copies_and_offload_where_they_hide() -> None:
+    # 1 MiB at 1 MiB/s each way: 2 s of copies; forwards of 0.5 s and 3 s.
+    serial = CopyRates(to_host=MB, to_device=MB, overlap=False)
+    plan = choose_activations(_measures(0.5, 3.0), serial, budget=2 * MB, model_bytes=MB)
+    assert plan.choices == (ActivationChoice.RECOMPUTE, ActivationChoice.OFFLOAD)
+    assert plan.seconds == 0.5 + 2.0
+    # Asynchronous copies hide behind the call's forward (out: 1 s against 1.0 and 0.7 s) and the
+    # next call's backward (back: 1 s against twice its forward, 1.4 s; the last call has none).
+    overlapped = CopyRates(to_host=MB, to_device=MB, overlap=True)
+    plan = choose_activations(_measures(1.0, 0.7, 0.7), overlapped, budget=2 * MB, model_bytes=MB)
+    assert plan.choices == (ActivationChoice.OFFLOAD, ActivationChoice.OFFLOAD, ActivationChoice.RECOMPUTE)
+    assert plan.seconds == pytest.approx(0.0 + 0.3 + 0.7)
+
+
+def test_the_offloads_own_host_time_counts_against_it() -> None:
+    """Copies of 1 MiB at 1 GiB/s cost next to nothing; the hooks' host time decides."""
+    fast = CopyRates(to_host=1024 * MB, to_device=1024 * MB, overlap=False)
+    costly = [BlockMeasure("b", MB, forward_seconds=1.0, offload_seconds=3.0)]
+    cheap = [BlockMeasure("b", MB, forward_seconds=1.0, offload_seconds=0.25)]
+    assert choose_activations(costly, fast, budget=2 * MB, model_bytes=MB).choices == (ActivationChoice.RECOMPUTE,)
+    plan = choose_activations(cheap, fast, budget=2 * MB, model_bytes=MB)
+    assert plan.choices == (ActivationChoice.OFFLOAD,) and plan.seconds == 0.25
+
+
+def test_the_calls_kept_are_those_whose_other_way_costs_most_per_byte() -> None:
+    rates = CopyRates(to_host=0.0, to_device=0.0, overlap=False)  # no copy measured: never offload
+    measures = [BlockMeasure("cheap", MB, 0.1), BlockMeasure("dear", MB, 5.0), BlockMeasure("big", 2 * MB, 6.0)]
+    plan = choose_activations(measures, rates, budget=MB + 2 * MB + MB, model_bytes=MB)
+    assert plan.by_block() == {
+        "cheap": ActivationChoice.RECOMPUTE,
+        "dear": ActivationChoice.KEEP,
+        "big": ActivationChoice.RECOMPUTE,
+    }
+    with pytest.raises(ValueError, match=rf"block big saved 2.00 MiB .*at least {MB + 2 * MB} "):
+        choose_activations(measures, rates, budget=3 * MB - 1, model_bytes=MB)
+
+
+def test_a_chunked_model_without_auto_blocks_has_no_plan() -> None:
+    chunked, _, _ = boost(Stack(), adamw_two_groups, activations=ActivationPlacement(offload=["Block"]))
+    assert isinstance(chunked, ChunkedModel) and chunked.activation_plan is None
