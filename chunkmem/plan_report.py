@@ -37,6 +37,10 @@ class StepCounters:
     """Highest accounted device bytes during the step."""
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    disk_param_read_bytes: int = 0
+    """Of ``disk_read_bytes``, parameter shards read for gathers."""
+    disk_param_write_bytes: int = 0
+    """Of ``disk_write_bytes``, parameter shards written after the step changed them."""
     peak_host_bytes: int = 0
     """Highest accounted host bytes during the step."""
 
@@ -53,6 +57,8 @@ class StepCounters:
             peak_device_bytes=peak,
             disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
             disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
+            disk_param_read_bytes=after.disk_param_read_bytes - before.disk_param_read_bytes,
+            disk_param_write_bytes=after.disk_param_write_bytes - before.disk_param_write_bytes,
             peak_host_bytes=peak_host,
         )
 

@@ -13,7 +13,7 @@ __all__ = ["StaticPolicy"]
 
 
 def _first_fraction(specs: Sequence[ChunkSpec], frac: float) -> set[int]:
-    """Chunks taken in id order until ``frac`` of their combined gathered size is covered."""
+    """Chunks taken in the order given until ``frac`` of their combined gathered size is covered."""
     total = sum(s.gathered_bytes for s in specs)
     # Tolerance for fractions such as 1 - 0.7 = 0.30000000000000004.
     target = frac * total - 1e-9 * total
@@ -66,6 +66,7 @@ class StaticPolicy(PlacementPolicy):
         offloaded = [s for s in sharded if s.chunk_id in offload_optim]
         disk_frac = min(1.0, disk_fraction * total / max(1, sum(s.gathered_bytes for s in offloaded)))
         on_disk = _first_fraction(offloaded, disk_frac) if disk_fraction > 0 else set()
+        param_disk = self._param_disk([s for s in offloaded if s.chunk_id in on_disk and s.chunk_id in offload_param])
         placements = []
         for spec in specs:
             optim_on_device = spec.chunk_id not in offload_optim
@@ -75,9 +76,21 @@ class StaticPolicy(PlacementPolicy):
                     optim_on_device=optim_on_device,
                     shard_on_device=optim_on_device or spec.chunk_id not in offload_param,
                     optim_on_disk=spec.chunk_id in on_disk,
+                    param_on_disk=spec.chunk_id in param_disk,
                 )
             )
         return Layout(tuple(placements))
+
+    def _param_disk(self, eligible: Sequence[ChunkSpec]) -> set[int]:
+        """The chunks whose parameter shard goes to disk: ``offload_param_disk_frac`` of chunk
+        memory among ``eligible`` (optimizer side on disk, parameter shard offloaded), frozen ones
+        first (never written back), then in chunk order."""
+        fraction = self._config.offload_param_disk_frac
+        if fraction == 0:
+            return set()
+        total = sum(s.gathered_bytes for s in self._specs)
+        frac = min(1.0, fraction * total / max(1, sum(s.gathered_bytes for s in eligible)))
+        return _first_fraction(sorted(eligible, key=lambda s: s.trainable), frac)
 
     def _disk_fix(self) -> str | None:
         """The smallest ``offload_disk_frac`` (in hundredths, up to ``offload_optim_frac``) whose
