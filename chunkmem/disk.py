@@ -1,15 +1,15 @@
 """The disk tier's files: scratch space chunkmem owns, preallocated at boost, read and written by a
 pool of I/O threads.
 
-Each rank keeps the optimizer sides it puts on disk in one file, ``<disk_dir>/.chunkmem-scratch-
-<token>-rank<r>/sides.bin``, preallocated to the size the placement needs (so a disk that fills up
-later cannot take those blocks). The directory is one chunkmem owns (:mod:`chunkmem.owned_dir`, as a
-checkpoint save's workspace): its marker file, locked before its text is written, says what the
-directory's name says, and this process holds the lock for as long as it uses the directory. It is
-removed when the process exits or the model is collected; one left by a killed run is removed by
-the next boost into the same ``disk_dir`` (ranks may share one), which removes only dead ones
-(marker as its name says, lock held by nobody), never one being created, never anything else. The
-files are scratch, not checkpoints: they mean nothing after the run.
+Each rank keeps the optimizer sides (and parameter shards) it puts on disk in one file,
+``<disk_dir>/.chunkmem-scratch-<token>-rank<r>/sides.bin``, preallocated to the size the placement
+needs (so a disk that fills up later cannot take those blocks). The directory is one chunkmem owns
+(:mod:`chunkmem.owned_dir`, as a checkpoint save's workspace): its marker file, locked before its
+text is written, says what the directory's name says, and this process holds the lock for as long as
+it uses the directory. It is removed when the process exits or the model is collected; one left by a
+killed run is removed by the next boost into the same ``disk_dir`` (ranks may share one), which
+removes only dead ones (marker as its name says, lock held by nobody), never one being created,
+never anything else. The files are scratch, not checkpoints: they mean nothing after the run.
 
 Reads and writes copy between a tensor's own memory and its region of the file (``os.preadv`` /
 ``os.pwritev`` into the tensor's bytes, no intermediate buffer); they run on I/O threads and return

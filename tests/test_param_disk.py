@@ -30,7 +30,6 @@ ON_DISK = StaticPlacementConfig(
     offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0, max_prefetch=1
 )
 IN_RAM = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, max_prefetch=1)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CHUNK = 16_384  # GPT-2 2x64's largest parameter (the embedding): every chunk is as large
 
 
@@ -88,7 +87,7 @@ def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert torch.equal(actual[name], value), name
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
 def test_a_full_fine_tune_with_parameters_on_disk_equals_the_all_in_ram_run_and_plain_pytorch(
     precision: str, tmp_path: Path
 ) -> None:
@@ -137,8 +136,8 @@ def _full_two_ranks(rank: int, world_size: int, precision: str, out: str) -> dic
     return {"losses": losses, "state": state, "after": after, "resumed": again}
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.fast_tier), "fp32"])
+@pytest.mark.multirank  # not in the fast tier: its two-rank case is LoRA's (below)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_a_full_fine_tune_with_parameters_on_disk_at_two_ranks_equals_the_all_in_ram_run_and_resumes(
     precision: str, tmp_path: Path
 ) -> None:
@@ -162,7 +161,7 @@ def _lora(rank: int, world_size: int, precision: str, out: str) -> dict[str, Any
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("precision", "world_size"), [("bf16", 1), pytest.param("fp32", 1, marks=pytest.mark.slow), ("bf16", 2)]
+    ("precision", "world_size"), [("bf16", 1), ("fp32", 1), pytest.param("bf16", 2, marks=pytest.mark.fast_tier)]
 )
 def test_lora_with_its_base_on_disk_equals_plain_peft(precision: str, world_size: int, tmp_path: Path) -> None:
     results = run_ranks(_lora, world_size, args=(precision, str(tmp_path)))
@@ -220,7 +219,6 @@ def _fills_up(rank: int, world_size: int, disk_dir: str) -> list[Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_a_disk_that_fills_while_a_trainable_shard_is_written_raises_on_every_rank(tmp_path: Path) -> None:
     for rank in range(2):
         (tmp_path / f"r{rank}").mkdir()
@@ -251,6 +249,7 @@ def test_the_static_fraction_is_validated_naming_the_field_and_takes_frozen_chun
     assert layout.disk_bytes(tuple(specs)) == 4 * 400 + 2 * 200
 
 
+@pytest.mark.slow
 def test_the_auto_policy_puts_parameter_shards_on_disk_when_the_sides_alone_do_not_fit(tmp_path: Path) -> None:
     def run(host_budget: int | None, disk_dir: Path | None) -> tuple[Any, Any]:
         placement = AutoPlacementConfig(device_budget=150_000, host_budget=host_budget)
@@ -272,6 +271,7 @@ def test_the_auto_policy_puts_parameter_shards_on_disk_when_the_sides_alone_do_n
     assert_same_states(chunked.state_dict(), ram.state_dict())
 
 
+@pytest.mark.slow
 def test_a_plan_predicts_the_parameter_reads_and_writes_of_a_run(tmp_path: Path) -> None:
     def plugin(disk_dir: Any) -> ChunkPlugin:
         return ChunkPlugin(placement=ON_DISK, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir)
