@@ -9,7 +9,9 @@ values; checkpoints resume exactly."""
 from __future__ import annotations
 
 import errno
+import importlib
 import itertools
+import json
 import os
 import threading
 from collections.abc import Sequence
@@ -288,8 +290,39 @@ def test_a_plan_predicts_the_parameter_reads_and_writes_of_a_run(tmp_path: Path)
         device="cpu",
     )
     chunked, optimizer, booster = boosted(gpt2(), ON_DISK, "bf16", tmp_path)
-    _, stats = train_counted(chunked, optimizer, booster, [ids] * 3)
-    for step, (before, after) in zip(predicted.steps, itertools.pairwise(stats), strict=True):
-        assert step.disk_param_read_bytes == after.disk_param_read_bytes - before.disk_param_read_bytes > 0
+    for step in predicted.steps:
+        before = chunked.stats()
+        loss = chunked(input_ids=ids, labels=ids).loss
+        forward = chunked.stats()
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        after = chunked.stats()
+        reads = after.disk_param_read_bytes - before.disk_param_read_bytes
+        assert step.disk_param_read_bytes == reads
+        assert 0 < step.disk_param_forward_read_bytes == forward.disk_param_read_bytes - before.disk_param_read_bytes
+        assert step.disk_param_forward_read_bytes < reads  # the backward reads shards as well
         assert step.disk_param_write_bytes == after.disk_param_write_bytes - before.disk_param_write_bytes > 0
         assert step.disk_read_bytes == after.disk_read_bytes - before.disk_read_bytes
+    assert predicted.disk_param_read_bytes_per_step == predicted.steps[-1].disk_param_read_bytes
+    assert "of which parameter shards" in predicted.table()
+
+
+@pytest.mark.slow
+def test_the_planner_cli_takes_a_parameter_disk_fraction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x16", "--device", "cpu", "--chunk-size"]
+    offload = [*common, str(CHUNK), "--policy", "offload", "--disk-frac", "1"]
+    result = plan_cli.main([*offload, "--param-disk-frac", "1"])
+    assert "of which parameter shards" in capsys.readouterr().out
+    assert result.disk_param_read_bytes_per_step > 0 and result.host_bytes_per_rank == 0
+    assert plan_cli.main(offload).disk_param_read_bytes_per_step == 0
+    for argv, message in (
+        ([*common, str(CHUNK), "--param-disk-frac", "0.5"], "with --policy auto, --host-budget decides"),
+        ([*offload, "--disk-frac", "0.5", "--param-disk-frac", "1"], "offload_param_disk_frac=1.0 is above"),
+    ):
+        with pytest.raises(SystemExit):
+            plan_cli.main(argv)
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
