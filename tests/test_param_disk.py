@@ -89,7 +89,8 @@ def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert torch.equal(actual[name], value), name
 
 
-@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
+@pytest.mark.slow  # the fast tier's exactness case is LoRA's at two ranks (below)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_full_fine_tune_with_parameters_on_disk_equals_the_all_in_ram_run_and_plain_pytorch(
     precision: str, tmp_path: Path
 ) -> None:
@@ -138,11 +139,11 @@ def _full_two_ranks(rank: int, world_size: int, precision: str, out: str) -> dic
     return {"losses": losses, "state": state, "after": after, "resumed": again}
 
 
-@pytest.mark.multirank  # not in the fast tier: its two-rank case is LoRA's (below)
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.multirank  # not in the fast tier: its two-rank case is LoRA's (below); fp32 is checked at one rank
 def test_a_full_fine_tune_with_parameters_on_disk_at_two_ranks_equals_the_all_in_ram_run_and_resumes(
-    precision: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
+    precision = "bf16"
     # Against the all-in-RAM chunkmem run bit for bit (asserted on each rank), not against plain PyTorch:
     # at two ranks chunkmem's LayerNorm weight gradients differ from a plain model's by an ulp in
     # places, with or without the disk (the first losses still agree; see the report of issue 32).
@@ -163,7 +164,7 @@ def _lora(rank: int, world_size: int, precision: str, out: str) -> dict[str, Any
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("precision", "world_size"), [("bf16", 1), ("fp32", 1), pytest.param("bf16", 2, marks=pytest.mark.fast_tier)]
+    ("precision", "world_size"), [("fp32", 1), pytest.param("bf16", 2, marks=pytest.mark.fast_tier)]
 )
 def test_lora_with_its_base_on_disk_equals_plain_peft(precision: str, world_size: int, tmp_path: Path) -> None:
     results = run_ranks(_lora, world_size, args=(precision, str(tmp_path)))
@@ -318,7 +319,6 @@ def test_the_planner_cli_takes_a_parameter_disk_fraction(tmp_path: Path, capsys:
     result = plan_cli.main([*offload, "--param-disk-frac", "1"])
     assert "of which parameter shards" in capsys.readouterr().out
     assert result.disk_param_read_bytes_per_step > 0 and result.host_bytes_per_rank == 0
-    assert plan_cli.main(offload).disk_param_read_bytes_per_step == 0
     for argv, message in (
         ([*common, str(CHUNK), "--param-disk-frac", "0.5"], "with --policy auto, --host-budget decides"),
         ([*offload, "--disk-frac", "0.5", "--param-disk-frac", "1"], "offload_param_disk_frac=1.0 is above"),
