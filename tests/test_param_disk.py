@@ -13,6 +13,7 @@ import importlib
 import itertools
 import json
 import os
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
 from chunkmem.disk import DiskFile
 from placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
+from placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 
 ON_DISK = StaticPlacementConfig(
     offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0, max_prefetch=1
@@ -242,14 +244,24 @@ def test_the_static_fraction_is_validated_naming_the_field_and_takes_frozen_chun
             StaticPlacementConfig(**fields, offload_param_disk_frac=0.6)
     specs = [
         ChunkSpec(i, f"c{i}", trainable, 100, 400 if trainable else 0, 400, 200, False, False, 400)
-        for i, trainable in enumerate([True, False, True, False])
+        for i, trainable in enumerate([True, False] * 4)
     ]
     config = StaticPlacementConfig(
         offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=0.5
     )
     layout = StaticPolicy(config).layout(specs, [])
-    assert [p.param_on_disk for p in layout.placements] == [False, True, False, True]
-    assert layout.disk_bytes(tuple(specs)) == 4 * 400 + 2 * 200
+    assert [p.param_on_disk for p in layout.placements] == [False, True] * 4  # the frozen half
+    assert layout.disk_bytes(tuple(specs)) == 8 * 400 + 4 * 200
+    # A host budget the sides on disk alone do not meet (8 copies of 200 bytes stay, and 3 x 400 stream
+    # through the step): the refusal names a parameter fraction that does, and that fraction fits.
+    tight = config.model_copy(update={"offload_disk_frac": 0.0, "offload_param_disk_frac": 0.0, "host_budget": 2500})
+    with pytest.raises(PlacementHostBudgetTooSmall, match=r"offload_disk_frac=1, offload_param_disk_frac=") as refused:
+        StaticPolicy(tight).layout(specs, [])
+    named = float(re.search(r"offload_param_disk_frac=([0-9.]+) and", str(refused.value))[1])
+    fitting = tight.model_copy(update={"offload_disk_frac": 1.0, "offload_param_disk_frac": named})
+    policy = StaticPolicy(fitting)
+    policy.layout(specs, [])
+    assert policy.host_need() <= 2500
 
 
 @pytest.mark.slow
