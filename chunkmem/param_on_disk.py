@@ -63,13 +63,12 @@ def read_for_gather(
 ) -> None:
     """Read ``slot.numel()`` values of ``slot``'s dtype at ``offset`` of ``file`` into a staging
     buffer and copy them into ``slot`` (on the device). The buffer goes back to the pool once the
-    copy has read it; it is accounted as host staging meanwhile. A failed read raises
-    ``DiskTierError`` (naming the file)."""
+    copy has read it (so the pool hands out no buffer a copy still reads); it is accounted as host
+    staging meanwhile. A failed read raises ``DiskTierError`` (naming the file)."""
     staged = transfers.staging(slot.numel(), slot.dtype, host_device)
     nbytes = staged.numel() * staged.element_size()
     ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
     try:
-        transfers.before_host_write(staged)  # a copy of its last use may still read it
         file.read(staged, offset, param=True).result()
         transfers.copy(slot, staged, Direction.TO_DEVICE)
         transfers.before_host_write(staged)  # the pool's next user writes it
@@ -122,8 +121,7 @@ class ParamOnDisk:
             self._transfers.give_back(self._kept)
             self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
             self._kept = None
-        cast = self._transfers.staging(self._numel, self._dtype, self._host_device)
-        self._transfers.before_host_write(cast)
+        cast = self._transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
         cast.copy_(master)
         transfers = self._transfers
 

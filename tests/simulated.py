@@ -78,6 +78,19 @@ def _disk(rank: int, world_size: int) -> dict[str, Any]:
         return _train(rank, world_size, placement, "bf16", disk_dir=Path(scratch))
 
 
+def _param_disk(rank: int, world_size: int) -> dict[str, Any]:
+    """Parameter shards on disk too: every gather reads its shard into a staging buffer."""
+    placement = StaticPlacementConfig(
+        offload_optim_frac=1.0,
+        offload_param_frac=1.0,
+        offload_disk_frac=1.0,
+        offload_param_disk_frac=1.0,
+        max_prefetch=2,
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        return _train(rank, world_size, placement, "bf16", disk_dir=Path(scratch))
+
+
 def _checkpoint(rank: int, world_size: int, precision: str, evaluate: bool) -> dict[str, Any]:
     """Saved after two steps, loaded into a second boosted model mid-training (after a step of
     its own, or with ``evaluate`` right after a forward without gradients: no copy back to the
@@ -116,6 +129,7 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
     "auto-p3": (1, lambda r, w: _train(r, w, AutoPlacementConfig(device_budget=600_000, max_prefetch=3))),
     "accumulate-offload": (1, lambda r, w: _accumulate(r, w, _offload(2), no_sync=False)),
     "disk-bf16": (1, _disk),
+    "param-disk-bf16": (1, _param_disk),
     "checkpoint-mid-training": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=False)),
     "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
     "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),

@@ -112,6 +112,8 @@ CATCHES = {
     "comm.py: wait: self._comm.layer.wait_event(self._event)": "offload-p3-bf16",
     "comm.py: side_stream: self._layer.wait_stream(self._side_stream, self._layer.current_stream())": "offload-p3-bf16",
     "grad_on_disk.py: receive: self._transfers.before_host_read(host)": "disk-bf16",
+    "param_on_disk.py: read_for_gather: transfers.before_host_write(staged)": "param-disk-bf16",
+    "param_on_disk.py: write: self._transfers.before_host_write(self._kept)": None,
     "shard.py: prepare_host_write: self._transfers.before_host_write(self._master)": "load-after-eval",
     "shard.py: _settle_grad: self._transfers.before_host_read(self._grad)": "offload-p0",
     "shard.py: _settle_grad: self._transfers.before_host_read(staged)": "auto-p3",
@@ -135,6 +137,9 @@ UNCATCHABLE = {
     "shard.py: _before_write: self._transfers.before_host_write(buffer)": "the copy that then writes the buffer "
     "is queued after the host's last use of it and on the copy stream after the compute stream; no copy on "
     "another stream reads a master or gradient shard it guards",
+    "param_on_disk.py: write: self._transfers.before_host_write(self._kept)": "a parameter shard is kept in "
+    "memory only after its write failed (a full disk), which no scenario on the simulated device makes; its last "
+    "readers are the gathers' copies since then",
     "transfers.py: before_host_write: self.before_host_read(host)": "every host buffer a copy writes into is "
     "read (before_host_read) before the host writes it",
 }
