@@ -108,6 +108,7 @@ def test_a_full_fine_tune_with_parameters_on_disk_equals_the_all_in_ram_run_and_
     assert_analytic_traffic(chunked, stats)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_parameters_on_disk_resumes_exactly(tmp_path: Path) -> None:
     data, more = batches(2), batches(2, seed=5)
     chunked, optimizer, booster = boosted(gpt2(), ON_DISK, "bf16", tmp_path)
