@@ -1,15 +1,15 @@
 """The disk tier's files: scratch space chunkmem owns, preallocated at boost, read and written by a
 pool of I/O threads.
 
-Each rank keeps the optimizer sides it puts on disk in one file, ``<disk_dir>/.chunkmem-scratch-
-<token>-rank<r>/sides.bin``, preallocated to the size the placement needs (so a disk that fills up
-later cannot take those blocks). The directory is one chunkmem owns (:mod:`chunkmem.owned_dir`, as a
-checkpoint save's workspace): its marker file, locked before its text is written, says what the
-directory's name says, and this process holds the lock for as long as it uses the directory. It is
-removed when the process exits or the model is collected; one left by a killed run is removed by
-the next boost into the same ``disk_dir`` (ranks may share one), which removes only dead ones
-(marker as its name says, lock held by nobody), never one being created, never anything else. The
-files are scratch, not checkpoints: they mean nothing after the run.
+Each rank keeps the optimizer sides (and parameter shards) it puts on disk in one file,
+``<disk_dir>/.chunkmem-scratch-<token>-rank<r>/sides.bin``, preallocated to the size the placement
+needs (so a disk that fills up later cannot take those blocks). The directory is one chunkmem owns
+(:mod:`chunkmem.owned_dir`, as a checkpoint save's workspace): its marker file, locked before its
+text is written, says what the directory's name says, and this process holds the lock for as long as
+it uses the directory. It is removed when the process exits or the model is collected; one left by a
+killed run is removed by the next boost into the same ``disk_dir`` (ranks may share one), which
+removes only dead ones (marker as its name says, lock held by nobody), never one being created,
+never anything else. The files are scratch, not checkpoints: they mean nothing after the run.
 
 Reads and writes copy between a tensor's own memory and its region of the file (``os.preadv`` /
 ``os.pwritev`` into the tensor's bytes, no intermediate buffer); they run on I/O threads and return
@@ -210,16 +210,27 @@ class DiskFile(_Regions):
             path.unlink(missing_ok=True)  # the mapping keeps the space until the tensor goes
         return mapped[: numel * dtype.itemsize].view(dtype)
 
-    def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
-        """Fill ``tensor`` (contiguous, on the CPU) from the file at ``offset``, on an I/O thread."""
-        return self._pool.submit(self._transfer, tensor, offset, False)
+    def read(self, tensor: torch.Tensor, offset: int, param: bool = False) -> Future[None]:
+        """Fill ``tensor`` (contiguous, on the CPU) from the file at ``offset``, on an I/O thread;
+        ``param``: a parameter shard read for a gather (counted apart as well)."""
+        return self._pool.submit(self._transfer, tensor, offset, False, None, param)
 
-    def write(self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None) -> Future[None]:
+    def write(
+        self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None, param: bool = False
+    ) -> Future[None]:
         """Write ``tensor`` to the file at ``offset``, on an I/O thread; ``then`` runs after it
-        (there, once the bytes are out of ``tensor``)."""
-        return self._pool.submit(self._transfer, tensor, offset, True, then)
+        (there, once the bytes are out of ``tensor``); ``param``: what gathers read (counted apart as
+        well)."""
+        return self._pool.submit(self._transfer, tensor, offset, True, then, param)
 
-    def _transfer(self, tensor: torch.Tensor, offset: int, write: bool, then: Callable[[], None] | None = None) -> None:
+    def _transfer(
+        self,
+        tensor: torch.Tensor,
+        offset: int,
+        write: bool,
+        then: Callable[[], None] | None = None,
+        param: bool = False,
+    ) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError("the disk tier reads and writes contiguous CPU tensors")
@@ -245,17 +256,26 @@ class DiskFile(_Regions):
             ) from error
         seconds = time.perf_counter() - begin
         with self._counting:  # several I/O threads add to the same counters
+            _count(self._stats, nbytes, write, param)
             if write:
-                self._stats.disk_write_bytes += nbytes
                 self._stats.disk_write_seconds += seconds
             else:
-                self._stats.disk_read_bytes += nbytes
                 self._stats.disk_read_seconds += seconds
         if then is not None:
             then()
 
     def close(self) -> None:
         self._closer()
+
+
+def _count(stats: Stats, nbytes: int, write: bool, param: bool) -> None:
+    """The bytes of one read or write, in the totals and, for a parameter shard, in its part."""
+    if write:
+        stats.disk_write_bytes += nbytes
+        stats.disk_param_write_bytes += nbytes if param else 0
+    else:
+        stats.disk_read_bytes += nbytes
+        stats.disk_param_read_bytes += nbytes if param else 0
 
 
 def _close_file(fd: int, pool: ThreadPoolExecutor) -> None:
@@ -272,12 +292,8 @@ class PlannedDiskFile(_Regions):
         super().__init__("(planned)", size)
         self._stats = stats
 
-    def _done(self, tensor: torch.Tensor, write: bool, then: Callable[[], None] | None) -> Future[None]:
-        nbytes = tensor.numel() * tensor.element_size()
-        if write:
-            self._stats.disk_write_bytes += nbytes
-        else:
-            self._stats.disk_read_bytes += nbytes
+    def _done(self, tensor: torch.Tensor, write: bool, then: Callable[[], None] | None, param: bool) -> Future[None]:
+        _count(self._stats, tensor.numel() * tensor.element_size(), write, param)
         if then is not None:
             then()
         future: Future[None] = Future()
@@ -290,11 +306,13 @@ class PlannedDiskFile(_Regions):
     def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device="meta")
 
-    def read(self, tensor: torch.Tensor, offset: int) -> Future[None]:
-        return self._done(tensor, False, None)
+    def read(self, tensor: torch.Tensor, offset: int, param: bool = False) -> Future[None]:
+        return self._done(tensor, False, None, param)
 
-    def write(self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None) -> Future[None]:
-        return self._done(tensor, True, then)
+    def write(
+        self, tensor: torch.Tensor, offset: int, then: Callable[[], None] | None = None, param: bool = False
+    ) -> Future[None]:
+        return self._done(tensor, True, then, param)
 
 
 SidesFile = DiskFile | PlannedDiskFile

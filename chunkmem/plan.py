@@ -221,6 +221,13 @@ def _parser() -> argparse.ArgumentParser:
         help="--policy static/offload: fraction of chunk memory whose optimizer side is on disk (with auto, "
         "--host-budget decides what goes to disk)",
     )
+    parser.add_argument(
+        "--param-disk-frac",
+        type=_fraction,
+        default=0.0,
+        help="--policy offload: fraction of chunk memory whose parameter shard (what gathers read) is on disk "
+        "too, at most --disk-frac (with auto, --host-budget decides)",
+    )
     parser.add_argument("--disk-bandwidth", type=_bandwidth, default="2GB/s", help="disk bytes/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -238,6 +245,7 @@ def _placement(args: argparse.Namespace) -> StaticPlacementConfig | AutoPlacemen
         offload_optim_frac=max(offload, args.disk_frac),
         offload_param_frac=offload,
         offload_disk_frac=args.disk_frac,
+        offload_param_disk_frac=args.param_disk_frac,
         host_budget=args.host_budget,
     )
 
@@ -252,11 +260,15 @@ def _one_line(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> Plan:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.policy == "auto" and args.disk_frac > 0:
-        parser.error(
-            "argument --disk-frac: applies to --policy static or offload; with --policy auto, --host-budget decides "
-            "what goes to disk"
-        )
+    for flag, value, policies in (
+        ("--disk-frac", args.disk_frac, "static or offload"),
+        ("--param-disk-frac", args.param_disk_frac, "offload"),
+    ):
+        if args.policy == "auto" and value > 0:
+            parser.error(
+                f"argument {flag}: applies to --policy {policies}; with --policy auto, --host-budget decides "
+                "what goes to disk"
+            )
     precision = args.precision or planned_precision(args.device)
     capacity = args.device_memory
     if capacity is None and args.device == "cpu":

@@ -37,6 +37,13 @@ class StepCounters:
     """Highest accounted device bytes during the step."""
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    disk_param_read_bytes: int = 0
+    """Of ``disk_read_bytes``, parameter shards read for gathers."""
+    disk_param_write_bytes: int = 0
+    """Of ``disk_write_bytes``, parameter shards written after the step changed them."""
+    disk_param_forward_read_bytes: int = 0
+    """Of ``disk_param_read_bytes``, those read while the forward passes ran (the rest were read in
+    the backward passes). Set by the planner, which runs the passes; 0 from ``between``."""
     peak_host_bytes: int = 0
     """Highest accounted host bytes during the step."""
 
@@ -53,6 +60,8 @@ class StepCounters:
             peak_device_bytes=peak,
             disk_read_bytes=after.disk_read_bytes - before.disk_read_bytes,
             disk_write_bytes=after.disk_write_bytes - before.disk_write_bytes,
+            disk_param_read_bytes=after.disk_param_read_bytes - before.disk_param_read_bytes,
+            disk_param_write_bytes=after.disk_param_write_bytes - before.disk_param_write_bytes,
             peak_host_bytes=peak_host,
         )
 
@@ -116,10 +125,31 @@ class Plan:
         """Disk time per step at ``disk_bandwidth`` (reads and writes serialised)."""
         return (self.disk_read_bytes_per_step + self.disk_write_bytes_per_step) / self.disk_bandwidth
 
+    @property
+    def disk_param_read_bytes_per_step(self) -> int:
+        """Of ``disk_read_bytes_per_step``, the parameter shards gathers read from disk."""
+        return self.steps[-1].disk_param_read_bytes if self.steps else 0
+
+    @property
+    def disk_param_forward_read_bytes_per_step(self) -> int:
+        """Of ``disk_param_read_bytes_per_step``, those read in the forward (the rest in the backward)."""
+        return self.steps[-1].disk_param_forward_read_bytes if self.steps else 0
+
+    @property
+    def disk_param_write_bytes_per_step(self) -> int:
+        """Of ``disk_write_bytes_per_step``, the parameter shards the step wrote."""
+        return self.steps[-1].disk_param_write_bytes if self.steps else 0
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
         out["disk_seconds_per_step"] = self.disk_seconds_per_step
+        for name in (
+            "disk_param_read_bytes_per_step",
+            "disk_param_forward_read_bytes_per_step",
+            "disk_param_write_bytes_per_step",
+        ):
+            out[name] = getattr(self, name)
         return out
 
     def table(self) -> str:
@@ -148,6 +178,12 @@ class Plan:
             (
                 "disk read + write per step",
                 f"{format_bytes(self.disk_read_bytes_per_step)} + {format_bytes(self.disk_write_bytes_per_step)}",
+            ),
+            (
+                "of which parameter shards",
+                f"{format_bytes(self.disk_param_read_bytes_per_step)} (forward "
+                f"{format_bytes(self.disk_param_forward_read_bytes_per_step)}) + "
+                f"{format_bytes(self.disk_param_write_bytes_per_step)}",
             ),
             ("host-to-device per step", format_bytes(self.h2d_bytes_per_step)),
             ("device-to-host per step", format_bytes(self.d2h_bytes_per_step)),

@@ -25,6 +25,7 @@ decided as a GPU run decides it; on the CPU, as the CPU does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -249,16 +250,26 @@ def _run(
     assert isinstance(chunk_optimizer, ChunkOptimizer), "configure returns the optimizer it was given, wrapped"
     ledger = chunked.manager.ledger
     counters = []
+    forward_reads = [0]
+
+    def forward() -> Any:  # counts the parameter shards read from disk while it runs
+        start = chunked.stats().disk_param_read_bytes
+        output = chunked(**inputs)
+        forward_reads[0] += chunked.stats().disk_param_read_bytes - start
+        return output
+
     for _ in range(steps):
         before = chunked.stats()
         ledger.reset_peak()
+        forward_reads[0] = 0
         with chunked.runtime.no_sync():
             for _ in range(grad_accum - 1):
-                chunk_optimizer.backward(_loss(chunked(**inputs)))
-        chunk_optimizer.backward(_loss(chunked(**inputs)))
+                chunk_optimizer.backward(_loss(forward()))
+        chunk_optimizer.backward(_loss(forward()))
         chunk_optimizer.step()
         chunk_optimizer.zero_grad()
-        counters.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes))
+        step = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
+        counters.append(dataclasses.replace(step, disk_param_forward_read_bytes=forward_reads[0]))
     return chunked, counters
 
 

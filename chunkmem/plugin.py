@@ -362,9 +362,10 @@ class ChunkPlugin:
         if nbytes == 0:
             return None
         chunks = sum(1 for p in layout.placements if p.optim_on_disk)
-        # Each chunk's master, gradient and states get a region of their own, each rounded up to a
-        # block.
-        nbytes += 3 * DISK_BLOCK * chunks
+        params = sum(1 for p in layout.placements if p.param_on_disk)
+        # Each chunk's master, gradient, states and 16-bit parameter shard get a region of their
+        # own, each rounded up to a block.
+        nbytes += DISK_BLOCK * (3 * chunks + params)
         return backing.disk_file(nbytes, chunks, comm, stats, self.disk_dir)
 
     @staticmethod

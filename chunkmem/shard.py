@@ -8,6 +8,9 @@ its fp32 gradient shard (beside it), and the compute-dtype copies derived from i
   bytes cross the bus.
 * Master on the host, parameter shard on the device (Gemini's ``offload_optim`` without
   ``offload_param``): a device copy in compute dtype, refreshed once per optimizer step.
+* Master on disk, parameter shard on disk (``offload_param_disk_frac``): a gather reads the 16-bit
+  copy (``ParamOnDisk``), or with fp32 compute the master's own region, from disk into a staging
+  buffer; nothing gathers read stays in host memory.
 
 Copies are caches keyed by the master's version, which the optimizer bumps after each update.
 Every copy between host and device goes through :class:`HostTransfers` (counted, timed, and
@@ -26,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryKind, MemoryLedger
-from .device import DeviceLayer
 from .grad_on_disk import GradOnDisk
+from .master_buffer import MASTER_DTYPE, MasterSideBuffer
+from .param_on_disk import ParamOnDisk, read_for_gather
 from .transfers import Direction, HostTransfers
 
 if TYPE_CHECKING:
@@ -35,7 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardStore", "SourceKind"]
 
-MASTER_DTYPE = torch.float32
 _CPU = torch.device("cpu")
 
 
@@ -45,58 +48,7 @@ class SourceKind(enum.Enum):
     DEVICE_MASTER = "device_master"
     DEVICE_COPY = "device_copy"
     HOST = "host"
-
-
-class _MasterSideBuffer:
-    """An fp32 shard-sized buffer that lives where the master lives. With an asynchronous device its
-    host buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
-    back to the host; without one it is an ordinary allocation, freed when the buffer leaves."""
-
-    def __init__(
-        self,
-        kind: MemoryKind,
-        numel: int,
-        device: torch.device,
-        ledger: MemoryLedger,
-        pin: bool,
-        layer: DeviceLayer,
-        accounted: bool = True,
-        host_device: torch.device = _CPU,
-    ) -> None:
-        self._kind = kind
-        self._numel = numel
-        self._device = device
-        self._host_device = host_device
-        # Without ``accounted`` the owner reserves the bytes in the ledger itself, for as long as
-        # the buffer may exist, not only while it does.
-        self._ledger = ledger if accounted else None
-        self._pin = pin
-        self._layer = layer
-        self._host: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self._numel * MASTER_DTYPE.itemsize
-
-    def take(self, location: Location) -> torch.Tensor:
-        """An uninitialized buffer at ``location`` (the kept pinned one on the host, with CUDA)."""
-        if location is Location.DEVICE:
-            if self._ledger is not None:
-                self._ledger.alloc(Location.DEVICE, self._kind, self.nbytes)
-            return torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._device)
-        if self._host is not None:
-            return self._host
-        if self._ledger is not None:
-            self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
-        host = self._layer.host_empty(self._numel, MASTER_DTYPE, self._host_device, pinned=self._pin)
-        if self._pin:
-            self._host = host
-        return host
-
-    def give_back(self, location: Location) -> None:
-        """The buffer taken at ``location`` is no longer used (a pinned host one stays allocated)."""
-        if self._ledger is not None and (location is Location.DEVICE or self._host is None):
-            self._ledger.free(location, self._kind, self.nbytes)
+    DISK = "disk"
 
 
 class ShardStore:
@@ -133,16 +85,24 @@ class ShardStore:
         self._host_device = host_device
         if disk is not None and master is not Location.HOST:
             raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
+        if shard is Location.DISK and disk is None:
+            raise ValueError(f"{label}: a parameter shard on disk needs its optimizer side on disk too")
         # The master goes to disk with 16-bit compute (gathers read its 16-bit copy); an fp32
-        # master is what gathers read, so it stays. The gradient shard goes in both cases.
-        self._disk = disk if compute_dtype != MASTER_DTYPE else None
+        # master is what gathers read, so it stays, unless the parameter shard goes to disk too.
+        # The gradient shard goes in both cases.
+        self._disk = disk if compute_dtype != MASTER_DTYPE or shard is Location.DISK else None
+        self._param_disk = (
+            ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device)
+            if disk is not None and shard is Location.DISK and compute_dtype != MASTER_DTYPE
+            else None
+        )
         self._grad_disk = (
             GradOnDisk(label, numel, disk, ledger, transfers, host_device) if disk is not None and trainable else None
         )
         self._disk_offset = -1
         self._master_resident = True
         # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
-        self._master_buffers = _MasterSideBuffer(
+        self._master_buffers = MasterSideBuffer(
             MemoryKind.MASTER,
             numel,
             device,
@@ -152,7 +112,7 @@ class ShardStore:
             host_device=host_device,
         )
         self._master = self._master_buffers.take(master)
-        self._grad_buffers = _MasterSideBuffer(
+        self._grad_buffers = MasterSideBuffer(
             MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, transfers.layer, False, host_device
         )
         self._trainable = trainable
@@ -166,7 +126,7 @@ class ShardStore:
         self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
-        if master is Location.HOST and self._needs_host_cast:
+        if master is Location.HOST and self._needs_host_cast and shard is not Location.DISK:
             self._host_cast = self._host_empty(compute_dtype)
             self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
         self._shard_location = shard
@@ -211,6 +171,8 @@ class ShardStore:
             return SourceKind.DEVICE_MASTER
         if self._shard_location is Location.DEVICE:
             return SourceKind.DEVICE_COPY
+        if self._shard_location is Location.DISK:
+            return SourceKind.DISK
         return SourceKind.HOST
 
     @property
@@ -284,6 +246,8 @@ class ShardStore:
         optimizer is built after placement and never moves it)."""
         if target is self._master_location:
             return
+        if self._shard_location is Location.DISK:
+            raise ValueError(f"{self._label}: its parameter shard lives on disk, decided at boost; its master stays")
         direction = Direction.TO_DEVICE if target is Location.DEVICE else Direction.TO_HOST
         old, old_location = self._master, self._master_location
         self._master = self._master_buffers.take(target)
@@ -315,6 +279,11 @@ class ShardStore:
         on the host. Dropping never copies back: the host master is authoritative."""
         if target is self._shard_location:
             return
+        if Location.DISK in (target, self._shard_location):
+            raise ValueError(
+                f"{self._label}: a parameter shard goes to disk (or leaves it) only when placed at boost "
+                "(offload_param_disk_frac)"
+            )
         if self._master_location is Location.DEVICE:
             raise ValueError(
                 f"{self._label}: cannot move the parameter shard to the host while its master is on the "
@@ -402,8 +371,22 @@ class ShardStore:
             source = self._refreshed_device_copy()
             if source.data_ptr() != slot.data_ptr():
                 slot.copy_(source)
+        elif kind is SourceKind.DISK:
+            self._copy_from_disk(slot)
         else:
             self._transfers.copy(slot, self._host_compute(), Direction.TO_DEVICE)
+
+    def _copy_from_disk(self, slot: torch.Tensor) -> None:
+        """A parameter shard on disk: its 16-bit copy read from disk (or kept in memory after a
+        failed write); with fp32 compute the master, from memory while it is there (a failed
+        write), else from its region of the disk file."""
+        if self._param_disk is not None:
+            self._param_disk.copy_into(slot)
+        elif self._master_resident:
+            self._transfers.copy(slot, self._master, Direction.TO_DEVICE)
+        else:
+            assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
+            read_for_gather(self._disk, self._disk_offset, slot, self._transfers, self._ledger, self._host_device)
 
     def _host_compute(self) -> torch.Tensor:
         if self._host_cast is None:
@@ -464,8 +447,11 @@ class ShardStore:
         if file is None or self._disk_offset >= 0:
             raise RuntimeError(f"{self._label}: spill_master is for a master bound for disk, once")
         self._host_compute()
+        written = self.write_param(changed=True)
+        if written is not None:
+            written.result()
         self._disk_offset = file.region(self._master_bytes)
-        file.write(self._master, self._disk_offset).result()
+        file.write(self._master, self._disk_offset, param=self._master_is_param).result()
         self._master.untyped_storage().resize_(0)
         self._master_resident = False
         self._ledger.free(Location.HOST, MemoryKind.MASTER, self._master_bytes)
@@ -482,10 +468,25 @@ class ShardStore:
         self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
         return file.read(self._master, self._disk_offset)
 
+    @property
+    def _master_is_param(self) -> bool:
+        """fp32 compute with the parameter shard on disk: the master on disk is what gathers read."""
+        return self._shard_location is Location.DISK and self._param_disk is None
+
+    def write_param(self, changed: bool) -> Future[None] | None:
+        """With its 16-bit parameter shard on disk: when the master (in memory now) ``changed``,
+        write its cast to disk (before the master leaves memory; a master on disk has not changed, as
+        in ``evict_master``). Returns the write (``None``: none); one that fails keeps the cast in
+        memory by itself (``ParamOnDisk``)."""
+        if self._param_disk is None or not changed or not self._master_resident:
+            return None
+        return self._param_disk.write(self._master)
+
     def evict_master(self, changed: bool) -> Future[None] | None:
         """Free the master's memory, writing it back first when ``changed`` (its 16-bit copy is
-        made from it before). Returns the write to wait for (``None``: none); if it fails, call
-        ``master_write_failed``: the values are still in memory."""
+        made from it before; one on disk is written by ``write_param``, called first). Returns the
+        write to wait for (``None``: none); if it fails, call ``master_write_failed``: the values
+        are still in memory."""
         file = self._disk
         if file is None or not self._master_resident:
             return None
@@ -498,7 +499,7 @@ class ShardStore:
         if not changed:
             storage.resize_(0)
             return None
-        return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0))
+        return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)
 
     def master_write_failed(self) -> None:
         """The write ``evict_master`` started failed: the master kept its memory and values."""
@@ -517,10 +518,13 @@ class ShardStore:
         try:
             yield self._master
         finally:
+            param = self.write_param(changed=write_back)
             written = self.evict_master(changed=write_back)
             if written is not None and written.exception() is not None:
                 self.master_write_failed()
                 raise written.exception()  # type: ignore[misc]
+            if param is not None and param.exception() is not None:
+                raise param.exception()  # type: ignore[misc]
 
     def _alloc_device_copy(self) -> torch.Tensor:
         self._ledger.alloc(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

@@ -31,6 +31,13 @@ class Stats:
     """Bytes read from the disk tier's files."""
     disk_write_bytes: int = 0
     """Bytes written to the disk tier's files."""
+    disk_param_read_bytes: int = 0
+    """Of ``disk_read_bytes``, those read for gathers: compute-dtype parameter shards on disk
+    (``offload_param_disk_frac``), one shard per gather of such a chunk."""
+    disk_param_write_bytes: int = 0
+    """Of ``disk_write_bytes``, those of what gathers read: the 16-bit copy of a parameter shard on
+    disk (with fp32 compute, the fp32 master, which is what gathers read), written at boost and after
+    each optimizer step that changed a trainable chunk; a frozen chunk's never after boost."""
     disk_read_seconds: float = 0.0
     """Seconds the reads took (summed over the I/O threads: ``disk_read_bytes / disk_read_seconds``
     is the achieved bandwidth of one thread)."""

@@ -3,12 +3,13 @@ current trace position; when it does not, the chunk needed furthest in the futur
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 from .config import AutoPlacementConfig
 from .policy import PlacementPolicy, format_bytes
-from .snapshot import ChunkPlacement, Layout, ReleaseSnapshot, WorkingSet
+from .snapshot import ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace
 
 __all__ = ["AutoPolicy"]
@@ -114,27 +115,41 @@ class AutoPolicy(PlacementPolicy):
         """The device layout (``_device_layout``), then, under a host budget, optimizer sides left
         on the host go to disk while the host holds too much: frozen chunks first (the optimizer
         never reads them), then trainable ones from the last (every trainable chunk is read once a
-        step). Everything on disk that still does not fit is refused with the minimum."""
+        step). When every such side is on disk and the host still holds too much, their parameter
+        shards follow, in the same order. Everything on disk that still does not fit is refused with
+        the minimum."""
         layout = self._device_layout(working_sets)
         if self._host_budget is None or self.host_need(layout) <= self._host_budget:
             return layout
         placements = list(layout.placements)
         order = [s for s in self._specs if not s.trainable] + [s for s in reversed(self._specs) if s.trainable]
-        for spec in order:
-            place = placements[spec.chunk_id]
-            if place.optim_on_device or place.optim_on_disk or spec.disk_side_bytes == 0:
-                continue
-            placements[spec.chunk_id] = ChunkPlacement(
-                keep_gathered=place.keep_gathered,
-                optim_on_device=False,
-                shard_on_device=place.shard_on_device,
-                optim_on_disk=True,
-            )
-            if self.host_need(Layout(tuple(placements))) <= self._host_budget:
-                break
+        fits = self._spill(placements, order, sides=True)
+        if not fits:
+            self._spill(placements, order, sides=False)
         layout = Layout(tuple(placements))
         self._check_host_budget(layout, "or give the device more of the model (device_budget)")
         return layout
+
+    def _spill(self, placements: list[ChunkPlacement], order: Sequence[ChunkSpec], sides: bool) -> bool:
+        """Move to disk, in ``order``, optimizer sides left on the host (``sides``), or the parameter
+        shards of chunks whose side is on disk, until the host budget holds the layout. Returns
+        whether it does."""
+        budget = self._host_budget
+        assert budget is not None, "only spilled under a host budget"
+        for spec in order:
+            place = placements[spec.chunk_id]
+            if sides:
+                if place.optim_on_device or place.optim_on_disk or spec.disk_side_bytes == 0:
+                    continue
+                moved = dataclasses.replace(place, optim_on_disk=True)
+            else:
+                if not place.optim_on_disk or place.shard_on_device or place.param_on_disk:
+                    continue
+                moved = dataclasses.replace(place, param_on_disk=True)
+            placements[spec.chunk_id] = moved
+            if self.host_need(Layout(tuple(placements))) <= budget:
+                return True
+        return False
 
     def _device_layout(self, working_sets: Sequence[WorkingSet]) -> Layout:
         """Everything on the device when it fits. Otherwise greedy, in chunk order: a chunk's

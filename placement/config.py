@@ -117,7 +117,7 @@ class StaticPlacementConfig(_Config):
     stays gathered on the device between uses (ZeRO-2 style: only gradients and optimizer states
     are sharded). 1.0 shards everything, 0.0 keeps every chunk gathered."""
     offload_param_frac: Fraction = 0.0
-    """Fraction of chunk memory whose compute-dtype parameter shard lives in host memory between
+    """Fraction of chunk memory whose compute-dtype parameter shard lives off the device between
     uses. Only meaningful when every chunk is sharded and its optimizer state is offloaded, so it
     requires ``shard_param_frac == 1`` and ``offload_optim_frac == 1`` when it is above zero."""
     offload_optim_frac: Fraction = 0.0
@@ -132,6 +132,14 @@ class StaticPlacementConfig(_Config):
     fp32 compute) stays in host memory. Only chunks whose optimizer side is offloaded can go to
     disk, the first of them in chunk order, so it requires ``offload_disk_frac <=
     offload_optim_frac``."""
+    offload_param_disk_frac: Fraction = 0.0
+    """Fraction of chunk memory whose compute-dtype parameter shard (what gathers read: the 16-bit
+    copy, or with fp32 compute the fp32 master) lives on disk too, not in host memory: each gather
+    reads it from disk into a staging buffer, and the chunk's optimizer step writes it back when its
+    master changed (a frozen chunk's is written once, at boost). Chosen among the chunks whose
+    optimizer side is on disk and whose parameter shard is offloaded, frozen chunks first (never
+    written), then in chunk order, so it requires ``offload_param_disk_frac <= offload_disk_frac``
+    and ``<= offload_param_frac``; it needs ``ChunkPlugin(disk_dir=...)`` like ``offload_disk_frac``."""
     max_prefetch: Count = 2
     """How many chunks, next in the recorded compute trace, may be fetched ahead of use. 0 fetches
     only on demand. Prefetch only uses budget that is free; it never breaks ``device_budget``. The
@@ -158,6 +166,18 @@ class StaticPlacementConfig(_Config):
                 "only chunks whose optimizer side is offloaded to the host can go on to disk; raise "
                 "offload_optim_frac or lower offload_disk_frac"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _param_disk_needs_disk_and_param_offload(self) -> StaticPlacementConfig:
+        limits = (("offload_disk_frac", self.offload_disk_frac), ("offload_param_frac", self.offload_param_frac))
+        for field, limit in limits:
+            if self.offload_param_disk_frac > limit:
+                raise ValueError(
+                    f"offload_param_disk_frac={self.offload_param_disk_frac} is above {field}={limit}: a parameter "
+                    "shard goes to disk only for a chunk whose optimizer side is on disk (offload_disk_frac) and whose "
+                    f"parameter shard is offloaded (offload_param_frac); raise {field} or lower offload_param_disk_frac"
+                )
         return self
 
     @model_validator(mode="after")
@@ -197,7 +217,10 @@ class AutoPlacementConfig(_Config):
     """Cap on chunk memory in host memory, in bytes or a string such as ``"16GiB"``: optimizer sides
     that do not stay on the device stay in host memory while they fit under it, and the rest go to
     disk (``ChunkPlugin(disk_dir=...)``), the chunks the optimizer reads least first: frozen chunks
-    (never stepped), then trainable ones from the last. ``None`` means no cap and no disk."""
+    (never stepped), then trainable ones from the last. The compute-dtype parameter shards count too:
+    when every optimizer side off the device is on disk and the host still holds too much, the
+    parameter shards of those chunks go to disk as well, in the same order (frozen ones are never
+    written back). ``None`` means no cap and no disk."""
 
 
 PlacementConfig = Annotated[StaticPlacementConfig | AutoPlacementConfig, Field(discriminator="policy")]

@@ -126,9 +126,11 @@ class PlacementPolicy(ABC):
 
     def host_need(self, layout: Layout | None = None) -> int:
         """Host bytes ``layout`` (default: the decided one) needs: what stays there between uses,
-        and the buffers chunks on disk are stepped in."""
+        the buffers chunks on disk are stepped in, and the one a parameter shard on disk is read
+        into for a gather."""
         layout = layout if layout is not None else self.layout_decided
-        return layout.host_bytes(self._specs) + layout.disk_window_bytes(self._specs, DISK_WINDOW)
+        specs = self._specs
+        return layout.host_bytes(specs) + layout.disk_window_bytes(specs, DISK_WINDOW) + layout.param_read_bytes(specs)
 
     def _check_host_budget(self, layout: Layout, fix: str) -> None:
         budget = self._host_budget
@@ -142,7 +144,7 @@ class PlacementPolicy(ABC):
                 f"host_budget={budget} ({format_bytes(budget)}) is below the {need} ({format_bytes(need)}) this "
                 f"placement keeps in host memory: {format_bytes(at_rest)} of {self._host_contents()} stay there "
                 "between steps"
-                + (f", and {format_bytes(window)} hold the chunks stepped from disk" if window else "")
+                + (f", and {format_bytes(window)} hold the chunks stepped (or gathered) from disk" if window else "")
                 + f". Raise host_budget, {fix}.",
                 budget,
                 need,

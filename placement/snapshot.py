@@ -73,8 +73,19 @@ class ChunkPlacement:
     host; the master itself, cast on the fly when gathered, when the master is on the device)."""
     optim_on_disk: bool = False
     """The optimizer side is on the host, and its ``disk_side_bytes`` live on disk between steps."""
+    param_on_disk: bool = False
+    """The compute-dtype parameter shard (what gathers read: the 16-bit copy, or with fp32 compute
+    the master) lives on disk too, ``shard_copy_bytes`` of it, read for each gather and written
+    when the optimizer step changed it. Needs ``optim_on_disk`` (and so the shard off the device)."""
 
     def __post_init__(self) -> None:
+        if self.param_on_disk and not self.optim_on_disk:
+            raise ValueError(
+                "ChunkPlacement: a parameter shard on disk is written by its chunk's step from disk; set "
+                "optim_on_disk=True"
+            )
+        if self.param_on_disk and self.shard_on_device:
+            raise ValueError("ChunkPlacement: a parameter shard on disk is off the device; set shard_on_device=False")
         if self.optim_on_disk and self.optim_on_device:
             raise ValueError(
                 "ChunkPlacement: an optimizer side on disk is stepped on the host; set optim_on_device=False"
@@ -111,11 +122,16 @@ class ChunkPlacement:
         if self.optim_on_device:
             return 0
         total = spec.optim_side_bytes - (spec.disk_side_bytes if self.optim_on_disk else 0)
-        return total + (0 if spec.master_is_compute else spec.shard_copy_bytes)
+        # What gathers read: the 16-bit copy, or with fp32 compute the master (in the optimizer
+        # side), unless it is on disk.
+        total += 0 if spec.master_is_compute else spec.shard_copy_bytes
+        return total - (spec.shard_copy_bytes if self.param_on_disk else 0)
 
     def disk_bytes(self, spec: ChunkSpec) -> int:
         """Bytes this chunk keeps on disk."""
-        return spec.disk_side_bytes if self.optim_on_disk else 0
+        if not self.optim_on_disk:
+            return 0
+        return spec.disk_side_bytes + (spec.shard_copy_bytes if self.param_on_disk else 0)
 
     def grad_buffer_bytes(self, spec: ChunkSpec) -> int:
         """Device bytes of the gradient buffer during backward (0 at world size 1 with the
@@ -159,6 +175,13 @@ class Layout:
         """Host bytes the disk tier steps in: ``window`` of the largest chunks on disk at once."""
         sizes = sorted((p.disk_bytes(s) for p, s in zip(self.placements, specs, strict=True)), reverse=True)
         return sum(sizes[:window])
+
+    def param_read_bytes(self, specs: tuple[ChunkSpec, ...]) -> int:
+        """Host bytes a gather of a parameter shard on disk reads it into: the largest one (gathers
+        read one at a time)."""
+        return max(
+            (s.shard_copy_bytes for p, s in zip(self.placements, specs, strict=True) if p.param_on_disk), default=0
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ __all__ = ["StaticPolicy"]
 
 
 def _first_fraction(specs: Sequence[ChunkSpec], frac: float) -> set[int]:
-    """Chunks taken in id order until ``frac`` of their combined gathered size is covered."""
+    """Chunks taken in the order given until ``frac`` of their combined gathered size is covered."""
     total = sum(s.gathered_bytes for s in specs)
     # Tolerance for fractions such as 1 - 0.7 = 0.30000000000000004.
     target = frac * total - 1e-9 * total
@@ -54,7 +54,9 @@ class StaticPolicy(PlacementPolicy):
         self._check_host_budget(layout, fix)
         return layout
 
-    def _layout_with_disk(self, disk_fraction: float) -> Layout:
+    def _layout_with_disk(self, disk_fraction: float, param_fraction: float | None = None) -> Layout:
+        """The layout with ``disk_fraction`` of chunk memory's optimizer sides on disk, and
+        ``param_fraction`` (default: the config's) of its parameter shards."""
         specs = self._specs
         keep = _first_fraction(specs, 1.0 - self._config.shard_param_frac)
         sharded = [s for s in specs if s.chunk_id not in keep]
@@ -66,6 +68,9 @@ class StaticPolicy(PlacementPolicy):
         offloaded = [s for s in sharded if s.chunk_id in offload_optim]
         disk_frac = min(1.0, disk_fraction * total / max(1, sum(s.gathered_bytes for s in offloaded)))
         on_disk = _first_fraction(offloaded, disk_frac) if disk_fraction > 0 else set()
+        eligible = [s for s in offloaded if s.chunk_id in on_disk and s.chunk_id in offload_param]
+        fraction = self._config.offload_param_disk_frac if param_fraction is None else param_fraction
+        param_disk = self._param_disk(eligible, fraction)
         placements = []
         for spec in specs:
             optim_on_device = spec.chunk_id not in offload_optim
@@ -75,26 +80,52 @@ class StaticPolicy(PlacementPolicy):
                     optim_on_device=optim_on_device,
                     shard_on_device=optim_on_device or spec.chunk_id not in offload_param,
                     optim_on_disk=spec.chunk_id in on_disk,
+                    param_on_disk=spec.chunk_id in param_disk,
                 )
             )
         return Layout(tuple(placements))
 
+    def _param_disk(self, eligible: Sequence[ChunkSpec], fraction: float) -> set[int]:
+        """The chunks whose parameter shard goes to disk: ``fraction`` of chunk memory among
+        ``eligible`` (optimizer side on disk, parameter shard offloaded), frozen ones first (never
+        written back), then in chunk order."""
+        if fraction == 0:
+            return set()
+        total = sum(s.gathered_bytes for s in self._specs)
+        frac = min(1.0, fraction * total / max(1, sum(s.gathered_bytes for s in eligible)))
+        return _first_fraction(sorted(eligible, key=lambda s: s.trainable), frac)
+
     def _disk_fix(self) -> str | None:
         """The smallest ``offload_disk_frac`` (in hundredths, up to ``offload_optim_frac``) whose
-        layout fits the host budget, said as the fix; ``None`` when even that does not fit."""
+        layout fits the host budget, said as the fix; failing that, with every offloaded side on
+        disk, the smallest ``offload_param_disk_frac`` (up to ``offload_param_frac``) that does;
+        ``None`` when even that does not fit."""
+        config = self._config
+        most = config.offload_optim_frac
+        for hundredths in range(int(config.offload_disk_frac * 100) + 1, int(most * 100) + 2):
+            fraction = min(most, hundredths / 100)
+            fix = self._fix_if_fits(self._layout_with_disk(fraction), f"offload_disk_frac={fraction:g}")
+            if fix is not None:
+                return fix
+        most_param = min(most, config.offload_param_frac)
+        for hundredths in range(int(config.offload_param_disk_frac * 100) + 1, int(most_param * 100) + 2):
+            fraction = min(most_param, hundredths / 100)
+            fields = f"offload_disk_frac={most:g}, offload_param_disk_frac={fraction:g}"
+            fix = self._fix_if_fits(self._layout_with_disk(most, fraction), fields)
+            if fix is not None:
+                return fix
+        return None
+
+    def _fix_if_fits(self, layout: Layout, fields: str) -> str | None:
+        """``layout`` (set by ``fields``) said as the fix when it fits the host budget."""
         budget = self._host_budget
         assert budget is not None, "only asked under a host budget"
-        most = self._config.offload_optim_frac
-        for hundredths in range(int(self._config.offload_disk_frac * 100) + 1, int(most * 100) + 2):
-            fraction = min(most, hundredths / 100)
-            layout = self._layout_with_disk(fraction)
-            if self.host_need(layout) <= budget:
-                return (
-                    f"or set offload_disk_frac={fraction:g} and ChunkPlugin(disk_dir=...) to put "
-                    f"{format_bytes(layout.disk_bytes(self._specs))} on disk (host memory then "
-                    f"{format_bytes(self.host_need(layout))})"
-                )
-        return None
+        if self.host_need(layout) > budget:
+            return None
+        return (
+            f"or set {fields} and ChunkPlugin(disk_dir=...) to put {format_bytes(layout.disk_bytes(self._specs))} "
+            f"on disk (host memory then {format_bytes(self.host_need(layout))})"
+        )
 
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
         """Release a chunk once no op of the current pass uses it again (so it is gathered once

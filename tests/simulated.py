@@ -9,11 +9,12 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from disk_faults import parameter_writes_fail
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_accumulating, train_chunked
 
 from chunkmem import (
@@ -22,6 +23,7 @@ from chunkmem import (
     ChunkedModel,
     ChunkOptimizer,
     Communicator,
+    DiskTierError,
     StepAfterBackward,
     StepDuringBackward,
 )
@@ -76,6 +78,55 @@ def _disk(rank: int, world_size: int) -> dict[str, Any]:
     placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=2)
     with tempfile.TemporaryDirectory() as scratch:
         return _train(rank, world_size, placement, "bf16", disk_dir=Path(scratch))
+
+
+def _param_disk_placement() -> StaticPlacementConfig:
+    return StaticPlacementConfig(
+        offload_optim_frac=1.0,
+        offload_param_frac=1.0,
+        offload_disk_frac=1.0,
+        offload_param_disk_frac=1.0,
+        max_prefetch=2,
+    )
+
+
+def _param_disk(rank: int, world_size: int) -> dict[str, Any]:
+    """Parameter shards on disk too: every gather reads its shard into a staging buffer."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return _train(rank, world_size, _param_disk_placement(), "bf16", disk_dir=Path(scratch))
+
+
+def _param_disk_full(rank: int, world_size: int) -> dict[str, Any]:
+    """Parameter shards on disk, and the second step's writes of them fail (a full disk): the
+    shards stay in host memory and a forward without gradients copies them from there; then a
+    checkpoint saved after the first step is loaded, which writes the shards again and gives
+    those buffers back with no step (and its waits for gradient copies) between."""
+    losses: list[Any] = []
+    data = batches(3)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch)
+        chunked, optimizer, booster = _boost(
+            gpt2(), precision="bf16", chunk_size=6_000, placement=_param_disk_placement(), disk_dir=path
+        )
+        for step, ids in enumerate(data[:2]):
+            loss = lm_loss(chunked, ids)
+            booster.backward(loss, optimizer)
+            losses.append(loss.item())
+            try:
+                with parameter_writes_fail() if step == 1 else nullcontext():
+                    optimizer.step()
+            except DiskTierError as error:
+                losses.append(type(error).__name__)
+            optimizer.zero_grad()
+            if step == 0:
+                booster.save_model(chunked, path / "model.pt")
+                booster.save_optimizer(optimizer, path / "optim.pt")
+        with torch.no_grad():
+            losses.append(lm_loss(chunked, data[0]).item())
+        booster.load_model(chunked, path / "model.pt")
+        booster.load_optimizer(optimizer, path / "optim.pt")
+        losses += train_chunked(chunked, optimizer, booster, data[2:], rank, world_size)
+        return {"losses": losses, "state": chunked.state_dict()}
 
 
 def _checkpoint(rank: int, world_size: int, precision: str, evaluate: bool) -> dict[str, Any]:
@@ -134,6 +185,8 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
     "auto-p3": (1, lambda r, w: _train(r, w, AutoPlacementConfig(device_budget=600_000, max_prefetch=3))),
     "accumulate-offload": (1, lambda r, w: _accumulate(r, w, _offload(2), no_sync=False)),
     "disk-bf16": (1, _disk),
+    "param-disk-bf16": (1, _param_disk),
+    "param-disk-full": (1, _param_disk_full),
     "checkpoint-mid-training": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=False)),
     "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
     "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -54,14 +54,19 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 
 
 def plain_peft(
-    precision: str, data: Sequence[torch.Tensor], steps_on: torch.device, world_size: int = 1
+    precision: str,
+    data: Sequence[torch.Tensor],
+    steps_on: torch.device,
+    world_size: int = 1,
+    build: Callable[[], torch.nn.Module] = lora_model,
 ) -> tuple[list[list[float]], Any]:
     """Plain PEFT: each step, every rank's share of the batch through a copy of the model in the
     compute dtype on the device chunkmem computes on, the fp32 gradients of the shares added and
     divided by the world size (as DDP does), AdamW on fp32 adapter masters on ``steps_on`` (where
     chunkmem steps them: a GPU's Adam rounds otherwise than the CPU's), the compute copy refreshed
-    from them. Returns each step's per-rank losses and the fp32 model (on ``steps_on``)."""
-    masters = lora_model().to(steps_on)
+    from them. Returns each step's per-rank losses and the fp32 model (on ``steps_on``). ``build``
+    makes the model (a full fine-tune: one whose parameters all train)."""
+    masters = build().to(steps_on)
     trainable = {n: p for n, p in masters.named_parameters() if p.requires_grad}
     compute = as_reference(copy.deepcopy(masters).to(DTYPES[precision]))
     weights = dict(compute.named_parameters())

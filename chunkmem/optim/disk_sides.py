@@ -4,7 +4,8 @@ streams them through host memory.
 A chunk on disk keeps there its optimizer states (elementwise ones: Adam's moments; scalars such as
 the step count stay in memory), its gradient shard (``GradOnDisk``) and, with 16-bit compute, its
 fp32 master (``ShardStore`` moves that one); what gathers read (its 16-bit copy, or the fp32 master
-with fp32 compute) stays in host memory. Each chunk has a slot
+with fp32 compute) stays in host memory, unless the parameter shard is on disk too (then the step
+writes its 16-bit copy, or its fp32 master, back as well). Each chunk has a slot
 of the disk file as large as the state the placement reserved for it.
 
 ``step`` runs the host step of such chunks in chunk order, ``DISK_WINDOW`` of them in memory at a
@@ -148,6 +149,9 @@ class DiskSides:
         """Write ``chunk``'s master and states back when ``changed``, their memory freed once
         written; a write that fails leaves them in memory, as they are (see ``_settle``)."""
         pending: _Pending = []
+        param = chunk.store.write_param(changed)  # cast from the master before it leaves memory
+        if param is not None:
+            pending.append((param, None))  # a failed one keeps its values in memory by itself
         master = chunk.store.evict_master(changed)
         if master is not None:
             pending.append((master, chunk.store.master_write_failed))

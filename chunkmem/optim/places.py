@@ -3,7 +3,8 @@
 A chunk's optimizer side is its fp32 master shard, its gradient shard and its optimizer states.
 The placement's layout puts them on the device, on the host, or (a host side under the disk tier)
 partly on disk: there the states and the gradient shard live on disk between steps, and with 16-bit
-compute the master too (``ShardStore`` moves that one; what gathers read stays in host memory).
+compute the master too (``ShardStore`` moves that one; what gathers read stays in host memory
+unless the layout puts the parameter shard on disk as well, ``param_on_disk``).
 
 The plugin builds this once from the layout; the chunk manager places each chunk's master and
 parameter shard by it (``placement``, ``disk_file``), and the optimizer, its state dict, its
@@ -33,7 +34,14 @@ class SidePlaces:
     def __init__(self, layout: Layout, file: SidesFile | None) -> None:
         places = layout.placements
         self._master = tuple(Location.DEVICE if p.optim_on_device else Location.HOST for p in places)
-        self._shard = tuple(Location.DEVICE if p.shard_on_device else Location.HOST for p in places)
+        self._shard = tuple(
+            Location.DEVICE
+            if p.shard_on_device
+            else Location.DISK
+            if p.param_on_disk and file is not None
+            else Location.HOST
+            for p in places
+        )
         self._disk = frozenset(i for i, p in enumerate(places) if p.optim_on_disk) if file is not None else frozenset()
         self._file = file
 
