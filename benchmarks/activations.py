@@ -1,0 +1,458 @@
+"""The longest sequence that trains under a fixed device budget, and its step time, for each way of
+holding activations: plain PyTorch, plain PyTorch with Hugging Face gradient checkpointing, FSDP2
+with checkpointing, and chunkmem keeping, recomputing or offloading every block's saved activations
+(``benchmarks/activation_systems.py`` has the recipes).
+
+For each model and system the sequence grows along ``--seqs`` (batch ``--batch``) until a length
+does not fit; each length trains ``--warmup`` untimed steps and ``--steps`` timed ones (median
+reported) on the same batches for every system, continuing the same model.
+
+**On a GPU** (``--device cuda``) the device is the card capped at ``--cap-gib`` with
+``torch.cuda.set_per_process_memory_fraction``: a length fits when its steps run without
+``torch.OutOfMemoryError``. Reported with it: the allocator's peak (``max_memory_allocated``)
+and what the CPU reports too. bf16 compute for every system (plain: fp32 weights under autocast;
+FSDP2: ``MixedPrecisionPolicy``; chunkmem: ``precision="bf16"``, fp32 masters).
+
+**On a CPU** (the default) the host is the device, so the device figures are the ledger's, against
+a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data + saved activations
+<= the budget, where
+
+* *model data* is, for chunkmem, ``stats().peak_device_bytes`` (accounted chunk memory on the
+  device); for plain PyTorch and FSDP2 (world size 1, no offload) 16 bytes a parameter (fp32
+  weights, gradients and AdamW's two moments), what they hold on the device;
+* *saved activations* is the peak over a step of the live bytes of the storages autograd saves
+  for the backward outside the placed blocks' own hooks, each storage once, parameters and views
+  of them left out (``benchmarks/saved_meter.py``), plus what the blocks hold on the device that
+  such a meter cannot see: for a checkpointed or recomputed block, the bytes one block call saves
+  when kept (its recomputation during its backward; measured with the same meter on the plain
+  model at that length); for an offloaded block, the ``1 + max_prefetch`` block calls copied back
+  for the backward (``stats().activation_h2d_bytes`` per step / blocks per step each). Saved
+  tensors chunkmem keeps inside an offloaded block because they are under ``min_offload_bytes``
+  (1 KiB), activation gradients and other transient working memory are not counted.
+
+    python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256, ~2 min
+    python -m benchmarks.activations --device cuda --out-dir out    # GPT-2 1.5B and 350M, 20 GiB cap, <= 240 s
+
+Prints each length as it finishes, then a table of every row and the longest sequence per system;
+writes ``activations.json`` (rewritten after every row, so a run cut short keeps what it measured)
+and ``activations.png`` to ``--out-dir``. ``--time-limit`` skips what is left once it has passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.activation_systems import SYSTEMS, ModelShape, Recipe, Trainer, parse_shape
+from benchmarks.common import (
+    RESULTS,
+    fmt_bytes,
+    format_table,
+    is_out_of_memory,
+    machine,
+    median,
+    parse_bytes,
+    rank_batch,
+    release_memory,
+    synchronize,
+    write_json,
+)
+from benchmarks.saved_meter import SavedMeter, block_saved_bytes
+
+CPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,plain,plain-ckpt,fsdp2-ckpt"
+GPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,plain,plain-ckpt,fsdp2-offload-ckpt"
+GPU_SEQS = {"gpt2-xl": "1024,2048,4096,8192", "gpt2-medium": "1024,2048,4096,8192,16384,32768"}
+CPU_SEQS = "128,256,512,1024,2048,4096"
+REFERENCE = "plain-ckpt"
+STAT_KEYS = (
+    "activation_d2h_bytes",
+    "activation_h2d_bytes",
+    "activation_d2h_seconds",
+    "activation_h2d_seconds",
+    "recomputed_blocks",
+    "h2d_bytes",
+    "d2h_bytes",
+    "host_step_seconds",
+)
+
+
+class Clock:
+    """The run's time limit; ``--time-limit`` seconds from the start."""
+
+    def __init__(self, limit: float) -> None:
+        self.start = time.monotonic()
+        self.deadline = self.start + limit
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class BlockProbe:
+    """Bytes one block call saves when kept, per model and length: on the CPU, a forward of the
+    plain fp32 model (built once per model) under a block-tagged ``SavedMeter``."""
+
+    def __init__(self) -> None:
+        self._models: dict[ModelShape, torch.nn.Module] = {}
+        self._bytes: dict[tuple[ModelShape, int], int] = {}
+
+    def __call__(self, shape: ModelShape, seq: int, max_seq: int, batch: int) -> int:
+        if (shape, seq) not in self._bytes:
+            model = self._models.get(shape)
+            if model is None:
+                model = self._models[shape] = shape.build(max_seq, torch.device("cpu"))
+            ids = rank_batch(0, 0, 1, batch, seq, shape.vocab)
+            run = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
+            self._bytes[shape, seq] = block_saved_bytes(model, shape.blocks(model), run)
+        return self._bytes[shape, seq]
+
+
+def _stats_delta(after: Any, before: Any, steps: int) -> dict[str, float]:
+    return {k: (getattr(after, k) - getattr(before, k)) / steps for k in STAT_KEYS}
+
+
+def measure(trainer: Trainer, shape: ModelShape, seq: int, args: argparse.Namespace, step_base: int) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps at ``seq``: times, losses, the meter's peak, and chunkmem's
+    counters per timed step. Raises what the steps raise (out of memory included)."""
+    device = args.device
+    meter = SavedMeter(trainer.meter_parameters)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses, peaks = [], [], []
+    before = None
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup and trainer.stats_fn is not None:
+            before = trainer.stats_fn()
+        ids = rank_batch(step_base + index, 0, 1, args.batch, seq, shape.vocab).to(device)
+        meter.reset_peak()
+        synchronize(device)
+        began = time.perf_counter()
+        with meter.hooks():
+            losses.append(trainer.step(ids))
+        synchronize(device)
+        times.append(time.perf_counter() - began)
+        peaks.append(meter.peak)
+    out: dict[str, Any] = {
+        "step_times_ms": [t * 1e3 for t in times[args.warmup :]],
+        "step_ms": median(times[args.warmup :]) * 1e3,
+        "losses": losses,
+        "saved_meter_bytes": max(peaks),
+        "model_bytes": trainer.model_bytes_fn(),
+        "device_peak_allocated": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+    }
+    if trainer.stats_fn is not None and before is not None:
+        after = trainer.stats_fn()
+        out["chunkmem"] = {**_stats_delta(after, before, args.steps), "peak_device_bytes": after.peak_device_bytes}
+    return out
+
+
+def ledger(
+    row: dict[str, Any], trainer: Trainer, shape: ModelShape, args: argparse.Namespace, probe: BlockProbe
+) -> None:
+    """Add the device bytes the blocks hold beyond the meter, the ledger's total, and whether the
+    row fits the budget (CPU only)."""
+    if trainer.activations == "keep":
+        extra = 0
+    elif trainer.activations == "offload":
+        per_call = row["chunkmem"]["activation_h2d_bytes"] / shape.layers  # one call a block a step
+        extra = int((1 + trainer.max_prefetch) * per_call)
+    else:
+        extra = probe(shape, row["seq"], args.max_seq[shape], args.batch)
+    row["blocks_extra_bytes"] = extra
+    row["saved_bytes"] = row["saved_meter_bytes"] + extra
+    model_bytes = row["model_bytes"]
+    row["ledger_bytes"] = None if model_bytes is None else model_bytes + row["saved_bytes"]
+    row["fits"] = row["ledger_bytes"] is not None and row["ledger_bytes"] <= args.budget
+
+
+def run_system(
+    shape: ModelShape, name: str, args: argparse.Namespace, clock: Clock, probe: BlockProbe, emit: Any
+) -> None:
+    """One system on one model: build it, then lengths until one does not fit."""
+    seqs = args.seqs[shape]
+    base = {"model": shape.name, "preset": args.preset_of[shape], "system": name, "batch": args.batch}
+    if clock.left() <= 0:
+        emit({**base, "seq": seqs[0], "state": "skipped", "note": "time limit", "fits": False})
+        return
+    trainer: Trainer | None = None
+    note = None
+    began = time.monotonic()
+    try:
+        trainer = SYSTEMS[name].build(shape, max(seqs), args.recipe)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        note = f"building: {str(error).splitlines()[0][:100]}"
+    build_s = time.monotonic() - began
+    if trainer is None:
+        release_memory(args.device)
+        emit({**base, "seq": seqs[0], "state": "out of memory", "note": note, "fits": False, "build_s": build_s})
+        return
+    step_base = 0
+    last_s = 0.0
+    try:
+        for seq in seqs:
+            row = {**base, "seq": seq, "params": trainer.params, "build_s": build_s}
+            # A length's steps take about twice the last one's: skip it when that overruns.
+            if clock.left() <= 0 or (args.device.type == "cuda" and clock.left() < 2 * last_s):
+                emit({**row, "state": "skipped", "note": "time limit", "fits": False})
+                return
+            began = time.monotonic()
+            note = None
+            try:
+                row.update(measure(trainer, shape, seq, args, step_base))
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                note = str(error).splitlines()[0][:100]
+            last_s = time.monotonic() - began
+            step_base += args.warmup + args.steps
+            if note is not None:
+                release_memory(args.device)
+                emit({**row, "state": "out of memory", "note": note, "fits": False})
+                return
+            row["state"] = "ok"
+            if args.device.type == "cuda":
+                row["fits"] = True
+                if trainer.activations == "offload":
+                    row["blocks_extra_bytes"] = None
+            else:
+                ledger(row, trainer, shape, args, probe)
+                if not row["fits"]:
+                    row["state"] = "over budget"
+            emit(row)
+            if not row["fits"]:
+                return
+    finally:
+        trainer.close()
+        del trainer
+        release_memory(args.device)
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else fmt_bytes(n)
+
+
+def row_cells(row: dict[str, Any], cuda: bool) -> list[Any]:
+    stats = row.get("chunkmem") or {}
+    d2h = stats.get("activation_d2h_bytes")
+    copy_s = (stats.get("activation_d2h_seconds", 0) + stats.get("activation_h2d_seconds", 0)) if stats else None
+    cells = [
+        row["model"],
+        row["system"],
+        row["seq"],
+        row["state"],
+        "-" if "step_ms" not in row else f"{row['step_ms']:.1f}",
+        _gib(row.get("model_bytes")),
+        _gib(row.get("saved_bytes", row.get("saved_meter_bytes"))),
+    ]
+    cells.append(_gib(row.get("device_peak_allocated")) if cuda else _gib(row.get("ledger_bytes")))
+    cells += [
+        _gib(d2h) if d2h else "-",
+        "-" if not copy_s else f"{copy_s * 1e3:.1f}",
+        "-" if not stats.get("recomputed_blocks") else f"{stats['recomputed_blocks']:.0f}",
+    ]
+    return cells
+
+
+def headers(cuda: bool) -> list[str]:
+    device = "alloc peak" if cuda else "ledger total"
+    saved = "saved (meter)" if cuda else "saved act"
+    return ["model", "system", "seq", "state", "step ms", "model data", saved, device, "act d2h", "copy ms", "recomp"]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model and system: the longest length that fits and its step time, against plain PyTorch
+    with HF checkpointing; per model, offload's step time against keep's where both fit."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        per_model = out.setdefault(row["model"], {"systems": {}, "offload_vs_keep": {}})
+        entry = per_model["systems"].setdefault(row["system"], {"longest": 0, "step_ms": None, "complete": True})
+        if row.get("fits") and row["seq"] > entry["longest"]:
+            entry.update(longest=row["seq"], step_ms=row["step_ms"])
+        if row["state"] == "skipped":
+            entry["complete"] = False  # cut by the time limit: the longest may be longer
+    for model, per_model in out.items():
+        systems = per_model["systems"]
+        reference = systems.get(REFERENCE, {}).get("longest")
+        for entry in systems.values():
+            entry["vs_plain_ckpt"] = None if not reference else entry["longest"] / reference
+        fitting = {(r["system"], r["seq"]): r["step_ms"] for r in rows if r["model"] == model and r.get("fits")}
+        for (system, seq), ms in fitting.items():
+            if system == "chunkmem-offload" and ("chunkmem-keep", seq) in fitting:
+                per_model["offload_vs_keep"][seq] = ms / fitting["chunkmem-keep", seq]
+    return out
+
+
+def summary_lines(summary: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[Any]], list[str]]:
+    rows, notes = [], []
+    for model, per_model in summary.items():
+        for system, entry in per_model["systems"].items():
+            longest = entry["longest"] or "none"
+            cut = "" if entry["complete"] else " (time limit)"
+            ratio = "-" if entry["vs_plain_ckpt"] is None else f"{entry['vs_plain_ckpt']:.1f}x"
+            step = "-" if entry["step_ms"] is None else f"{entry['step_ms']:.1f}"
+            rows.append([model, system, f"{longest}{cut}", step, ratio])
+        reference = per_model["systems"].get(REFERENCE)
+        best = max(per_model["systems"].items(), key=lambda kv: kv[1]["longest"], default=None)
+        if reference is not None and best is not None and best[0].startswith("chunkmem"):
+            if reference["longest"]:
+                notes.append(
+                    f"{model}: longest trainable sequence {best[1]['longest']} ({best[0]}) vs {reference['longest']} "
+                    f"({REFERENCE}): {best[1]['longest'] / reference['longest']:.1f}x"
+                )
+            else:
+                notes.append(f"{model}: {best[0]} trains {best[1]['longest']}; {REFERENCE} trains no length tried")
+        for seq, ratio in sorted(per_model["offload_vs_keep"].items()):
+            notes.append(f"{model}: chunkmem-offload step time {ratio:.2f}x chunkmem-keep's at {seq}")
+    return ["model", "system", "longest seq", "step ms there", f"vs {REFERENCE}"], rows, notes
+
+
+def plot(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    """Per model: the longest length per system (left), step time against length (right)."""
+    from benchmarks.common import pyplot
+
+    plt = pyplot()
+    if plt is None or not summary:
+        return None
+    fig, axes = plt.subplots(len(summary), 2, figsize=(12, 3.6 * len(summary)), squeeze=False)
+    for (model, per_model), (left, right) in zip(summary.items(), axes, strict=True):
+        names = list(per_model["systems"])
+        left.barh(names, [per_model["systems"][n]["longest"] for n in names])
+        left.set_xlabel("longest sequence that fits")
+        left.set_title(model)
+        left.invert_yaxis()
+        for name in names:
+            points = [
+                (r["seq"], r["step_ms"]) for r in rows if r["model"] == model and r["system"] == name and r.get("fits")
+            ]
+            if points:
+                right.plot(*zip(*points, strict=True), marker="o", label=name)
+        right.set_xscale("log", base=2)
+        right.set_xlabel("sequence length")
+        right.set_ylabel("step ms (median)")
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--models", default=None, help="presets or family:LxW (CPU: gpt2-cpu,llama-cpu; CUDA: gpt2-xl,gpt2-medium)"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help="vocabulary size for every model (default: the preset's)"
+    )
+    parser.add_argument("--systems", default=None, help=f"CPU: {CPU_SYSTEMS}; CUDA: {GPU_SYSTEMS}")
+    parser.add_argument("--seqs", default=None, help=f"lengths to try, ascending (CPU: {CPU_SEQS}; CUDA: per model)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", default="160MiB", help="CPU: the device budget of the ledger")
+    parser.add_argument("--cap-gib", type=float, default=20.0, help="CUDA: the card's memory for this process")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps at each length")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps at each length (default: CPU 2, CUDA 3)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default 1)")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds (default: CPU 900, CUDA 220)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    names = (args.models or ("gpt2-xl,gpt2-medium" if cuda else "gpt2-cpu,llama-cpu")).split(",")
+    try:
+        shapes = [parse_shape(n, args.vocab) for n in names]
+    except ValueError as error:
+        parser.error(str(error))
+    args.shapes = shapes
+    args.preset_of = dict(zip(shapes, names, strict=True))
+    given, args.seqs = args.seqs, {}
+    for shape, name in zip(shapes, names, strict=True):
+        text = given or (GPU_SEQS.get(name, "1024,2048,4096,8192") if cuda else CPU_SEQS)
+        args.seqs[shape] = sorted(int(x) for x in text.split(","))
+    args.max_seq = {shape: max(seqs) for shape, seqs in args.seqs.items()}
+    args.system_names = (args.systems or (GPU_SYSTEMS if cuda else CPU_SYSTEMS)).split(",")
+    for name in args.system_names:
+        if name not in SYSTEMS:
+            parser.error(f"--systems: unknown system {name!r} ({', '.join(SYSTEMS)})")
+    args.steps = args.steps or (3 if cuda else 2)
+    args.time_limit = args.time_limit or (220.0 if cuda else 900.0)
+    args.budget = None if cuda else parse_bytes(args.budget)
+    args.recipe = Recipe(args.device, "bf16" if cuda else "fp32")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    clock = Clock(args.time_limit)
+    cuda = args.device.type == "cuda"
+    if cuda:
+        from benchmarks.common import cap_device_memory
+
+        limit = cap_device_memory(args.device, int(args.cap_gib * 2**30))
+        where = f"{torch.cuda.get_device_name(args.device)} capped at {fmt_bytes(limit)}"
+    else:
+        torch.set_num_threads(args.threads or 1)
+        where = f"CPU ledger, budget {fmt_bytes(args.budget)}, {torch.get_num_threads()} thread(s)"
+    print(
+        f"activations: {where}; batch {args.batch}; {args.warmup} warmup + {args.steps} timed steps a length",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    probe = BlockProbe()
+    payload: dict[str, Any] = {"machine": machine(), "where": where}
+    settings = {
+        k: v for k, v in vars(args).items() if k in ("batch", "warmup", "steps", "cap_gib", "budget", "time_limit")
+    }
+    payload["settings"] = {**settings, "precision": args.recipe.precision, "systems": args.system_names}
+    payload["models"] = {
+        s.name: {"preset": args.preset_of[s], **dataclasses.asdict(s), "seqs": args.seqs[s]} for s in args.shapes
+    }
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        cells = row_cells(row, cuda)
+        note = f"  ({row['note']})" if row.get("note") else ""
+        line = "  ".join(f"{h}={c}" for h, c in zip(headers(cuda), cells, strict=True))
+        print(f"[{clock.elapsed():.0f} s] {line}{note}", flush=True)
+        write_json("activations", {**payload, "rows": rows}, args.out_dir)
+
+    # FSDP2 last, after every model's other systems: it opens a process group, and it is the
+    # row a time limit should cut first.
+    late = [n for n in args.system_names if n.startswith("fsdp2")]
+    for names in ([n for n in args.system_names if n not in late], late):
+        for shape in args.shapes:
+            for name in names:
+                run_system(shape, name, args, clock, probe, emit)
+    summary = summarize(rows)
+    print()
+    print(format_table(headers(cuda), [row_cells(r, cuda) for r in rows]))
+    print()
+    heads, body, notes = summary_lines(summary)
+    print(format_table(heads, body))
+    for note in notes:
+        print(note)
+    result = {**payload, "rows": rows, "summary": summary, "notes": notes}
+    write_json("activations", result, args.out_dir)
+    picture = plot(rows, summary, args.out_dir / "activations.png")
+    if picture is not None:
+        print(f"plot: {picture}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
