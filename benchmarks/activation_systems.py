@@ -14,7 +14,9 @@ step, trained the way that system trains it:
   memory).
 * ``chunkmem-keep`` / ``-recompute`` / ``-offload``: boosted by chunkmem with its optimizer side
   (fp32 masters, gradient shards, AdamW states) in host memory and the compute-dtype weights on the
-  device (``StaticPlacementConfig(offload_optim_frac=1.0)``), and every block's saved activations
+  device (``StaticPlacementConfig(offload_optim_frac=1.0)``) under the least ``device_budget``
+  that placement accepts (gradient buffers go to the host early instead of all waiting on the
+  device for the end of the backward: the most room for activations), and every block's saved activations
   kept, recomputed or offloaded (``ActivationPlacement``). ``CHUNKMEM_CHOICES`` maps a choice to
   its ``ActivationPlacement``; an automatic choice is one more entry there.
 
@@ -124,6 +126,9 @@ class Recipe:
     device: torch.device
     precision: Literal["fp32", "bf16"]
     lr: float = 1e-4
+    chunkmem_budget: int | Literal["min"] | None = "min"
+    """chunkmem's ``device_budget`` (model data): bytes, ``"min"`` for the least its placement
+    accepts (what leaves activations the most room), or ``None`` for none."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -297,19 +302,28 @@ class Chunkmem(System):
     choice: str = "keep"
 
     def build(self, shape: ModelShape, max_seq: int, recipe: Recipe) -> Trainer:
-        from chunkmem import Booster, ChunkPlugin
+        from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin
         from placement import StaticPlacementConfig
 
         held, placement_for = CHUNKMEM_CHOICES[self.choice]
         activations = placement_for(shape.block_class)
         model = shape.build(max_seq, recipe.device)
         params = _count(model)
-        plugin = ChunkPlugin(
-            placement=StaticPlacementConfig(offload_optim_frac=1.0),
-            precision=recipe.precision,
-            activations=activations,
-        )
-        booster = Booster(plugin)
+
+        def plugin(budget: int | None) -> ChunkPlugin:
+            placement = StaticPlacementConfig(offload_optim_frac=1.0, device_budget=budget)
+            return ChunkPlugin(placement=placement, precision=recipe.precision, activations=activations)
+
+        budget = recipe.chunkmem_budget
+        if budget == "min":
+            # Asked by offering one byte: chunkmem refuses before it touches the model, naming the least.
+            try:
+                Booster(plugin(1)).boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
+            except BudgetTooSmallError as error:
+                budget = int(error.minimum)
+            else:
+                raise AssertionError("chunkmem accepted a one-byte device budget")
+        booster = Booster(plugin(budget))
         chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
 
         def step(ids: torch.Tensor) -> torch.Tensor:

@@ -51,235 +51,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks.activation_systems import SYSTEMS, ModelShape, Recipe, Trainer, parse_shape
-from benchmarks.common import (
-    RESULTS,
-    fmt_bytes,
-    format_table,
-    is_out_of_memory,
-    machine,
-    median,
-    parse_bytes,
-    rank_batch,
-    release_memory,
-    synchronize,
-    write_json,
-)
-from benchmarks.saved_meter import SavedMeter, block_saved_bytes
+from benchmarks.activation_runs import RunSettings, headers, row_cells, row_line, system_process
+from benchmarks.activation_systems import SYSTEMS, Recipe, parse_shape
+from benchmarks.common import RESULTS, fmt_bytes, format_table, machine, parse_bytes, write_json
+from benchmarks.workers import run_in_fresh_process
 
 CPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,plain,plain-ckpt,fsdp2-ckpt"
 GPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,plain,plain-ckpt,fsdp2-offload-ckpt"
 GPU_SEQS = {"gpt2-xl": "1024,2048,4096,8192", "gpt2-medium": "1024,2048,4096,8192,16384,32768"}
 CPU_SEQS = "128,256,512,1024,2048,4096"
 REFERENCE = "plain-ckpt"
-STAT_KEYS = (
-    "activation_d2h_bytes",
-    "activation_h2d_bytes",
-    "activation_d2h_seconds",
-    "activation_h2d_seconds",
-    "recomputed_blocks",
-    "h2d_bytes",
-    "d2h_bytes",
-    "host_step_seconds",
-)
 
 
-class Clock:
-    """The run's time limit; ``--time-limit`` seconds from the start."""
-
-    def __init__(self, limit: float) -> None:
-        self.start = time.monotonic()
-        self.deadline = self.start + limit
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-class BlockProbe:
-    """Bytes one block call saves when kept, per model and length: on the CPU, a forward of the
-    plain fp32 model (built once per model) under a block-tagged ``SavedMeter``."""
-
-    def __init__(self) -> None:
-        self._models: dict[ModelShape, torch.nn.Module] = {}
-        self._bytes: dict[tuple[ModelShape, int], int] = {}
-
-    def __call__(self, shape: ModelShape, seq: int, max_seq: int, batch: int) -> int:
-        if (shape, seq) not in self._bytes:
-            model = self._models.get(shape)
-            if model is None:
-                model = self._models[shape] = shape.build(max_seq, torch.device("cpu"))
-            ids = rank_batch(0, 0, 1, batch, seq, shape.vocab)
-            run = lambda: model(input_ids=ids, labels=ids, use_cache=False).loss  # noqa: E731
-            self._bytes[shape, seq] = block_saved_bytes(model, shape.blocks(model), run)
-        return self._bytes[shape, seq]
-
-
-def _stats_delta(after: Any, before: Any, steps: int) -> dict[str, float]:
-    return {k: (getattr(after, k) - getattr(before, k)) / steps for k in STAT_KEYS}
-
-
-def measure(trainer: Trainer, shape: ModelShape, seq: int, args: argparse.Namespace, step_base: int) -> dict[str, Any]:
-    """Train ``warmup + steps`` steps at ``seq``: times, losses, the meter's peak, and chunkmem's
-    counters per timed step. Raises what the steps raise (out of memory included)."""
-    device = args.device
-    meter = SavedMeter(trainer.meter_parameters)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times, losses, peaks = [], [], []
-    before = None
-    for index in range(args.warmup + args.steps):
-        if index == args.warmup and trainer.stats_fn is not None:
-            before = trainer.stats_fn()
-        ids = rank_batch(step_base + index, 0, 1, args.batch, seq, shape.vocab).to(device)
-        meter.reset_peak()
-        synchronize(device)
-        began = time.perf_counter()
-        with meter.hooks():
-            losses.append(trainer.step(ids))
-        synchronize(device)
-        times.append(time.perf_counter() - began)
-        peaks.append(meter.peak)
-    out: dict[str, Any] = {
-        "step_times_ms": [t * 1e3 for t in times[args.warmup :]],
-        "step_ms": median(times[args.warmup :]) * 1e3,
-        "losses": losses,
-        "saved_meter_bytes": max(peaks),
-        "model_bytes": trainer.model_bytes_fn(),
-        "device_peak_allocated": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-    }
-    if trainer.stats_fn is not None and before is not None:
-        after = trainer.stats_fn()
-        out["chunkmem"] = {**_stats_delta(after, before, args.steps), "peak_device_bytes": after.peak_device_bytes}
-    return out
-
-
-def ledger(
-    row: dict[str, Any], trainer: Trainer, shape: ModelShape, args: argparse.Namespace, probe: BlockProbe
-) -> None:
-    """Add the device bytes the blocks hold beyond the meter, the ledger's total, and whether the
-    row fits the budget (CPU only)."""
-    if trainer.activations == "keep":
-        extra = 0
-    elif trainer.activations == "offload":
-        per_call = row["chunkmem"]["activation_h2d_bytes"] / shape.layers  # one call a block a step
-        extra = int((1 + trainer.max_prefetch) * per_call)
-    else:
-        extra = probe(shape, row["seq"], args.max_seq[shape], args.batch)
-    row["blocks_extra_bytes"] = extra
-    row["saved_bytes"] = row["saved_meter_bytes"] + extra
-    model_bytes = row["model_bytes"]
-    row["ledger_bytes"] = None if model_bytes is None else model_bytes + row["saved_bytes"]
-    row["fits"] = row["ledger_bytes"] is not None and row["ledger_bytes"] <= args.budget
-
-
-def run_system(
-    shape: ModelShape, name: str, args: argparse.Namespace, clock: Clock, probe: BlockProbe, emit: Any
-) -> None:
-    """One system on one model: build it, then lengths until one does not fit."""
-    seqs = args.seqs[shape]
-    base = {"model": shape.name, "preset": args.preset_of[shape], "system": name, "batch": args.batch}
-    if clock.left() <= 0:
-        emit({**base, "seq": seqs[0], "state": "skipped", "note": "time limit", "fits": False})
-        return
-    trainer: Trainer | None = None
-    note = None
-    began = time.monotonic()
-    try:
-        trainer = SYSTEMS[name].build(shape, max(seqs), args.recipe)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        note = f"building: {str(error).splitlines()[0][:100]}"
-    build_s = time.monotonic() - began
-    if trainer is None:
-        release_memory(args.device)
-        emit({**base, "seq": seqs[0], "state": "out of memory", "note": note, "fits": False, "build_s": build_s})
-        return
-    step_base = 0
-    last_s = 0.0
-    try:
-        for seq in seqs:
-            row = {**base, "seq": seq, "params": trainer.params, "build_s": build_s}
-            # A length's steps take about twice the last one's: skip it when that overruns.
-            if clock.left() <= 0 or (args.device.type == "cuda" and clock.left() < 2 * last_s):
-                emit({**row, "state": "skipped", "note": "time limit", "fits": False})
-                return
-            began = time.monotonic()
-            note = None
-            try:
-                row.update(measure(trainer, shape, seq, args, step_base))
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                note = str(error).splitlines()[0][:100]
-            last_s = time.monotonic() - began
-            step_base += args.warmup + args.steps
-            if note is not None:
-                release_memory(args.device)
-                emit({**row, "state": "out of memory", "note": note, "fits": False})
-                return
-            row["state"] = "ok"
-            if args.device.type == "cuda":
-                row["fits"] = True
-                if trainer.activations == "offload":
-                    row["blocks_extra_bytes"] = None
-            else:
-                ledger(row, trainer, shape, args, probe)
-                if not row["fits"]:
-                    row["state"] = "over budget"
-            emit(row)
-            if not row["fits"]:
-                return
-    finally:
-        trainer.close()
-        del trainer
-        release_memory(args.device)
-
-
-def _gib(n: float | None) -> str:
-    return "-" if n is None else fmt_bytes(n)
-
-
-def row_cells(row: dict[str, Any], cuda: bool) -> list[Any]:
-    stats = row.get("chunkmem") or {}
-    d2h = stats.get("activation_d2h_bytes")
-    copy_s = (stats.get("activation_d2h_seconds", 0) + stats.get("activation_h2d_seconds", 0)) if stats else None
-    cells = [
-        row["model"],
-        row["system"],
-        row["seq"],
-        row["state"],
-        "-" if "step_ms" not in row else f"{row['step_ms']:.1f}",
-        _gib(row.get("model_bytes")),
-        _gib(row.get("saved_bytes", row.get("saved_meter_bytes"))),
-    ]
-    cells.append(_gib(row.get("device_peak_allocated")) if cuda else _gib(row.get("ledger_bytes")))
-    cells += [
-        _gib(d2h) if d2h else "-",
-        "-" if not copy_s else f"{copy_s * 1e3:.1f}",
-        "-" if not stats.get("recomputed_blocks") else f"{stats['recomputed_blocks']:.0f}",
-    ]
-    return cells
-
-
-def headers(cuda: bool) -> list[str]:
-    device = "alloc peak" if cuda else "ledger total"
-    saved = "saved (meter)" if cuda else "saved act"
-    return ["model", "system", "seq", "state", "step ms", "model data", saved, device, "act d2h", "copy ms", "recomp"]
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per model and system: the longest length that fits and its step time, against plain PyTorch
-    with HF checkpointing; per model, offload's step time against keep's where both fit."""
+def summarize(rows: list[dict[str, Any]], models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model and system: the longest length that fits and its step time (``every_length_fits``
+    when it is the longest tried: the limit is beyond), against plain PyTorch with HF checkpointing;
+    per model, offload's step time against keep's where both fit."""
     out: dict[str, dict[str, Any]] = {}
     for row in rows:
         per_model = out.setdefault(row["model"], {"systems": {}, "offload_vs_keep": {}})
-        entry = per_model["systems"].setdefault(row["system"], {"longest": 0, "step_ms": None, "complete": True})
+        entry = per_model["systems"].setdefault(
+            row["system"], {"longest": 0, "step_ms": None, "complete": True, "every_length_fits": False}
+        )
         if row.get("fits") and row["seq"] > entry["longest"]:
             entry.update(longest=row["seq"], step_ms=row["step_ms"])
+            entry["every_length_fits"] = row["seq"] == max(models[row["model"]]["seqs"])
         if row["state"] == "skipped":
             entry["complete"] = False  # cut by the time limit: the longest may be longer
     for model, per_model in out.items():
@@ -298,7 +94,7 @@ def summary_lines(summary: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
     rows, notes = [], []
     for model, per_model in summary.items():
         for system, entry in per_model["systems"].items():
-            longest = entry["longest"] or "none"
+            longest = f">={entry['longest']}" if entry["every_length_fits"] else entry["longest"] or "none"
             cut = "" if entry["complete"] else " (time limit)"
             ratio = "-" if entry["vs_plain_ckpt"] is None else f"{entry['vs_plain_ckpt']:.1f}x"
             step = "-" if entry["step_ms"] is None else f"{entry['step_ms']:.1f}"
@@ -306,10 +102,11 @@ def summary_lines(summary: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
         reference = per_model["systems"].get(REFERENCE)
         best = max(per_model["systems"].items(), key=lambda kv: kv[1]["longest"], default=None)
         if reference is not None and best is not None and best[0].startswith("chunkmem"):
+            at_least = "at least " if best[1]["every_length_fits"] else ""
             if reference["longest"]:
                 notes.append(
-                    f"{model}: longest trainable sequence {best[1]['longest']} ({best[0]}) vs {reference['longest']} "
-                    f"({REFERENCE}): {best[1]['longest'] / reference['longest']:.1f}x"
+                    f"{model}: longest trainable sequence {at_least}{best[1]['longest']} ({best[0]}) vs "
+                    f"{reference['longest']} ({REFERENCE}): {at_least}{best[1]['longest'] / reference['longest']:.1f}x"
                 )
             else:
                 notes.append(f"{model}: {best[0]} trains {best[1]['longest']}; {REFERENCE} trains no length tried")
@@ -341,7 +138,8 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]], path: P
         right.set_xscale("log", base=2)
         right.set_xlabel("sequence length")
         right.set_ylabel("step ms (median)")
-        right.legend(fontsize=7)
+        if right.get_lines():
+            right.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -363,6 +161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", default="160MiB", help="CPU: the device budget of the ledger")
     parser.add_argument("--cap-gib", type=float, default=20.0, help="CUDA: the card's memory for this process")
+    parser.add_argument(
+        "--chunkmem-budget",
+        default="min",
+        help="chunkmem's device_budget for model data: min (the least its placement accepts), none, or bytes",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at each length")
     parser.add_argument("--steps", type=int, default=None, help="timed steps at each length (default: CPU 2, CUDA 3)")
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default 1)")
@@ -392,53 +195,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (3 if cuda else 2)
     args.time_limit = args.time_limit or (220.0 if cuda else 900.0)
     args.budget = None if cuda else parse_bytes(args.budget)
-    args.recipe = Recipe(args.device, "bf16" if cuda else "fp32")
+    chunk_budget = {"min": "min", "none": None}.get(args.chunkmem_budget)
+    if chunk_budget is None and args.chunkmem_budget != "none":
+        chunk_budget = parse_bytes(args.chunkmem_budget)
+    args.recipe = Recipe(args.device, "bf16" if cuda else "fp32", chunkmem_budget=chunk_budget)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    clock = Clock(args.time_limit)
+    started = time.time()
     cuda = args.device.type == "cuda"
+    settings = RunSettings(
+        args.recipe,
+        args.batch,
+        args.warmup,
+        args.steps,
+        deadline=started + args.time_limit,
+        budget=args.budget,
+        cap_bytes=int(args.cap_gib * 2**30) if cuda else None,
+        threads=args.threads or 1,
+    )
     if cuda:
-        from benchmarks.common import cap_device_memory
-
-        limit = cap_device_memory(args.device, int(args.cap_gib * 2**30))
-        where = f"{torch.cuda.get_device_name(args.device)} capped at {fmt_bytes(limit)}"
+        where = f"{torch.cuda.get_device_name(args.device)} capped at {fmt_bytes(settings.cap_bytes)}"
     else:
-        torch.set_num_threads(args.threads or 1)
-        where = f"CPU ledger, budget {fmt_bytes(args.budget)}, {torch.get_num_threads()} thread(s)"
+        where = f"CPU ledger, budget {fmt_bytes(args.budget)}, {settings.threads} thread(s)"
     print(
         f"activations: {where}; batch {args.batch}; {args.warmup} warmup + {args.steps} timed steps a length",
         flush=True,
     )
-    rows: list[dict[str, Any]] = []
-    probe = BlockProbe()
     payload: dict[str, Any] = {"machine": machine(), "where": where}
-    settings = {
-        k: v for k, v in vars(args).items() if k in ("batch", "warmup", "steps", "cap_gib", "budget", "time_limit")
+    payload["settings"] = {
+        **{k: getattr(args, k) for k in ("batch", "warmup", "steps", "cap_gib", "budget", "time_limit")},
+        "precision": args.recipe.precision,
+        "chunkmem_budget": args.recipe.chunkmem_budget,
+        "systems": args.system_names,
     }
-    payload["settings"] = {**settings, "precision": args.recipe.precision, "systems": args.system_names}
     payload["models"] = {
         s.name: {"preset": args.preset_of[s], **dataclasses.asdict(s), "seqs": args.seqs[s]} for s in args.shapes
     }
-
-    def emit(row: dict[str, Any]) -> None:
-        rows.append(row)
-        cells = row_cells(row, cuda)
-        note = f"  ({row['note']})" if row.get("note") else ""
-        line = "  ".join(f"{h}={c}" for h, c in zip(headers(cuda), cells, strict=True))
-        print(f"[{clock.elapsed():.0f} s] {line}{note}", flush=True)
-        write_json("activations", {**payload, "rows": rows}, args.out_dir)
-
-    # FSDP2 last, after every model's other systems: it opens a process group, and it is the
-    # row a time limit should cut first.
+    rows: list[dict[str, Any]] = []
+    # FSDP2 last, after every model's other systems: the peer a time limit should cut first.
     late = [n for n in args.system_names if n.startswith("fsdp2")]
     for names in ([n for n in args.system_names if n not in late], late):
         for shape in args.shapes:
             for name in names:
-                run_system(shape, name, args, clock, probe, emit)
-    summary = summarize(rows)
+                spec = {
+                    "shape": shape,
+                    "preset": args.preset_of[shape],
+                    "system": name,
+                    "seqs": args.seqs[shape],
+                    "settings": settings,
+                    "started": started,
+                }
+                # Its own process: what an out-of-memory error leaves on the card goes with it.
+                state, value = run_in_fresh_process(system_process, spec, max(30.0, settings.left() + 60.0))
+                if state == "ok":
+                    rows += value
+                else:
+                    row = {"model": shape.name, "preset": spec["preset"], "system": name, "seq": spec["seqs"][0]}
+                    rows.append({**row, "state": "failed", "note": str(value)[:300], "fits": False})
+                    print(row_line(rows[-1], cuda, started), flush=True)
+                write_json("activations", {**payload, "rows": rows}, args.out_dir)
+    summary = summarize(rows, payload["models"])
     print()
     print(format_table(headers(cuda), [row_cells(r, cuda) for r in rows]))
     print()
