@@ -30,8 +30,12 @@ a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data +
   tensors chunkmem keeps inside an offloaded block because they are under ``min_offload_bytes``
   (1 KiB), activation gradients and other transient working memory are not counted.
 
-    python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256, ~2 min
-    python -m benchmarks.activations --device cuda --out-dir out    # GPT-2 1.5B and 350M, 20 GiB cap, <= 240 s
+    python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256
+    python -m benchmarks.activations --device cuda --out-dir out    # GPT-2 1.5B, 1k-8k, 20 GiB cap, ~4 min
+    python -m benchmarks.activations --device cuda --models gpt2-medium   # 350M, 1k-32k: plain PyTorch fits
+
+On a GPU every system runs in a process of its own (``--isolate``): an out-of-memory error leaves
+tensors and cached blocks behind that would count against the next system's cap.
 
 Prints each length as it finishes, then a table of every row and the longest sequence per system;
 writes ``activations.json`` (rewritten after every row, so a run cut short keeps what it measured)
@@ -127,7 +131,18 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]], path: P
     fig, axes = plt.subplots(len(summary), 2, figsize=(12, 3.6 * len(summary)), squeeze=False)
     for (model, per_model), (left, right) in zip(summary.items(), axes, strict=True):
         names = list(per_model["systems"])
-        left.barh(names, [per_model["systems"][n]["longest"] for n in names])
+        bars = left.barh(names, [per_model["systems"][n]["longest"] for n in names])
+        for bar, name in zip(bars, names, strict=True):
+            entry = per_model["systems"][name]
+            label = f">={entry['longest']}" if entry["every_length_fits"] else str(entry["longest"] or "none")
+            left.annotate(
+                label + ("" if entry["complete"] else " (time limit)"),
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         left.set_xlabel("longest sequence that fits")
         left.set_title(model)
         left.invert_yaxis()
@@ -176,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each system in a process of its own (default on CUDA, where an out-of-memory error leaves the card "
         "dirty for the next system; on the CPU nothing runs out, the ledger decides)",
     )
-    parser.add_argument("--time-limit", type=float, default=None, help="seconds (default: CPU 900, CUDA 220)")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds (default: CPU 900, CUDA 210)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
@@ -201,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--systems: unknown system {name!r} ({', '.join(SYSTEMS)})")
     args.steps = args.steps or (3 if cuda else 2)
     args.isolate = cuda if args.isolate is None else args.isolate
-    args.time_limit = args.time_limit or (220.0 if cuda else 900.0)
+    args.time_limit = args.time_limit or (210.0 if cuda else 900.0)
     args.budget = None if cuda else parse_bytes(args.budget)
     chunk_budget = {"min": "min", "none": None}.get(args.chunkmem_budget)
     if chunk_budget is None and args.chunkmem_budget != "none":
