@@ -30,7 +30,7 @@ a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data +
   tensors chunkmem keeps inside an offloaded block because they are under ``min_offload_bytes``
   (1 KiB), activation gradients and other transient working memory are not counted.
 
-    python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256
+    python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256, minutes
     python -m benchmarks.activations --device cuda --out-dir out    # GPT-2 1.5B, 1k-8k, 20 GiB cap, ~4 min
     python -m benchmarks.activations --device cuda --models gpt2-medium   # 350M, 1k-32k: plain PyTorch fits
 
