@@ -8,6 +8,7 @@ system's budget. See ``benchmarks/activations.py`` for what the figures mean.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -220,7 +221,14 @@ def system_process(spec: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row)
         print(row_line(row, settings.cuda, spec["started"]), flush=True)
 
-    run_system(spec["shape"], spec["preset"], spec["system"], spec["seqs"], settings, emit)
+    try:
+        run_system(spec["shape"], spec["preset"], spec["system"], spec["seqs"], settings, emit)
+    except Exception as error:  # a row says so, after the lengths this system did train
+        traceback.print_exc()
+        done = {r["seq"] for r in rows}
+        seq = next((n for n in spec["seqs"] if n not in done), spec["seqs"][-1])
+        base = {"model": spec["shape"].name, "preset": spec["preset"], "system": spec["system"], "seq": seq}
+        emit({**base, "state": "failed", "note": f"{type(error).__name__}: {error}"[:300], "fits": False})
     return rows
 
 

@@ -109,7 +109,9 @@ def summary_lines(summary: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
         best = max(per_model["systems"].items(), key=lambda kv: kv[1]["longest"], default=None)
         if reference is not None and best is not None and best[0].startswith("chunkmem"):
             at_least = "at least " if best[1]["every_length_fits"] else ""
-            if reference["longest"]:
+            if reference["every_length_fits"]:
+                notes.append(f"{model}: {best[0]} and {REFERENCE} both train every length tried")
+            elif reference["longest"]:
                 notes.append(
                     f"{model}: longest trainable sequence {at_least}{best[1]['longest']} ({best[0]}) vs "
                     f"{reference['longest']} ({REFERENCE}): {at_least}{best[1]['longest'] / reference['longest']:.1f}x"

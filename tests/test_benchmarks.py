@@ -355,7 +355,7 @@ def test_activations_systems_train_the_same_model_and_hold_what_they_say(
 
 def test_activations_out_of_memory_and_the_time_limit_end_a_system(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run in this process with stand-in systems: one that runs out of memory at its second
-    length, one when it is built; a past deadline skips."""
+    length, one when it is built, one that fails otherwise; a past deadline skips."""
     import time
 
     import torch
@@ -393,6 +393,14 @@ def test_activations_out_of_memory_and_the_time_limit_end_a_system(monkeypatch: 
         ("oom-building", 16, "out of memory"),
     ]
     assert rows[0]["fits"] and not rows[1]["fits"] and rows[2]["note"].startswith("building: CUDA out of memory")
+    # Any other error ends the system with a row that says so, after the lengths it trained.
+    monkeypatch.setitem(activation_systems.SYSTEMS, "broken", Plain("broken", checkpointing=True))
+    monkeypatch.setattr(activation_systems, "enable_hf_checkpointing", lambda model: 1 / 0)
+    spec = {"shape": shape, "preset": "gpt2:1x16", "system": "broken", "seqs": [16, 32], "settings": settings}
+    failed = activation_runs.system_process({**spec, "started": time.time()})
+    assert [(r["seq"], r["state"], r["note"]) for r in failed] == [
+        (16, "failed", "ZeroDivisionError: division by zero")
+    ]
     late = activation_runs.RunSettings(Recipe(torch.device("cpu"), "fp32"), 1, 1, 1, time.time() - 1, 1 << 30)
     skipped: list[dict[str, Any]] = []
     activation_runs.run_system(shape, "gpt2:1x16", "plain", [16, 32], late, skipped.append)
