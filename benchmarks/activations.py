@@ -9,9 +9,11 @@ reported) on the same batches for every system, continuing the same model.
 
 **On a GPU** (``--device cuda``) the device is the card capped at ``--cap-gib`` with
 ``torch.cuda.set_per_process_memory_fraction``: a length fits when its steps run without
-``torch.OutOfMemoryError``. Reported with it: the allocator's peak (``max_memory_allocated``)
-and what the CPU reports too. bf16 compute for every system (plain: fp32 weights under autocast;
-FSDP2: ``MixedPrecisionPolicy``; chunkmem: ``precision="bf16"``, fp32 masters).
+``torch.OutOfMemoryError``. Reported with it: the allocator's peak (``max_memory_allocated``),
+the saved-activation meter below and chunkmem's counters. bf16 compute for every system (plain:
+fp32 weights under autocast; FSDP2: ``MixedPrecisionPolicy``, with ``CPUOffloadPolicy`` in
+``fsdp2-offload-ckpt``, the GPU default, since its fp32 model data would not fit the cap either;
+chunkmem: ``precision="bf16"``, fp32 masters).
 
 **On a CPU** (the default) the host is the device, so the device figures are the ledger's, against
 a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data + saved activations
@@ -30,6 +32,9 @@ a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data +
   tensors chunkmem keeps inside an offloaded block because they are under ``min_offload_bytes``
   (1 KiB), activation gradients and other transient working memory are not counted.
 
+The ledger adds two peaks that need not coincide (gradient buffers grow in the backward as saved
+activations are freed): an upper bound of what the device holds at once.
+
     python -m benchmarks.activations                                # CPU ledger, GPT-2 and LLaMA 4x256, minutes
     python -m benchmarks.activations --device cuda --out-dir out    # GPT-2 1.5B, 1k-8k, 20 GiB cap, ~4 min
     python -m benchmarks.activations --device cuda --models gpt2-medium   # 350M, 1k-32k: plain PyTorch fits
@@ -38,7 +43,7 @@ On a GPU every system runs in a process of its own (``--isolate``): an out-of-me
 tensors and cached blocks behind that would count against the next system's cap.
 
 Prints each length as it finishes, then a table of every row and the longest sequence per system;
-writes ``activations.json`` (rewritten after every row, so a run cut short keeps what it measured)
+writes ``activations.json`` (rewritten after every system, so a run cut short keeps what it measured)
 and ``activations.png`` to ``--out-dir``. ``--time-limit`` skips what is left once it has passed.
 """
 
