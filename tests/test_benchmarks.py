@@ -244,3 +244,164 @@ def test_offload_breakdown_trains_the_same_model_everywhere_and_steps_early_only
     for system in ("chunkmem-after", "chunkmem-during"):
         # every parameter's gradient leaves for its host master once a step: 4 bytes (fp32) each
         assert summary[system]["d2h_bytes"] >= 4 * 2 * (64 * 64 + 64), system
+
+
+# --- benchmarks/activations.py ----------------------------------------------------------------------
+ACT_SEQS = (16, 32)
+ACT_SYSTEMS = ("chunkmem-keep", "chunkmem-offload", "chunkmem-recompute", "plain", "plain-ckpt", "fsdp2-ckpt")
+ACT_BUDGET = 600 * 1024
+
+
+def _block_call_bytes(seq: int, keep_below: int) -> int:
+    """What one GPT-2 block call of the benchmark's tiny model saves for the backward, counted here
+    (not with the benchmark's meter): each storage once, parameters, views of them and the block's
+    buffers left out, storages under ``keep_below`` bytes too (chunkmem keeps those on the device)."""
+    import torch
+
+    from benchmarks.activation_systems import parse_shape
+
+    shape = parse_shape("gpt2:2x32", 128)
+    model = shape.build(max(ACT_SEQS), torch.device("cpu"))
+    block = shape.blocks(model)[0]
+    own = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own and storage.nbytes() >= keep_below:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    hidden = torch.randn(1, seq, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(hidden)
+    del out
+    return sum(saved.values())
+
+
+@pytest.fixture(scope="module")
+def activations_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("activations")
+    out = _run(
+        "activations.py",
+        *("--models", "gpt2:2x32", "--vocab", "128", "--seqs", ",".join(map(str, ACT_SEQS))),
+        *("--systems", ",".join(ACT_SYSTEMS), "--budget", str(ACT_BUDGET), "--steps", "1"),
+        *("--out-dir", str(out_dir)),
+        tiny=False,
+    )
+    assert (out_dir / "activations.png").exists() or "plot:" not in out
+    return out, json.loads((out_dir / "activations.json").read_text())
+
+
+def test_activations_rows_grow_until_the_ledger_exceeds_the_budget(activations_run: tuple[str, dict[str, Any]]) -> None:
+    from benchmarks.common import GPT2Shape
+
+    out, payload = activations_run
+    rows = payload["rows"]
+    params = GPT2Shape(2, 32, 128, max(ACT_SEQS)).params()
+    summary = payload["summary"]["GPT-2 2x32"]["systems"]
+    assert set(summary) == set(ACT_SYSTEMS)
+    for system in ACT_SYSTEMS:
+        mine = [r for r in rows if r["system"] == system]
+        # Lengths in order from the first; only the last may be over the budget, and then it stops.
+        assert [r["seq"] for r in mine] == list(ACT_SEQS[: len(mine)]), system
+        assert all(r["state"] == "ok" for r in mine[:-1]), system
+        for row in mine:
+            assert row["ledger_bytes"] == row["model_bytes"] + row["saved_bytes"]
+            assert row["fits"] == (row["ledger_bytes"] <= ACT_BUDGET)
+            assert row["state"] == ("ok" if row["fits"] else "over budget")
+            assert len(row["step_times_ms"]) == 1 and len(row["losses"]) == 2  # a warmup step, a timed one
+        assert len(mine) == len(ACT_SEQS) or not mine[-1]["fits"], system
+        assert summary[system]["longest"] == max([r["seq"] for r in mine if r["fits"]], default=0)
+        if system in ("plain", "plain-ckpt", "fsdp2-ckpt"):
+            # fp32 weights and gradients and two AdamW moments, every parameter on the device
+            assert all(r["model_bytes"] == 16 * params for r in mine), system
+        else:  # the optimizer side in host memory
+            assert all(r["model_bytes"] < 16 * params for r in mine), system
+    assert "longest seq" in out and "vs plain-ckpt" in out
+
+
+def test_activations_systems_train_the_same_model_and_hold_what_they_say(
+    activations_run: tuple[str, dict[str, Any]],
+) -> None:
+    _, payload = activations_run
+    rows = {(r["system"], r["seq"]): r for r in payload["rows"]}
+    for seq in ACT_SEQS:
+        # The same weights and batches: chunkmem keep and FSDP2 train as plain PyTorch, chunkmem's
+        # recompute as HF checkpointing (fp32 on the CPU).
+        for system, reference in (
+            ("chunkmem-keep", "plain"),
+            ("chunkmem-offload", "plain"),
+            ("chunkmem-recompute", "plain-ckpt"),
+            ("fsdp2-ckpt", "plain-ckpt"),
+            ("plain-ckpt", "plain"),
+        ):
+            if (system, seq) in rows and (reference, seq) in rows:
+                ours, theirs = rows[system, seq]["losses"], rows[reference, seq]["losses"]
+                assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-5, (system, seq)
+        keep, offload, recompute = (rows.get((s, seq)) for s in ACT_SYSTEMS[:3])
+        if keep is not None and recompute is not None:
+            assert recompute["saved_bytes"] < keep["saved_bytes"]
+        if recompute is not None:
+            # one block's recomputation: what a block call saves when kept
+            assert recompute["blocks_extra_bytes"] == _block_call_bytes(seq, 0)
+            assert recompute["chunkmem"]["recomputed_blocks"] == 2
+        if offload is not None:
+            per_call = _block_call_bytes(seq, 1024)
+            assert offload["chunkmem"]["activation_d2h_bytes"] == 2 * per_call  # two blocks a step
+            assert offload["chunkmem"]["activation_h2d_bytes"] == 2 * per_call
+            assert offload["blocks_extra_bytes"] == 2 * per_call  # the call and the one fetched ahead
+
+
+def test_activations_out_of_memory_and_the_time_limit_end_a_system(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run in this process with stand-in systems: one that runs out of memory at its second
+    length, one when it is built, one that fails otherwise; a past deadline skips."""
+    import time
+
+    import torch
+
+    from benchmarks import activation_runs, activation_systems
+    from benchmarks.activation_systems import Plain, Recipe, parse_shape
+
+    class OutOfMemoryAt(Plain):
+        def build(self, shape: Any, max_seq: int, recipe: Any) -> Any:
+            trainer = super().build(shape, max_seq, recipe)
+            step = trainer.step_fn
+
+            def failing(ids: torch.Tensor) -> torch.Tensor:
+                if ids.shape[1] >= 32:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                return step(ids)
+
+            trainer.step_fn = failing
+            return trainer
+
+    class OutOfMemoryBuilding(Plain):
+        def build(self, shape: Any, max_seq: int, recipe: Any) -> Any:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+    monkeypatch.setitem(activation_systems.SYSTEMS, "oom-at-32", OutOfMemoryAt("oom-at-32"))
+    monkeypatch.setitem(activation_systems.SYSTEMS, "oom-building", OutOfMemoryBuilding("oom-building"))
+    shape = parse_shape("gpt2:1x16", 64)
+    settings = activation_runs.RunSettings(Recipe(torch.device("cpu"), "fp32"), 1, 1, 1, time.time() + 600, 1 << 30)
+    rows: list[dict[str, Any]] = []
+    for name in ("oom-at-32", "oom-building"):
+        activation_runs.run_system(shape, "gpt2:1x16", name, [16, 32, 64], settings, rows.append)
+    assert [(r["system"], r["seq"], r["state"]) for r in rows] == [
+        ("oom-at-32", 16, "ok"),
+        ("oom-at-32", 32, "out of memory"),
+        ("oom-building", 16, "out of memory"),
+    ]
+    assert rows[0]["fits"] and not rows[1]["fits"] and rows[2]["note"].startswith("building: CUDA out of memory")
+    # Any other error ends the system with a row that says so, after the lengths it trained.
+    monkeypatch.setitem(activation_systems.SYSTEMS, "broken", Plain("broken", checkpointing=True))
+    monkeypatch.setattr(activation_systems, "enable_hf_checkpointing", lambda model: 1 / 0)
+    spec = {"shape": shape, "preset": "gpt2:1x16", "system": "broken", "seqs": [16, 32], "settings": settings}
+    failed = activation_runs.system_process({**spec, "started": time.time()})
+    assert [(r["seq"], r["state"], r["note"]) for r in failed] == [
+        (16, "failed", "ZeroDivisionError: division by zero")
+    ]
+    late = activation_runs.RunSettings(Recipe(torch.device("cpu"), "fp32"), 1, 1, 1, time.time() - 1, 1 << 30)
+    skipped: list[dict[str, Any]] = []
+    activation_runs.run_system(shape, "gpt2:1x16", "plain", [16, 32], late, skipped.append)
+    assert [(r["seq"], r["state"], r["note"]) for r in skipped] == [(16, "skipped", "time limit")]
