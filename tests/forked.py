@@ -54,12 +54,14 @@ def _main(code: str, argv: list[str], out: str | Any, err: str) -> None:
     exec(compile(code, "<script>", "exec"), {"__name__": "__main__"})
 
 
-def run_script(code: str, *argv: str, timeout: float = 120.0) -> Finished:
-    """Run ``code`` as ``python -c code *argv`` would, in a forked process; wait for it."""
+def run_script(code: str, *argv: str, timeout: float = 120.0, children: bool = False) -> Finished:
+    """Run ``code`` as ``python -c code *argv`` would, in a forked process; wait for it. With
+    ``children``, the script may start processes of its own (a daemonic process may not; this one
+    is then left for the test process to wait for at its exit should ``timeout`` pass)."""
     ctx = forked_context()
     with tempfile.TemporaryDirectory() as scratch:
         out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
-        process = ctx.Process(target=_main, args=(code, list(argv), str(out), str(err)), daemon=True)
+        process = ctx.Process(target=_main, args=(code, list(argv), str(out), str(err)), daemon=not children)
         process.start()
         process.join(timeout)
         if process.exitcode is None:
