@@ -14,6 +14,10 @@ through ``os._exit`` (``atexit`` handlers do not run; multiprocessing's finalize
 with ``stdout=PIPE``, for the scripts a test runs beside itself (a save still running, a saver in a
 loop) and kills: it answers ``stdout.readline()``, ``poll()``, ``kill()``, ``wait()`` and
 ``communicate()``.
+
+``run_main(script_or_module, *argv, cwd=..., env=...)`` runs a script (``python path.py``) or a
+module (``python -m name``) as its ``__main__``, forked the same way, in ``cwd`` with the environment
+``env``: the benchmark scripts and the planner's command line without a fresh interpreter's imports.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, TextIO
 
 from distributed import forked_context
 
-__all__ = ["Finished", "Running", "run_script", "start_script"]
+__all__ = ["Finished", "Running", "run_main", "run_script", "start_script"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,25 @@ def start_script(code: str, *argv: str) -> Running:
     stdout = os.fdopen(os.dup(reader.fileno()), "r")
     reader.close()
     return Running(process, stdout, scratch, err)
+
+
+_AS_MAIN = """
+import os, runpy, sys
+os.environ.clear()
+os.environ.update({env!r})
+os.chdir({cwd!r})
+if {is_path!r}:
+    sys.argv[0] = {target!r}
+    sys.path.insert(0, os.path.dirname({target!r}))  # as the interpreter does for a script
+    runpy.run_path({target!r}, run_name="__main__")
+else:
+    sys.argv[0] = {target!r}
+    runpy.run_module({target!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+def run_main(target: str, *argv: str, cwd: str, env: dict[str, str], timeout: float = 600.0) -> Finished:
+    """``python TARGET *argv`` (a ``.py`` path) or ``python -m TARGET *argv`` (a module), run in
+    ``cwd`` with the environment ``env``, forked (it may start processes of its own); wait for it."""
+    code = _AS_MAIN.format(env=env, cwd=cwd, is_path=target.endswith(".py"), target=target)
+    return run_script(code, *argv, timeout=timeout, children=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from child_env import child_env
-from forked import run_script
+from forked import run_main
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.slow]
 
@@ -29,25 +29,12 @@ FP32 = ("--precision", "fp32")  # the default is bf16 on a GPU, fp32 on a CPU
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-# ``python benchmarks/SCRIPT ARGS`` in ROOT, in a process forked from the tests' fork server: it
-# runs the script as its ``__main__`` as the interpreter would, without importing torch and
-# transformers again (a fresh interpreter's imports were a third of each of these tests).
-_AS_MAIN = """
-import os, runpy, sys
-os.environ.clear()
-os.environ.update({env!r})
-os.chdir({root!r})
-sys.argv[0] = {script!r}
-sys.path.insert(0, os.path.dirname({script!r}))
-runpy.run_path({script!r}, run_name="__main__")
-"""
-
-
 def _run(script: str, *args: str, tiny: bool = True, env: dict[str, str] | None = None) -> str:
     """``script`` run with ``args`` (after the tiny model's flags), in this environment plus ``env``."""
+    # Forked from the tests' fork server, not a fresh interpreter: the script runs as its __main__
+    # without importing torch and transformers again (a third of each of these tests).
     path = str(ROOT / "benchmarks" / script)
-    code = _AS_MAIN.format(env=child_env(**(env or {})), root=str(ROOT), script=path)
-    done = run_script(code, *(TINY if tiny else []), *args, timeout=600, children=True)
+    done = run_main(path, *(TINY if tiny else []), *args, cwd=str(ROOT), env=child_env(**(env or {})))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "loss_type" not in done.stderr, "the transformers loss_type warning is back"
     return done.stdout
