@@ -186,6 +186,7 @@ if sys.argv[3] == "kill":
 """
 
 
+@pytest.mark.slow  # a fresh interpreter (its exit is what is tested): 6-15 s
 def test_the_scratch_directory_goes_at_exit_and_after_a_kill_with_the_next_boost(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path), str(ROOT), "exit"], check=True, timeout=120)
     assert _scratch(tmp_path) == []
