@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from forked import run_script
+from forked import Running, run_script, start_script
 
 _START = """
 import os, sys
@@ -32,11 +30,9 @@ def dead_workspace(target: Path, move_previous: bool = False) -> Path:
     return Path(done.stdout.strip())
 
 
-def live_workspace(target: Path) -> tuple[subprocess.Popen[str], Path]:
-    """A save to ``target`` still writing in another process (kill it when done)."""
-    script = _START.format(target=str(target), move_previous=False) + "sys.stdin.read()\n"
-    process = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
+def live_workspace(target: Path) -> tuple[Running, Path]:
+    """A save to ``target`` still writing in another process (kill it when done; it ends by itself
+    after ten minutes)."""
+    script = _START.format(target=str(target), move_previous=False) + "import time\ntime.sleep(600)\n"
+    process = start_script(textwrap.dedent(script))
     return process, Path(process.stdout.readline().strip())

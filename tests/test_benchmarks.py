@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from child_env import child_env
+from forked import run_main
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.slow]
 
@@ -32,14 +31,10 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 def _run(script: str, *args: str, tiny: bool = True, env: dict[str, str] | None = None) -> str:
     """``script`` run with ``args`` (after the tiny model's flags), in this environment plus ``env``."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *(TINY if tiny else []), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=child_env(**(env or {})),
-    )
+    # Forked from the tests' fork server, not a fresh interpreter: the script runs as its __main__
+    # without importing torch and transformers again (a third of each of these tests).
+    path = str(ROOT / "benchmarks" / script)
+    done = run_main(path, *(TINY if tiny else []), *args, cwd=str(ROOT), env=child_env(**(env or {})))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "loss_type" not in done.stderr, "the transformers loss_type warning is back"
     return done.stdout

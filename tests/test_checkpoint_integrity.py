@@ -10,8 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_ranks
+from forked import start_script
 from killed_saves import dead_workspace, live_workspace
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 from state_helpers import assert_identical, raw_state
@@ -286,7 +285,7 @@ def test_a_killed_save_leaves_the_old_file_and_its_temp_goes_next_time(tmp_path:
         checkpoint.atomic_save({{"version": torch.tensor(2)}}, {str(target)!r})
         """
     )
-    process = subprocess.Popen([sys.executable, "-c", script])
+    process = start_script(script)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".model.pt.chunkmem-tmp-*/data")) and time.monotonic() < deadline:

@@ -6,8 +6,6 @@ false corruption."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
-from forked import run_script
+from forked import run_script, start_script
 from killed_saves import live_workspace
 
 from chunkmem import Booster, CheckpointMismatchError, CheckpointWriteError, ChunkPlugin, NotSupportedError
@@ -369,15 +367,10 @@ def test_two_jobs_saving_to_one_path_are_told_and_a_reader_sees_no_false_corrupt
     _fill(chunked, 1.0)
     booster.save_model(chunked, target)
     go = tmp_path / "go"
-    savers = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SAVER, str(target), value, "150", str(go)], stdout=subprocess.PIPE, text=True
-        )
-        for value in ("1.0", "2.0")
-    ]
+    savers = [start_script(_SAVER, str(target), value, "150", str(go)) for value in ("1.0", "2.0")]
     seen: list[float] = []
     try:
-        assert all(saver.stdout is not None and saver.stdout.readline() == "ready\n" for saver in savers)
+        assert all(saver.stdout.readline() == "ready\n" for saver in savers)
         go.touch()
         while any(saver.poll() is None for saver in savers):
             _fill(chunked, -1.0)
@@ -387,8 +380,9 @@ def test_two_jobs_saving_to_one_path_are_told_and_a_reader_sees_no_false_corrupt
     finally:
         for saver in savers:
             saver.kill()
-    counts = [tuple(map(int, saver.communicate()[0].split())) for saver in savers]
-    assert all(saver.returncode == 0 for saver in savers), counts
+    finished = [saver.communicate() for saver in savers]
+    assert all(saver.returncode == 0 for saver in savers), finished
+    counts = [tuple(map(int, out.split())) for out, _ in finished]
     assert sum(refused for _, refused in counts) > 0, f"the savers never overlapped: {counts}"
     assert all(saved > 0 for saved, _ in counts), counts
     assert set(seen) <= {1.0, 2.0} and len(seen) > 0, seen

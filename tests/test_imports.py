@@ -143,6 +143,7 @@ def test_the_packages_import_each_other_without_cycles() -> None:
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
 
 
+@pytest.mark.slow  # a fresh interpreter (what an import loads is what is tested): 6-12 s
 def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

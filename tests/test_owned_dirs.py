@@ -13,6 +13,7 @@ import pytest
 import torch
 from child_env import child_env
 from distributed import run_ranks
+from forked import Running, start_script
 from test_disk_tier import ON_DISK, _boost, _scratch, _train
 
 _SCRATCH = """
@@ -27,12 +28,9 @@ time.sleep(120)
 """
 
 
-def _scratch_process(disk_dir: Path, how: str) -> tuple[subprocess.Popen[str], Path]:
+def _scratch_process(disk_dir: Path, how: str) -> tuple[Running, Path]:
     """A process with a scratch directory in ``disk_dir``: killed at once (``"kill"``), or running."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", _SCRATCH, str(disk_dir), how], stdout=subprocess.PIPE, text=True, env=child_env()
-    )
-    assert process.stdout is not None
+    process = start_script(_SCRATCH, str(disk_dir), how)
     return process, Path(process.stdout.readline().strip())
 
 
@@ -91,12 +89,10 @@ def test_scratch_being_created_survives_another_process_reaping_the_same_disk_di
     """What a rank does at boost (remove dead scratch) while another creates its own, over and over."""
     from chunkmem.disk import ScratchDir
 
-    reaper = subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(tmp_path), "60"], stdout=subprocess.PIPE, text=True, env=child_env()
-    )
+    reaper = start_script(_REAPER, str(tmp_path), "60")
     lost = []
     try:
-        assert reaper.stdout is not None and reaper.stdout.readline().strip() == "reaping"
+        assert reaper.stdout.readline().strip() == "reaping"
         for _ in range(300):
             scratch = ScratchDir(tmp_path, 0)  # raises DiskTierError if its directory went under it
             (scratch.path / "sides.bin").write_bytes(b"x")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,7 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from child_env import child_env
 from distributed import run_ranks
+from forked import run_main
 from models import batches, gpt2, llama, reference_device
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
@@ -178,26 +178,9 @@ def test_the_minimum_budget_is_the_minimum() -> None:
 
 @pytest.mark.slow
 def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkmem.plan",
-            "--hf-config",
-            "llama-7b",
-            "--device-budget",
-            "24GiB",
-            "--batch",
-            "1x512",
-            "--world-size",
-            "8",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
+    # ``python -m chunkmem.plan``, forked from the tests' fork server (its imports done).
+    argv = ["--hf-config", "llama-7b", "--device-budget", "24GiB", "--batch", "1x512", "--world-size", "8", "--json"]
+    done = run_main("chunkmem.plan", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert 6.7e9 < result["parameters"] < 6.8e9  # LLaMA 7B
