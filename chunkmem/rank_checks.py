@@ -99,9 +99,13 @@ def _done(work: Any) -> bool:
     try:
         work.wait(timeout=_POLL)
     except RuntimeError as error:
-        if "timed out" not in str(error).lower() or work.is_completed():
+        if "timed out" not in str(error).lower():
             raise
-        return False
+        if not work.is_completed():
+            return False
+        # It completed between the timeout and the look: waiting again returns at once, and
+        # raises only if it failed.
+        work.wait()
     return True
 
 

@@ -106,3 +106,33 @@ def test_clip_grad_norm_on_one_rank_raises_everywhere(world_size: int) -> None:
 def test_no_sync_on_one_rank_raises_everywhere(world_size: int) -> None:
     results = run_ranks(_train, world_size, args=("no_sync",), timeout=150)
     _check_raised(results, "rank 0: forward (grad enabled, no_sync)", "rank 1: forward (grad enabled)", "no_sync()")
+
+
+class _LateWork:
+    """A collective that completes just after a bounded wait gave up on it (seen under load: gloo's
+    'Operation timed out' while ``is_completed()`` was already true), or that failed."""
+
+    def __init__(self, failure: Exception | None = None) -> None:
+        self.failure = failure
+        self.waits: list[Any] = []
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits.append(timeout)
+        if timeout is not None:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Operation timed out!")
+        if self.failure is not None:
+            raise self.failure
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_an_agreement_whose_collective_completes_as_its_poll_times_out_goes_on() -> None:
+    from chunkmem.rank_checks import _done
+
+    late = _LateWork()
+    assert _done(late)
+    assert len(late.waits) == 2
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        _done(_LateWork(RuntimeError("Connection closed by peer")))
