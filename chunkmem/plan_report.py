@@ -264,14 +264,12 @@ class Plan:
     def _activation_rows(self) -> list[tuple[str, str]]:
         """Per named block call, its placement and saved bytes; the static placements' per-step
         figures; the ``auto`` minimum."""
-        rows = [
-            (
-                f"block {c.name} ({c.how})",
-                f"saves {format_bytes(c.saved_bytes)}"
-                + (f", copies {format_bytes(c.offload_bytes)}" * (c.how != "recompute")),
-            )
-            for c in self.activation_calls
-        ]
+        rows = []
+        for group in _runs(self.activation_calls):
+            first, n = group[0], len(group)
+            name = f"block {first.name}" if n == 1 else f"blocks {first.name} .. {group[-1].name} ({n} calls)"
+            copies = f", copies {format_bytes(first.offload_bytes)}" * (first.how != "recompute")
+            rows.append((f"{name}, {first.how}", f"{'each ' * (n > 1)}saves {format_bytes(first.saved_bytes)}{copies}"))
         if self._calls("offload"):
             rows.append(
                 (
@@ -285,3 +283,19 @@ class Plan:
         if self.activation_min_device_budget is not None:
             rows.append(("minimum budget with auto blocks", format_bytes(self.activation_min_device_budget)))
         return rows
+
+
+def _runs(calls: Sequence[BlockForecast]) -> list[list[BlockForecast]]:
+    """Consecutive calls placed alike that save alike (a model's repeated layers: one row)."""
+    runs: list[list[BlockForecast]] = []
+    for call in calls:
+        last = runs[-1][-1] if runs else None
+        if last is not None and (last.how, last.saved_bytes, last.offload_bytes) == (
+            call.how,
+            call.saved_bytes,
+            call.offload_bytes,
+        ):
+            runs[-1].append(call)
+        else:
+            runs.append([call])
+    return runs

@@ -5,7 +5,10 @@ the CPU counts (its ``Stats``, its measured ``activation_plan``, its ``BudgetToo
 
 from __future__ import annotations
 
+import importlib
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,3 +112,32 @@ def test_auto_saved_bytes_per_call_and_the_minimum_budget_equal_a_runs() -> None
     # call, every call is kept.
     choice = predicted.auto_choice([1e-3] * 4, CopyRates(to_host=1e9, to_device=1e9, overlap=True))
     assert choice.choices == (ActivationChoice.KEEP,) * 4
+
+
+def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x8", "--device", "cpu", "--precision", "fp32"]
+    offloaded = plan_cli.main([*base, "--activations", "offload=GPT2Block"])
+    table = capsys.readouterr().out
+    assert [c.how for c in offloaded.activation_calls] == ["offload"] * 3
+    assert "blocks transformer.h.0 .. transformer.h.2 (3 calls), offload" in table
+    auto = plan_cli.main([*base, "--device-budget", "64MiB", "--activations", "auto=GPT2Block", "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["activation_min_device_budget"] == auto.activation_min_device_budget > 0
+    assert [c["how"] for c in shown["activation_calls"]] == ["auto"] * 3
+    refusals = {
+        "keep": (["--activations", "keep=GPT2Block"], "HOW one of recompute, offload, auto"),
+        "no class": (["--activations", "offload="], "argument --activations"),
+        "absent": (["--activations", "offload=LlamaDecoderLayer"], "no module of the model is one"),
+        "auto without a budget": (["--activations", "auto=GPT2Block"], "device_budget"),
+    }
+    for name, (argv, message) in refusals.items():
+        with pytest.raises(SystemExit) as exit_:
+            plan_cli.main([*base, *argv])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and last.startswith("python -m chunkmem.plan: error:"), (name, last)
+        assert message in last, (name, last)
