@@ -27,26 +27,28 @@ def _model(arch: str, attention: str) -> torch.nn.Module:
 
 
 def _plugin(activations: ActivationPlacement, budget: int | None = None, **kwargs: Any) -> ChunkPlugin:
-    return ChunkPlugin(
-        placement=StaticPlacementConfig(device_budget=budget), activations=activations, precision="fp32", **kwargs
-    )
+    kwargs.setdefault("precision", "fp32")
+    return ChunkPlugin(placement=StaticPlacementConfig(device_budget=budget), activations=activations, **kwargs)
 
 
 def _adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
     return torch.optim.AdamW(list(params))
 
 
-def _lm_plan(arch: str, activations: ActivationPlacement, attention: str) -> Plan:
+def _lm_plan(arch: str, activations: ActivationPlacement, attention: str, precision: str = "fp32") -> Plan:
     with torch.device("meta"):
         model = _model(arch, attention)
     ids = torch.zeros(4, 16, dtype=torch.long)
-    return plan(model, _plugin(activations), {"input_ids": ids, "labels": ids}, device="cpu", steps=2)
+    plugin = _plugin(activations, precision=precision)
+    return plan(model, plugin, {"input_ids": ids, "labels": ids}, device="cpu", steps=2)
 
 
-def _lm_run(arch: str, activations: ActivationPlacement, attention: str) -> list[dict[str, int]]:
+def _lm_run(
+    arch: str, activations: ActivationPlacement, attention: str, precision: str = "fp32"
+) -> list[dict[str, int]]:
     """Two real training steps: per step, the activation counters' differences."""
     model = _model(arch, attention)
-    booster = Booster(_plugin(activations))
+    booster = Booster(_plugin(activations, precision=precision))
     chunked, optimizer, *_ = booster.boost(model, _adamw(model.parameters()))
     names = ("activation_d2h_bytes", "activation_h2d_bytes", "recomputed_blocks")
     steps = []
@@ -60,12 +62,14 @@ def _lm_run(arch: str, activations: ActivationPlacement, attention: str) -> list
     return steps
 
 
-@pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
-def test_offloaded_blocks_copy_what_the_plan_predicts(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "precision"), [("gpt2", "fp32"), pytest.param("llama", "bf16", marks=pytest.mark.slow)]
+)
+def test_offloaded_blocks_copy_what_the_plan_predicts(arch: str, precision: str) -> None:
     # Eager attention: scaled_dot_product_attention picks its kernel, and so what it saves, by device.
     activations = ActivationPlacement(offload=[BLOCKS[arch]])
-    predicted = _lm_plan(arch, activations, "eager")
-    measured = _lm_run(arch, activations, "eager")
+    predicted = _lm_plan(arch, activations, "eager", precision)
+    measured = _lm_run(arch, activations, "eager", precision)
     assert [c.how for c in predicted.activation_calls] == ["offload", "offload"]
     assert predicted.activation_d2h_bytes_per_step > 0
     for step in measured:
