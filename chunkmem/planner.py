@@ -14,7 +14,11 @@ What cannot run on the meta device is stood in for, with the same byte counts: t
 arithmetic (its state is created with the shapes and dtypes a probe of the optimizer class
 showed), and fp16 loss scaling (planned as bf16: the same bytes). Non-model memory (activations),
 which the auto policy measures in its first step, is measured the way it is on a CPU (bytes that
-autograd saves for backward), which on a GPU leaves out the temporaries inside ops.
+autograd saves for backward), which on a GPU leaves out the temporaries inside ops. The blocks an
+``ActivationPlacement`` names are counted per call by one more forward of a meta copy of the model
+(``chunkmem.activations.forecast``): their saved bytes, an offload's copies, the recomputations, and
+the minimum budget of ``auto`` blocks; the ``auto`` choice needs timings a meta run cannot take
+(``Plan.auto_choice``).
 
 The device's own behaviour is planned by its type (``plan(..., device=)``): on a GPU, copies to and
 from pinned host memory run while the host goes on (``PlannedAccelerator``), and what a run
