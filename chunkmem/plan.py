@@ -174,10 +174,10 @@ def _bandwidth(text: str) -> float:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except where there is none (``None``): the help says what happens then."""
+    """Defaults shown, except where there is none (``None``, an empty list): the help says what happens then."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
