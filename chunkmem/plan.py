@@ -4,6 +4,7 @@
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
         --disk-bandwidth 3GB/s      # the auto policy spills to disk what 48 GiB of RAM cannot hold
+    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --activations offload=LlamaDecoderLayer
     python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --grad-accum 8   # 8 micro-batches a step
 
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 from placement.config import Budget
 
 from .device import PLANNED_DEVICES, planned_precision
@@ -119,6 +120,20 @@ def _batch(text: str) -> tuple[int, int]:
     return batch, sequence
 
 
+_HOWS = ("recompute", "offload", "auto")
+
+
+def _activations(text: str) -> tuple[str, tuple[str, ...]]:
+    how, _, classes = text.partition("=")
+    names = tuple(c.strip() for c in classes.split(","))
+    if how not in _HOWS or not all(names):
+        raise argparse.ArgumentTypeError(
+            f"--activations takes HOW=CLASS[,CLASS...] with HOW one of {', '.join(_HOWS)}, such as "
+            f"recompute=LlamaDecoderLayer; got {text!r}"
+        )
+    return how, names
+
+
 def _at_least(minimum: int) -> Any:
     def parse(text: str) -> int:
         try:
@@ -159,10 +174,10 @@ def _bandwidth(text: str) -> float:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except where there is none (``None``): the help says what happens then."""
+    """Defaults shown, except where there is none (``None``, an empty list): the help says what happens then."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
 
@@ -229,6 +244,15 @@ def _parser() -> argparse.ArgumentParser:
         "too, at most --disk-frac (with auto, --host-budget decides)",
     )
     parser.add_argument("--disk-bandwidth", type=_bandwidth, default="2GB/s", help="disk bytes/s")
+    parser.add_argument(
+        "--activations",
+        type=_activations,
+        action="append",
+        default=[],
+        metavar="HOW=CLASS[,CLASS]",
+        help="ActivationPlacement: recompute, offload or auto (placed under --device-budget) the saved activations of "
+        "these block classes, e.g. offload=GPT2Block; repeatable. The plan predicts each block call's saved bytes",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -248,6 +272,15 @@ def _placement(args: argparse.Namespace) -> StaticPlacementConfig | AutoPlacemen
         offload_param_disk_frac=args.param_disk_frac,
         host_budget=args.host_budget,
     )
+
+
+def _activation_placement(choices: list[tuple[str, tuple[str, ...]]]) -> ActivationPlacement | None:
+    if not choices:
+        return None
+    fields: dict[str, list[str]] = {}
+    for how, names in choices:
+        fields.setdefault(how, []).extend(names)
+    return ActivationPlacement(**fields)
 
 
 def _one_line(error: Exception) -> str:
@@ -284,6 +317,7 @@ def main(argv: list[str] | None = None) -> Plan:
             precision=precision,
             chunk_size=args.chunk_size,
             gradient_accumulation=args.grad_accum > 1,
+            activations=_activation_placement(args.activations),
         )
         ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
         result = plan(

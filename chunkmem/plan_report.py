@@ -4,11 +4,14 @@ a dict for JSON)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from placement import ActivationPlan, BlockMeasure, CopyRates, choose_activations
 from placement.policy import format_bytes
 
+from .activations.forecast import BlockForecast
 from .stats import Stats
 
 __all__ = ["Plan", "StepCounters", "format_count"]
@@ -114,6 +117,57 @@ class Plan:
     """Disk bytes per second (reads and writes alike) assumed for ``disk_seconds_per_step``."""
     steps: tuple[StepCounters, ...]
     """Every planned step, the recording one first."""
+    activation_calls: tuple[BlockForecast, ...] = ()
+    """Each call of the blocks ``ActivationPlacement`` names in one forward (one micro-batch), in
+    forward order: how it is placed and the bytes autograd saves in it (``chunkmem.activations.forecast``)."""
+    activation_min_device_budget: int | None = None
+    """With ``auto`` blocks, the smallest ``device_budget`` their plan accepts at this budget's layout:
+    what the placement of model data needs plus the largest ``auto`` call's saved bytes (below it a run
+    raises ``BudgetTooSmallError`` with this ``minimum`` at its second training forward)."""
+    model_need_bytes: int = 0
+    """What the placement of model data needs on the device at least (``placement_need().minimum``):
+    the ``model_bytes`` the ``auto`` choice is made with."""
+
+    def _calls(self, how: str) -> list[BlockForecast]:
+        return [c for c in self.activation_calls if c.how == how]
+
+    @property
+    def activation_d2h_bytes_per_step(self) -> int:
+        """What the ``offload`` blocks copy to the host per step (``Stats.activation_d2h_bytes``);
+        ``auto`` calls add their ``offload_bytes`` in the first step (all offloaded while measured),
+        afterwards as their choice says (``auto_choice``)."""
+        return self.grad_accum * sum(c.offload_bytes for c in self._calls("offload"))
+
+    @property
+    def activation_h2d_bytes_per_step(self) -> int:
+        """What the ``offload`` blocks copy back to the device per step (``Stats.activation_h2d_bytes``:
+        every copy out comes back before its backward)."""
+        return self.activation_d2h_bytes_per_step
+
+    @property
+    def recomputed_blocks_per_step(self) -> int:
+        """Calls of ``recompute`` blocks recomputed per step (``Stats.recomputed_blocks``)."""
+        return self.grad_accum * len(self._calls("recompute"))
+
+    @property
+    def auto_saved_bytes(self) -> int:
+        """The ``auto`` calls' saved bytes of one forward, all kept (what the budget would need beyond
+        model data and one call's reserve to keep every call)."""
+        return sum(c.saved_bytes for c in self._calls("auto"))
+
+    def auto_choice(self, forward_seconds: Sequence[float], rates: CopyRates) -> ActivationPlan:
+        """The choice ``choose_activations`` makes for the ``auto`` calls at ``device_budget``, from
+        their planned saved bytes and the timings a meta run cannot know: each call's forward time
+        (in forward order) and the copy rates, as measured on the device (the first step of a run
+        measures them, and the offloads' own host time, taken as 0 here). ``BudgetTooSmallError``
+        below ``activation_min_device_budget``."""
+        calls = self._calls("auto")
+        if len(forward_seconds) != len(calls):
+            raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
+        if self.device_budget is None:
+            raise ValueError("auto_choice: auto blocks are placed under a device_budget; the plan has none")
+        measures = [BlockMeasure(c.name, c.saved_bytes, t) for c, t in zip(calls, forward_seconds, strict=True)]
+        return choose_activations(measures, rates, self.device_budget, self.model_need_bytes)
 
     @property
     def transfer_seconds_per_step(self) -> float:
@@ -148,6 +202,10 @@ class Plan:
             "disk_param_read_bytes_per_step",
             "disk_param_forward_read_bytes_per_step",
             "disk_param_write_bytes_per_step",
+            "activation_d2h_bytes_per_step",
+            "activation_h2d_bytes_per_step",
+            "recomputed_blocks_per_step",
+            "auto_saved_bytes",
         ):
             out[name] = getattr(self, name)
         return out
@@ -199,5 +257,45 @@ class Plan:
                 f"{self.disk_seconds_per_step:.3f} s at {self.disk_bandwidth / 1e9:.1f} GB/s",
             ),
         ]
+        rows += self._activation_rows()
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def _activation_rows(self) -> list[tuple[str, str]]:
+        """Per named block call, its placement and saved bytes; the static placements' per-step
+        figures; the ``auto`` minimum."""
+        rows = []
+        for group in _runs(self.activation_calls):
+            first, n = group[0], len(group)
+            name = f"block {first.name}" if n == 1 else f"blocks {first.name} .. {group[-1].name} ({n} calls)"
+            copies = f", copies {format_bytes(first.offload_bytes)}" * (first.how != "recompute")
+            rows.append((f"{name}, {first.how}", f"{'each ' * (n > 1)}saves {format_bytes(first.saved_bytes)}{copies}"))
+        if self._calls("offload"):
+            rows.append(
+                (
+                    "activations d2h + h2d per step",
+                    f"{format_bytes(self.activation_d2h_bytes_per_step)} + "
+                    f"{format_bytes(self.activation_h2d_bytes_per_step)}",
+                )
+            )
+        if self._calls("recompute"):
+            rows.append(("recomputed blocks per step", str(self.recomputed_blocks_per_step)))
+        if self.activation_min_device_budget is not None:
+            rows.append(("minimum budget with auto blocks", format_bytes(self.activation_min_device_budget)))
+        return rows
+
+
+def _runs(calls: Sequence[BlockForecast]) -> list[list[BlockForecast]]:
+    """Consecutive calls placed alike that save alike (a model's repeated layers: one row)."""
+    runs: list[list[BlockForecast]] = []
+    for call in calls:
+        last = runs[-1][-1] if runs else None
+        if last is not None and (last.how, last.saved_bytes, last.offload_bytes) == (
+            call.how,
+            call.saved_bytes,
+            call.offload_bytes,
+        ):
+            runs[-1].append(call)
+        else:
+            runs.append([call])
+    return runs

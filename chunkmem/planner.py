@@ -14,7 +14,11 @@ What cannot run on the meta device is stood in for, with the same byte counts: t
 arithmetic (its state is created with the shapes and dtypes a probe of the optimizer class
 showed), and fp16 loss scaling (planned as bf16: the same bytes). Non-model memory (activations),
 which the auto policy measures in its first step, is measured the way it is on a CPU (bytes that
-autograd saves for backward), which on a GPU leaves out the temporaries inside ops.
+autograd saves for backward), which on a GPU leaves out the temporaries inside ops. The blocks an
+``ActivationPlacement`` names are counted per call by one more forward of a meta copy of the model
+(``chunkmem.activations.forecast``): their saved bytes, an offload's copies, the recomputations, and
+the minimum budget of ``auto`` blocks; the ``auto`` choice needs timings a meta run cannot take
+(``Plan.auto_choice``).
 
 The device's own behaviour is planned by its type (``plan(..., device=)``): on a GPU, copies to and
 from pinned host memory run while the host goes on (``PlannedAccelerator``), and what a run
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from placement.policy import format_bytes
 
+from .activations.forecast import BlockForecast, forecast
 from .comm import Communicator
 from .device import PLANNED_DEVICES, DeviceLayer
 from .device.layer import Stream
@@ -311,6 +316,24 @@ def _minimum_budget(
     return minimum
 
 
+def _activation_calls(
+    model: torch.nn.Module, plugin: ChunkPlugin, inputs: Mapping[str, Any]
+) -> tuple[BlockForecast, ...]:
+    """The named blocks' calls in one forward of a meta copy of ``model`` in the compute dtype (the
+    dtype its parameters have when a run computes)."""
+    if plugin.activations is None:
+        return ()
+    local = copy.deepcopy(model).to(plugin.compute_dtype)
+    with torch.enable_grad():
+        return forecast(local, plugin.activations, lambda: local(**inputs))
+
+
+def _auto_minimum(calls: tuple[BlockForecast, ...], model_need: int) -> int | None:
+    """The refusal's minimum with ``auto`` blocks: model data's need and the largest call's saved bytes."""
+    auto = [c.saved_bytes for c in calls if c.how == "auto"]
+    return model_need + max(auto) if auto else None
+
+
 def plan(
     model: torch.nn.Module,
     plugin: ChunkPlugin,
@@ -392,6 +415,15 @@ def plan(
             f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
             f"{format_bytes(capacity)} device capacity"
         )
+    calls = _activation_calls(model, plugin, inputs)
+    model_need = policy.placement_need().minimum
+    auto_minimum = _auto_minimum(calls, model_need)
+    if not why_not and auto_minimum is not None and budget is not None and budget < auto_minimum:
+        why_not = (
+            f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data ({format_bytes(model_need)}) and "
+            f"the saved activations of the largest auto block call; it needs at least {auto_minimum} "
+            f"({format_bytes(auto_minimum)})"
+        )
     manager = chunked.manager
     return Plan(
         fits=not why_not,
@@ -421,4 +453,7 @@ def plan(
         bandwidth=bandwidth,
         disk_bandwidth=disk_bandwidth,
         steps=tuple(counters),
+        activation_calls=calls,
+        activation_min_device_budget=auto_minimum,
+        model_need_bytes=model_need,
     )
