@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.common import GPT2Shape, use_causal_lm_loss
+from benchmarks.common import GPT2Shape, release_memory, use_causal_lm_loss
 
 __all__ = ["CHUNKMEM_CHOICES", "PRESETS", "SYSTEMS", "ModelShape", "Recipe", "System", "Trainer", "parse_shape"]
 
@@ -380,6 +380,7 @@ class Chunkmem(System):
 
         def rebuild(budget: int) -> None:
             current.clear()  # the last length's model goes before the next is built
+            release_memory(recipe.device)
             current["model"], current["step"], _ = _boost(shape, max_seq, recipe, activations, budget)
 
         def model() -> Any:
