@@ -449,8 +449,11 @@ def test_activations_auto_trains_as_plain_pytorch_within_the_budget(
     _, payload = activations_run
     auto = [r for r in payload["rows"] if r["system"] == "chunkmem-auto"]
     assert [r["seq"] for r in auto] == list(ACT_SEQS[: len(auto)])
-    plans = [r["activation_plan"] for r in auto if "activation_plan" in r]
-    assert {"keep"} in [set(p) for p in plans] and any(set(p) != {"keep"} for p in plans), plans
+    # Bytes decide what is kept (time only whether the rest is offloaded or recomputed): at the
+    # first length everything, at the last not everything (unless its budget refused it).
+    assert set(auto[0]["activation_plan"]) == {"keep"}
+    if len(auto) == len(ACT_SEQS) and "activation_plan" in auto[-1]:
+        assert set(auto[-1]["activation_plan"]) != {"keep"}
     plain = {r["seq"]: r["losses"] for r in payload["rows"] if r["system"] == "plain"}
     assert auto[0]["losses"] == plain[ACT_SEQS[0]]  # the first length: the same start as every system
     for index, row in enumerate(auto):
