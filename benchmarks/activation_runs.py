@@ -31,7 +31,14 @@ STAT_KEYS = (
     "d2h_bytes",
     "grad_flushes",
     "host_step_seconds",
+    "activation_kept_bytes",
+    "activation_recomputed_bytes",
 )
+
+AUTO_GPU_HEADROOM = 0.25
+"""On a GPU, chunkmem-auto's ``device_budget`` is the cap less this share of it: what its ledger
+does not account (saved activations outside the blocks, temporaries, the allocator's cache) is not
+known before a length runs there."""
 
 
 MIN_START_S = 25.0
@@ -64,16 +71,24 @@ class RunSettings:
 
 
 class BlockProbe:
-    """Bytes one block call saves when kept, per length: a forward of the plain fp32 model on the
-    CPU (built once) under a block-tagged ``SavedMeter``."""
+    """Bytes one block call saves when kept, and bytes saved outside the blocks, per length: a
+    forward of the plain fp32 model on the CPU (built once) under a block-tagged ``SavedMeter``."""
 
     def __init__(self, shape: ModelShape, max_seq: int) -> None:
         self._shape = shape
         self._max_seq = max_seq
         self._model: torch.nn.Module | None = None
-        self._bytes: dict[tuple[int, int], int] = {}
+        self._bytes: dict[tuple[int, int], tuple[int, int]] = {}
 
     def __call__(self, seq: int, batch: int) -> int:
+        """What one block call saves when kept."""
+        return self._measure(seq, batch)[0]
+
+    def outside(self, seq: int, batch: int) -> int:
+        """What the forward saves outside every block call."""
+        return self._measure(seq, batch)[1]
+
+    def _measure(self, seq: int, batch: int) -> tuple[int, int]:
         if (seq, batch) not in self._bytes:
             if self._model is None:
                 self._model = self._shape.build(self._max_seq, torch.device("cpu"))
@@ -118,6 +133,10 @@ def measure(trainer: Trainer, shape: ModelShape, seq: int, settings: RunSettings
         after = trainer.stats_fn()
         per_step = {k: (getattr(after, k) - getattr(before, k)) / settings.steps for k in STAT_KEYS}
         out["chunkmem"] = {**per_step, "peak_device_bytes": after.peak_device_bytes}
+    plan = trainer.plan_fn() if trainer.plan_fn is not None else None
+    if plan is not None:
+        out["activation_plan"] = [choice.value for choice in plan.choices]
+        out["activation_reserve"] = plan.reserve
     return out
 
 
@@ -126,6 +145,10 @@ def ledger(row: dict[str, Any], trainer: Trainer, shape: ModelShape, settings: R
     within the budget (CPU)."""
     if trainer.activations == "keep":
         extra = 0
+    elif trainer.activations == "auto":
+        # Kept and offloaded calls are in chunkmem's ledger (its peak, the model data column); a
+        # recomputed call's recomputation is not.
+        extra = probe(row["seq"], settings.batch) if "recompute" in row.get("activation_plan", ()) else 0
     elif trainer.activations == "offload":
         per_call = row["chunkmem"]["activation_h2d_bytes"] / shape.layers  # one call a block a step
         extra = int((1 + trainer.max_prefetch) * per_call)
@@ -138,6 +161,67 @@ def ledger(row: dict[str, Any], trainer: Trainer, shape: ModelShape, settings: R
     row["fits"] = (
         row["ledger_bytes"] is not None and settings.budget is not None and row["ledger_bytes"] <= settings.budget
     )
+
+
+def auto_budget(settings: RunSettings, probe: BlockProbe, seq: int) -> int:
+    """chunkmem-auto's ``device_budget`` at ``seq``: on the CPU the ledger's budget less what the
+    benchmark's ledger adds to chunkmem's (the bytes saved outside the blocks, as the probe measures
+    them on the plain model); on a GPU the cap less ``AUTO_GPU_HEADROOM`` of it."""
+    if settings.cuda:
+        assert settings.cap_bytes is not None
+        return int(settings.cap_bytes * (1 - AUTO_GPU_HEADROOM))
+    assert settings.budget is not None
+    return settings.budget - probe.outside(seq, settings.batch)
+
+
+def train_length(
+    trainer: Trainer,
+    shape: ModelShape,
+    seq: int,
+    settings: RunSettings,
+    step_base: int,
+    probe: BlockProbe,
+    row: dict[str, Any],
+) -> dict[str, Any]:
+    """``row`` with the figures of ``seq`` and its state: ok, over budget or out of memory.
+
+    A trainer built again at each length (chunkmem-auto) gets ``auto_budget``; where its plan
+    recomputes a call and the ledger is over the budget by no more than that recomputation (which
+    the benchmark adds to chunkmem's ledger, whose budget had reserved it), the length is trained
+    once more from the initial weights with that much less budget."""
+    from chunkmem import BudgetExceededError, BudgetTooSmallError
+
+    budget = auto_budget(settings, probe, seq) if trainer.rebuild is not None else None
+    for attempt in range(2):
+        out = dict(row)
+        if budget is not None:
+            out["chunkmem_device_budget"] = budget
+            if budget <= 0:
+                note = "what is saved outside the blocks alone exceeds the budget"
+                return {**out, "state": "over budget", "note": note, "fits": False}
+        try:
+            if trainer.rebuild is not None and budget is not None:
+                trainer.rebuild(budget)
+            out.update(measure(trainer, shape, seq, settings, step_base))
+        except (BudgetTooSmallError, BudgetExceededError) as error:  # chunkmem-auto's own budget refused it
+            return {**out, "state": "over budget", "note": str(error).splitlines()[0][:100], "fits": False}
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            return {**out, "state": "out of memory", "note": str(error).splitlines()[0][:100], "fits": False}
+        out["state"] = "ok"
+        if settings.cuda:
+            out["fits"] = True  # it ran under the cap
+            return out
+        ledger(out, trainer, shape, settings, probe)
+        if out["fits"]:
+            return out
+        out["state"] = "over budget"
+        extra = out["blocks_extra_bytes"]
+        if budget is None or attempt or not extra or out["ledger_bytes"] - extra > settings.budget:
+            return out
+        budget -= extra
+    return out
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -176,25 +260,9 @@ def run_system(shape: ModelShape, preset: str, name: str, seqs: list[int], setti
                 emit({**row, "state": "skipped", "note": "time limit", "fits": False})
                 return
             began = time.monotonic()
-            note = None
-            try:
-                row.update(measure(trainer, shape, seq, settings, step_base))
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                note = str(error).splitlines()[0][:100]
+            row = train_length(trainer, shape, seq, settings, step_base, probe, row)
             last_s = time.monotonic() - began
             step_base += settings.warmup + settings.steps
-            if note is not None:
-                emit({**row, "state": "out of memory", "note": note, "fits": False})
-                return
-            row["state"] = "ok"
-            if settings.cuda:
-                row["fits"] = True  # it ran under the cap
-            else:
-                ledger(row, trainer, shape, settings, probe)
-                if not row["fits"]:
-                    row["state"] = "over budget"
             emit(row)
             if not row["fits"]:
                 return

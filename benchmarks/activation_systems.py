@@ -18,7 +18,13 @@ step, trained the way that system trains it:
   that placement accepts (gradient buffers go to the host early instead of all waiting on the
   device for the end of the backward: the most room for activations), and every block's saved activations
   kept, recomputed or offloaded (``ActivationPlacement``). ``CHUNKMEM_CHOICES`` maps a choice to
-  its ``ActivationPlacement``; an automatic choice is one more entry there.
+  its ``ActivationPlacement``.
+* ``chunkmem-auto``: the same, with ``ActivationPlacement(auto=[block])``: one ``device_budget``
+  for model data, the blocks' saved activations and one block's working set, each block call kept,
+  offloaded or recomputed as ``model.activation_plan`` chose from the first step. Its plan is made
+  once and a step that saves more than the first is refused, so the benchmark builds it again for
+  every length (``Trainer.rebuild``) under a budget for that length, from the same initial weights:
+  its losses at a length are the initial model's trained on that length's batches.
 
 Every system gets the same initial weights (the shape's seed) and the same batches.
 """
@@ -32,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.common import GPT2Shape, use_causal_lm_loss
+from benchmarks.common import GPT2Shape, release_memory, use_causal_lm_loss
 
 __all__ = ["CHUNKMEM_CHOICES", "PRESETS", "SYSTEMS", "ModelShape", "Recipe", "System", "Trainer", "parse_shape"]
 
@@ -135,17 +141,19 @@ class Recipe:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
 
-Activations = Literal["keep", "recompute", "offload"]
+Activations = Literal["keep", "recompute", "offload", "auto"]
 
 
 @dataclass
 class Trainer:
     """One system's model, ready to train, and what its device figures are made of."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
+    """``None`` for a trainer built again at every length (``rebuild``)."""
     step_fn: Callable[[torch.Tensor], torch.Tensor]
     activations: Activations
-    """How the blocks' saved activations are held: kept, recomputed (checkpointed) or offloaded."""
+    """How the blocks' saved activations are held: kept, recomputed (checkpointed), offloaded, or
+    placed under chunkmem's device budget (``auto``)."""
     params: int
     model_bytes_fn: Callable[[], int | None]
     """Device bytes of model data in the ledger: chunkmem's accounted peak, or an analytic count."""
@@ -153,6 +161,11 @@ class Trainer:
     stats_fn: Callable[[], Any] | None = None
     max_prefetch: int = 0
     close_fn: Callable[[], None] | None = None
+    rebuild: Callable[[int], None] | None = None
+    """Build the model again, from its initial weights, under this ``device_budget`` (bytes): called
+    before each length (``None``: one model trains every length)."""
+    plan_fn: Callable[[], Any] | None = None
+    """chunkmem's ``activation_plan`` (``auto``)."""
 
     def step(self, ids: torch.Tensor) -> float:
         return float(self.step_fn(ids).detach().float().item())
@@ -288,13 +301,56 @@ def _offload(block: str) -> Any:
     return ActivationPlacement(offload=[block], max_prefetch=1)
 
 
+def _auto(block: str) -> Any:
+    from placement import ActivationPlacement
+
+    return ActivationPlacement(auto=[block])
+
+
 CHUNKMEM_CHOICES: dict[str, tuple[Activations, Callable[[str], Any]]] = {
     "keep": ("keep", _keep),
     "recompute": ("recompute", _recompute),
     "offload": ("offload", _offload),
+    "auto": ("auto", _auto),
 }
 """A chunkmem choice: how its ledger counts the blocks' activations, and its ``ActivationPlacement``
 for a block class (``None``: keep)."""
+
+
+def _boost(
+    shape: ModelShape, max_seq: int, recipe: Recipe, activations: Any, budget: int | Literal["min"] | None
+) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor], int]:
+    """The model boosted by chunkmem (optimizer side in host memory) under ``budget``, its training
+    step, and its parameter count."""
+    from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin
+    from placement import StaticPlacementConfig
+
+    model = shape.build(max_seq, recipe.device)
+    params = _count(model)
+
+    def plugin(budget: int | None) -> ChunkPlugin:
+        placement = StaticPlacementConfig(offload_optim_frac=1.0, device_budget=budget)
+        return ChunkPlugin(placement=placement, precision=recipe.precision, activations=activations)
+
+    if budget == "min":
+        # Asked by offering one byte: chunkmem refuses before it touches the model, naming the least.
+        try:
+            Booster(plugin(1)).boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
+        except BudgetTooSmallError as error:
+            budget = int(error.minimum)
+        else:
+            raise AssertionError("chunkmem accepted a one-byte device budget")
+    booster = Booster(plugin(budget))
+    chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = _loss(chunked, ids)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return chunked, step, params
 
 
 @dataclass(frozen=True)
@@ -302,37 +358,11 @@ class Chunkmem(System):
     choice: str = "keep"
 
     def build(self, shape: ModelShape, max_seq: int, recipe: Recipe) -> Trainer:
-        from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin
-        from placement import StaticPlacementConfig
-
         held, placement_for = CHUNKMEM_CHOICES[self.choice]
         activations = placement_for(shape.block_class)
-        model = shape.build(max_seq, recipe.device)
-        params = _count(model)
-
-        def plugin(budget: int | None) -> ChunkPlugin:
-            placement = StaticPlacementConfig(offload_optim_frac=1.0, device_budget=budget)
-            return ChunkPlugin(placement=placement, precision=recipe.precision, activations=activations)
-
-        budget = recipe.chunkmem_budget
-        if budget == "min":
-            # Asked by offering one byte: chunkmem refuses before it touches the model, naming the least.
-            try:
-                Booster(plugin(1)).boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
-            except BudgetTooSmallError as error:
-                budget = int(error.minimum)
-            else:
-                raise AssertionError("chunkmem accepted a one-byte device budget")
-        booster = Booster(plugin(budget))
-        chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.lr))
-
-        def step(ids: torch.Tensor) -> torch.Tensor:
-            loss = _loss(chunked, ids)
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
+        if held == "auto":
+            return self._rebuilt(shape, max_seq, recipe, activations)
+        chunked, step, params = _boost(shape, max_seq, recipe, activations, recipe.chunkmem_budget)
         return Trainer(
             chunked,
             step,
@@ -343,6 +373,37 @@ class Chunkmem(System):
             max_prefetch=activations.max_prefetch if activations is not None else 0,
         )
 
+    @staticmethod
+    def _rebuilt(shape: ModelShape, max_seq: int, recipe: Recipe, activations: Any) -> Trainer:
+        """A trainer whose model is boosted at each ``rebuild(device_budget)``."""
+        current: dict[str, Any] = {}
+
+        def rebuild(budget: int) -> None:
+            current.clear()  # the last length's model goes before the next is built
+            release_memory(recipe.device)
+            current["model"], current["step"], _ = _boost(shape, max_seq, recipe, activations, budget)
+
+        def model() -> Any:
+            if "model" not in current:
+                raise RuntimeError("chunkmem-auto: call Trainer.rebuild(device_budget) before each length")
+            return current["model"]
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            model()
+            return current["step"](ids)
+
+        return Trainer(
+            None,
+            step,
+            "auto",
+            _count(shape.build(max_seq, torch.device("meta"))),
+            lambda: model().stats().peak_device_bytes,
+            stats_fn=lambda: model().stats(),
+            close_fn=current.clear,
+            rebuild=rebuild,
+            plan_fn=lambda: model().activation_plan,
+        )
+
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -350,6 +411,7 @@ SYSTEMS: dict[str, System] = {
         Chunkmem("chunkmem-keep", "keep"),
         Chunkmem("chunkmem-offload", "offload"),
         Chunkmem("chunkmem-recompute", "recompute"),
+        Chunkmem("chunkmem-auto", "auto"),
         Plain("plain"),
         Plain("plain-ckpt", checkpointing=True),
         FSDP2("fsdp2-ckpt"),

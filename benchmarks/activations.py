@@ -1,7 +1,8 @@
 """The longest sequence that trains under a fixed device budget, and its step time, for each way of
 holding activations: plain PyTorch, plain PyTorch with Hugging Face gradient checkpointing, FSDP2
-with checkpointing, and chunkmem keeping, recomputing or offloading every block's saved activations
-(``benchmarks/activation_systems.py`` has the recipes).
+with checkpointing, chunkmem keeping, recomputing or offloading every block's saved activations,
+and chunkmem placing them under its own device budget (``chunkmem-auto``: kept, offloaded or
+recomputed per call; ``benchmarks/activation_systems.py`` has the recipes).
 
 For each model and system the sequence grows along ``--seqs`` (batch ``--batch``) until a length
 does not fit; each length trains ``--warmup`` untimed steps and ``--steps`` timed ones (median
@@ -9,8 +10,11 @@ reported) on the same batches for every system, continuing the same model.
 
 **On a GPU** (``--device cuda``) the device is the card capped at ``--cap-gib`` with
 ``torch.cuda.set_per_process_memory_fraction``: a length fits when its steps run without
-``torch.OutOfMemoryError``. Reported with it: the allocator's peak (``max_memory_allocated``),
-the saved-activation meter below and chunkmem's counters. bf16 compute for every system (plain:
+``torch.OutOfMemoryError``. chunkmem-auto gets the cap less a quarter of it as its
+``device_budget`` (``activation_runs.AUTO_GPU_HEADROOM``: what its ledger does not account is not
+known before a length runs), built again at each length as on the CPU. Reported with it: the
+allocator's peak (``max_memory_allocated``), the saved-activation meter below and chunkmem's
+counters. bf16 compute for every system (plain:
 fp32 weights under autocast; FSDP2: ``MixedPrecisionPolicy``, with ``CPUOffloadPolicy`` in
 ``fsdp2-offload-ckpt``, the GPU default, since its fp32 model data would not fit the cap either;
 chunkmem: ``precision="bf16"``, fp32 masters).
@@ -20,7 +24,9 @@ a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data +
 <= the budget, where
 
 * *model data* is, for chunkmem, ``stats().peak_device_bytes`` (accounted chunk memory on the
-  device); for plain PyTorch and FSDP2 (world size 1, no offload) 16 bytes a parameter (fp32
+  device; for chunkmem-auto also the blocks' saved activations while they are on the device: kept
+  calls', offloaded calls' until their copies out are done and once fetched back, and the small
+  storages an offloaded call keeps); for plain PyTorch and FSDP2 (world size 1, no offload) 16 bytes a parameter (fp32
   weights, gradients and AdamW's two moments), what they hold on the device;
 * *saved activations* is the peak over a step of the live bytes of the storages autograd saves
   for the backward outside the placed blocks' own hooks, each storage once, parameters and views
@@ -28,9 +34,25 @@ a budget of ``--budget`` bytes, fp32 everywhere. A length fits when model data +
   such a meter cannot see: for a checkpointed or recomputed block, the bytes one block call saves
   when kept (its recomputation during its backward; measured with the same meter on the plain
   model at that length); for an offloaded block, the ``1 + max_prefetch`` block calls copied back
-  for the backward (``stats().activation_h2d_bytes`` per step / blocks per step each). Saved
-  tensors chunkmem keeps inside an offloaded block because they are under ``min_offload_bytes``
-  (1 KiB), activation gradients and other transient working memory are not counted.
+  for the backward (``stats().activation_h2d_bytes`` per step / blocks per step each); for
+  chunkmem-auto, whose hooks sit nearer the op than the meter's (so the meter sees only what is
+  saved outside the blocks) and whose ledger holds its kept and offloaded calls, one block call's
+  bytes when kept where its plan recomputes a call (the recomputation, not in its ledger), else
+  nothing. Saved tensors the static offload keeps inside a block because they are under
+  ``min_offload_bytes`` (1 KiB), activation gradients and other transient working memory are not
+  counted.
+
+The static chunkmem rows get the least ``device_budget`` their placement accepts: their activations
+are outside chunkmem's budget, in the benchmark's ledger only. chunkmem-auto needs a budget that
+covers its activations: at each length it gets ``--budget`` less what the benchmark's ledger adds to
+its own (the bytes the plain model saves outside the blocks at that length, measured with the same
+meter), so that both ledgers answer to the same budget as every other row. Its plan is made from its
+first step and a step that saves more is refused, so it is built again at each length from the
+initial weights (its losses at a length are the initial model's on that length's batches). Where its
+plan recomputes and the total is over ``--budget`` by no more than the recomputation (which its
+budget had reserved, and the benchmark adds as for chunkmem-recompute), the length is trained once
+more with that much less budget. Its step time is compared with the fastest static chunkmem choice
+that fits the same length.
 
 The ledger adds two peaks that need not coincide (gradient buffers grow in the backward as saved
 activations are freed): an upper bound of what the device holds at once.
@@ -65,22 +87,25 @@ from benchmarks.activation_systems import SYSTEMS, Recipe, parse_shape
 from benchmarks.common import RESULTS, fmt_bytes, format_table, machine, parse_bytes, write_json
 from benchmarks.workers import run_in_fresh_process
 
-CPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,plain,plain-ckpt,fsdp2-ckpt"
+CPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,chunkmem-auto,plain,plain-ckpt,fsdp2-ckpt"
 # On a GPU, in the order a time limit should cut last: chunkmem's keep and offload and the plain
 # references first (the issue's comparison), FSDP2 last.
-GPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,plain,plain-ckpt,chunkmem-recompute,fsdp2-offload-ckpt"
+GPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-auto,plain,plain-ckpt,chunkmem-recompute,fsdp2-offload-ckpt"
 GPU_SEQS = {"gpt2-xl": "1024,2048,4096,8192", "gpt2-medium": "1024,2048,4096,8192,16384,32768"}
 CPU_SEQS = "128,256,512,1024,2048,4096"
 REFERENCE = "plain-ckpt"
+STATIC_CHOICES = ("chunkmem-keep", "chunkmem-offload", "chunkmem-recompute")
+"""What chunkmem-auto's step time is compared with: the fastest of these that fits the same length."""
 
 
 def summarize(rows: list[dict[str, Any]], models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per model and system: the longest length that fits and its step time (``every_length_fits``
     when it is the longest tried: the limit is beyond), against plain PyTorch with HF checkpointing;
-    per model, offload's step time against keep's where both fit."""
+    per model, offload's step time against keep's where both fit, and auto's against the fastest
+    static chunkmem choice that fits the same length."""
     out: dict[str, dict[str, Any]] = {}
     for row in rows:
-        per_model = out.setdefault(row["model"], {"systems": {}, "offload_vs_keep": {}})
+        per_model = out.setdefault(row["model"], {"systems": {}, "offload_vs_keep": {}, "auto_vs_best_static": {}})
         entry = per_model["systems"].setdefault(
             row["system"], {"longest": 0, "step_ms": None, "complete": True, "every_length_fits": False}
         )
@@ -98,6 +123,10 @@ def summarize(rows: list[dict[str, Any]], models: dict[str, dict[str, Any]]) -> 
         for (system, seq), ms in fitting.items():
             if system == "chunkmem-offload" and ("chunkmem-keep", seq) in fitting:
                 per_model["offload_vs_keep"][seq] = ms / fitting["chunkmem-keep", seq]
+            statics = [(fitting[s, seq], s) for s in STATIC_CHOICES if (s, seq) in fitting]
+            if system == "chunkmem-auto" and statics:
+                fastest, name = min(statics)
+                per_model["auto_vs_best_static"][seq] = {"ratio": ms / fastest, "best": name}
     return out
 
 
@@ -125,6 +154,11 @@ def summary_lines(summary: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
                 notes.append(f"{model}: {best[0]} trains {best[1]['longest']}; {REFERENCE} trains no length tried")
         for seq, ratio in sorted(per_model["offload_vs_keep"].items()):
             notes.append(f"{model}: chunkmem-offload step time {ratio:.2f}x chunkmem-keep's at {seq}")
+        for seq, versus in sorted(per_model["auto_vs_best_static"].items()):
+            notes.append(
+                f"{model}: chunkmem-auto step time {versus['ratio']:.2f}x the fastest static choice that fits at "
+                f"{seq} ({versus['best']})"
+            )
     return ["model", "system", "longest seq", "step ms there", f"vs {REFERENCE}"], rows, notes
 
 

@@ -105,9 +105,10 @@ class SavedMeter:
             self._tags.pop()
 
 
-def block_saved_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], run: Any) -> int:
+def block_saved_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], run: Any) -> tuple[int, int]:
     """The most bytes one call of one of ``blocks`` saves (outside checkpoints) while ``run()``
-    runs a forward of ``model``; the graph is dropped."""
+    runs a forward of ``model``, and the bytes saved outside every block call (each storage once,
+    counted where it was first saved); the graph is dropped."""
     meter = SavedMeter(model.parameters())
     contexts: list[Any] = []
     calls = itertools.count()
@@ -127,4 +128,5 @@ def block_saved_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], run
     finally:
         for handle in handles:
             handle.remove()
-    return max(meter.by_tag.values(), default=0)
+    # Nothing is released before the graph is dropped: the peak is every saved storage.
+    return max(meter.by_tag.values(), default=0), meter.peak - sum(meter.by_tag.values())

@@ -335,3 +335,14 @@ def test_the_calls_kept_are_those_whose_other_way_costs_most_per_byte() -> None:
 def test_a_chunked_model_without_auto_blocks_has_no_plan() -> None:
     chunked, _, _ = boost(Stack(), adamw_two_groups, activations=ActivationPlacement(offload=["Block"]))
     assert isinstance(chunked, ChunkedModel) and chunked.activation_plan is None
+
+
+def test_small_saved_tensors_an_offloaded_call_keeps_come_back_for_its_backward() -> None:
+    """Storages under ``min_offload_bytes`` stay on the device in the ledger's handle, also in the
+    first step, whose calls are offloaded (here every storage is that small)."""
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
+    run = _train(budget, ActivationPlacement(auto=["Block"], min_offload_bytes=BATCH * HIDDEN * FP32 + 1))
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].activation_d2h_bytes == 0  # nothing was large enough to copy
+    assert run["after_forward"][0].activation_bytes == BLOCKS * PER_BLOCK  # kept, in the ledger
+    assert run["stats"].peak_device_bytes <= budget

@@ -242,8 +242,16 @@ def test_offload_breakdown_trains_the_same_model_everywhere_and_steps_early_only
 
 
 # --- benchmarks/activations.py ----------------------------------------------------------------------
-ACT_SEQS = (16, 32)
-ACT_SYSTEMS = ("chunkmem-keep", "chunkmem-offload", "chunkmem-recompute", "plain", "plain-ckpt", "fsdp2-ckpt")
+ACT_SEQS = (16, 32, 64)  # at 64 chunkmem-auto's budget cannot keep every block call
+ACT_SYSTEMS = (
+    "chunkmem-keep",
+    "chunkmem-offload",
+    "chunkmem-recompute",
+    "chunkmem-auto",
+    "plain",
+    "plain-ckpt",
+    "fsdp2-ckpt",
+)
 ACT_BUDGET = 600 * 1024
 
 
@@ -311,6 +319,8 @@ def test_activations_rows_grow_until_the_ledger_exceeds_the_budget(activations_r
         if system in ("plain", "plain-ckpt", "fsdp2-ckpt"):
             # fp32 weights and gradients and two AdamW moments, every parameter on the device
             assert all(r["model_bytes"] == 16 * params for r in mine), system
+        elif system == "chunkmem-auto":  # its peak holds its blocks' activations, within its own budget
+            assert all(r["model_bytes"] <= r["chunkmem_device_budget"] for r in mine if "model_bytes" in r)
         else:  # the optimizer side in host memory
             assert all(r["model_bytes"] < 16 * params for r in mine), system
     assert "longest seq" in out and "vs plain-ckpt" in out
@@ -400,3 +410,56 @@ def test_activations_out_of_memory_and_the_time_limit_end_a_system(monkeypatch: 
     skipped: list[dict[str, Any]] = []
     activation_runs.run_system(shape, "gpt2:1x16", "plain", [16, 32], late, skipped.append)
     assert [(r["seq"], r["state"], r["note"]) for r in skipped] == [(16, "skipped", "time limit")]
+
+
+def _plain_with_plan(seq: int, step_base: int, steps: int, plan: list[str]) -> list[float]:
+    """The benchmark's plain PyTorch from the initial weights on the batches of a length: its first
+    step as it is, the next ones with the blocks the plan recomputes under non-reentrant
+    checkpointing (the first step of chunkmem-auto offloads every call and measures)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.activation_systems import SYSTEMS, Recipe, parse_shape
+    from benchmarks.common import rank_batch
+
+    shape = parse_shape("gpt2:2x32", 128)
+    trainer = SYSTEMS["plain"].build(shape, max(ACT_SEQS), Recipe(torch.device("cpu"), "fp32"))
+    losses = []
+    for index in range(steps):
+        if index == 1:
+            for block, choice in zip(shape.blocks(trainer.model), plan, strict=True):
+                if choice == "recompute":
+                    own = block.forward
+                    block.forward = lambda *a, _own=own, **k: checkpoint(_own, *a, use_reentrant=False, **k)
+        losses.append(trainer.step(rank_batch(step_base + index, 0, 1, 1, seq, shape.vocab)))
+    return losses
+
+
+def test_activations_auto_trains_as_plain_pytorch_within_the_budget(
+    activations_run: tuple[str, dict[str, Any]],
+) -> None:
+    """chunkmem-auto, built again at each length from the initial weights: its losses are plain
+    PyTorch's with the plan's checkpointing; its own budget plus what the benchmark's ledger adds
+    outside it is the benchmark's budget; where it fits, the total is within it."""
+    _, payload = activations_run
+    auto = [r for r in payload["rows"] if r["system"] == "chunkmem-auto"]
+    assert [r["seq"] for r in auto] == list(ACT_SEQS[: len(auto)])
+    # Bytes decide what is kept (time only whether the rest is offloaded or recomputed): at the
+    # first length everything, at the last not everything (unless its budget refused it).
+    assert set(auto[0]["activation_plan"]) == {"keep"}
+    if len(auto) == len(ACT_SEQS) and "activation_plan" in auto[-1]:
+        assert set(auto[-1]["activation_plan"]) != {"keep"}
+    plain = {r["seq"]: r["losses"] for r in payload["rows"] if r["system"] == "plain"}
+    assert auto[0]["losses"] == plain[ACT_SEQS[0]]  # the first length: the same start as every system
+    for index, row in enumerate(auto):
+        if "activation_plan" not in row:  # refused by its own budget
+            assert row["state"] == "over budget" and not row["fits"], row
+            continue
+        assert len(row["activation_plan"]) == 2  # one choice a block call
+        assert row["losses"] == _plain_with_plan(row["seq"], 2 * index, 2, row["activation_plan"]), row["seq"]
+        recomputes = "recompute" in row["activation_plan"]
+        assert row["blocks_extra_bytes"] == (_block_call_bytes(row["seq"], 0) if recomputes else 0)
+        outside = ACT_BUDGET - row["chunkmem_device_budget"]  # less once more by the recomputation, where retried
+        assert outside - row["saved_meter_bytes"] in (0, row["blocks_extra_bytes"]), row["seq"]
+        assert row["model_bytes"] <= row["chunkmem_device_budget"]
+        assert row["fits"] == (row["ledger_bytes"] <= ACT_BUDGET)

@@ -167,9 +167,9 @@ class ActivationOffload:
         self._fetched_hosts.clear()
 
     # --- backward -----------------------------------------------------------------------------
-    def _unpack(self, saved: torch.Tensor | _Saved) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):  # stayed on the device: as it is, or in the ledger's handle
+            return DeviceActivations.unpack(saved)
         call = saved.call
         if not call.fetched:
             self._fetch_around(call)
