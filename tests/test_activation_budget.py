@@ -136,6 +136,7 @@ def _recomputed(plan: Any) -> set[int]:
 
 
 # --- end to end -------------------------------------------------------------------------------
+@pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_activations_beyond_the_budget_train_bit_for_bit_within_it() -> None:
     per_block = _plain_saved_bytes() // BLOCKS
     assert per_block == PER_BLOCK
@@ -175,6 +176,7 @@ def test_with_room_everything_is_kept_and_the_ledger_counts_what_autograd_saves(
     assert saved <= last.peak_device_bytes <= budget
 
 
+@pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -> None:
     minimum = _model_minimum() + PER_BLOCK
     with pytest.raises(BudgetTooSmallError, match=rf"at least {minimum} .*every block recomputed or offloaded"):
@@ -184,6 +186,7 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
     assert run["stats"].peak_device_bytes <= minimum
 
 
+@pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
     chunked, optimizer, booster = boost(

@@ -25,6 +25,7 @@ from models import (
     train_chunked,
 )
 from pydantic import ValidationError
+from tier import slow_cases
 from torch.utils.checkpoint import checkpoint
 
 from chunkmem import ChunkedModel, ChunkPlugin, NotSupportedError
@@ -174,13 +175,14 @@ def test_boost_refuses_a_class_the_model_lacks_and_a_block_inside_a_block() -> N
 
 # --- exact, and counted -----------------------------------------------------------------------
 @pytest.mark.parametrize("prefetch", [0, 3])  # 1, the default, in the test below
+@pytest.mark.slow  # the fast tier's case: offload at the default depth
 def test_prefetch_depth_changes_neither_results_nor_bytes(prefetch: int) -> None:
     result, stats = _chunked(Stack(), ActivationPlacement(offload=[Block], max_prefetch=prefetch))
     _assert_identical(result, _plain(Stack()))
     assert stats.activation_h2d_bytes == STEPS * BLOCKS * _saved_bytes_per_block(Stack(), 1024)
 
 
-@pytest.mark.parametrize("keep_below", [1024, 2048])
+@pytest.mark.parametrize("keep_below", slow_cases([1024, 2048], 2048))
 def test_offload_is_bit_exact_and_counts_the_bytes_autograd_saves(keep_below: int) -> None:
     per_block = _saved_bytes_per_block(Stack(), keep_below)
     # fc1's input (kept under 2048 bytes), GELU's input, the product's operand (saved twice, one
@@ -193,6 +195,7 @@ def test_offload_is_bit_exact_and_counts_the_bytes_autograd_saves(keep_below: in
     assert stats.recomputed_blocks == 0
 
 
+@pytest.mark.slow  # the fast tier's case: offload, bit exact
 def test_recompute_with_dropout_equals_plain_checkpointing_and_counts_the_recomputations() -> None:
     result, stats = _chunked(Stack(dropout=0.2), ActivationPlacement(recompute=["Block"]))
     reference = _plain(Stack(dropout=0.2, outer_checkpoint=True))

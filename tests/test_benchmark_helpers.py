@@ -203,6 +203,7 @@ def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
 
 
 # --- the memory-budget driver: out of memory is a row state -----------------------------------------
+@pytest.mark.slow  # the fast tier's case: the RSS probes
 def test_a_run_out_of_device_memory_becomes_a_row_state_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 

@@ -17,6 +17,7 @@ from models import (
     train_chunked,
     train_reference,
 )
+from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind
 from placement import AutoPlacementConfig, BudgetTooSmallError, StaticPlacementConfig
@@ -83,8 +84,8 @@ def test_offloaded_training_moves_exactly_the_gathered_bytes() -> None:
     assert ledger.device_bytes == 0
 
 
-@pytest.mark.parametrize("max_prefetch", [0, 1, 3])
-@pytest.mark.parametrize("policy", ["static", "auto"])
+@pytest.mark.parametrize("max_prefetch", slow_cases([0, 1, 3], 1, 3))  # the fast tier: auto, no prefetch
+@pytest.mark.parametrize("policy", slow_cases(["static", "auto"], "static"))
 def test_budget_never_exceeded_and_training_unchanged(policy: str, max_prefetch: int) -> None:
     model, ref = copies(gpt2(n_layer=3))
     data = batches(4)
@@ -131,6 +132,7 @@ def test_static_budget_too_small_for_what_stays_on_device() -> None:
         )
 
 
+@pytest.mark.slow  # the fast tier's case: the auto policy under a budget, above
 def test_auto_policy_measures_non_model_data_in_warmup() -> None:
     chunked, optimizer, booster = boost(
         gpt2(), adamw_two_groups, precision="fp32", chunk_size=CHUNK, placement=AutoPlacementConfig()

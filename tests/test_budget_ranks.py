@@ -149,7 +149,6 @@ def _property(rank: int, world_size: int) -> int:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_random_models_budgets_and_prefetch_never_diverge() -> None:
     counts = run_ranks(_property, 2, timeout=400)
     assert counts[0] == counts[1] == 8

@@ -69,6 +69,7 @@ def _train(limit: int | None) -> tuple[object, int, list[float]]:
     return chunked, ledger.peak_device_bytes, losses
 
 
+@pytest.mark.slow  # the fast tier's case: usable memory, below
 def test_budget_plus_non_model_over_the_limit_warns_once_and_lowers_model_data(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -34,6 +34,7 @@ def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data:
         optimizer.zero_grad()
 
 
+@pytest.mark.slow  # the fast tier's case: the README loop's resume
 def test_resume_with_another_chunk_size_and_placement(tmp_path: Path) -> None:
     model, ref = copies(gpt2())
     data = batches(5)

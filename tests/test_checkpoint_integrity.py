@@ -402,7 +402,6 @@ def _failures_on_one_rank(rank: int, world_size: int, directory: str) -> dict[st
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_a_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_failures_on_one_rank, args=(str(tmp_path),))
     for rank, out in enumerate(results):

@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 from distributed import run_ranks
+from tier import slow_cases
 
 from chunkmem import (
     Chunk,
@@ -432,7 +433,7 @@ def test_scalar_parameter_w1() -> None:
     assert torch.equal(vector.data, torch.arange(3.0))
 
 
-@pytest.mark.parametrize("move", ["move_shard", "move_master"])
+@pytest.mark.parametrize("move", slow_cases(["move_shard", "move_master"], "move_shard"))
 def test_dropped_resident_shard_is_freed_w1(move: str) -> None:
     params = make_params()
     chunk, _, ledger, _ = build(Communicator(None, CPU), 25, params)

@@ -62,11 +62,11 @@ def _check(results: list[dict[str, float]]) -> None:
     assert len({result["norm"] for result in results}) == 1  # every rank returns the same norm
 
 
+@pytest.mark.slow  # the fast tier's case: clipping under Lightning (test_lightning.py)
 def test_clip_grad_norm_is_as_accurate_as_torch() -> None:
     _check([_clip_once(0, 1)])
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_clip_grad_norm_is_as_accurate_as_torch_on_two_ranks() -> None:
     _check(run_ranks(_clip_once, 2))

@@ -53,7 +53,6 @@ def gathers() -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_every_chunk_is_gathered_at_least_once_per_step(gathers: dict[str, Any]) -> None:
     # Sharded chunks at world size 2 must be gathered for forward: a lower bound that holds for any
     # implementation (and catches counters that stopped counting).
@@ -62,14 +61,12 @@ def test_every_chunk_is_gathered_at_least_once_per_step(gathers: dict[str, Any])
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_each_chunk_is_gathered_at_most_twice_per_step(gathers: dict[str, Any]) -> None:
     found = gathers["plain"]
     assert max(found["per_step"]) <= 2 * found["chunks"], found
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_backward_starts_with_the_chunks_forward_left_gathered(gathers: dict[str, Any]) -> None:
     # Every chunk is used in both passes (all are trainable): once per pass each, except the first
     # 1 + max_prefetch chunks the backward enters, which stay gathered from the forward.
@@ -79,7 +76,6 @@ def test_backward_starts_with_the_chunks_forward_left_gathered(gathers: dict[str
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_each_chunk_is_gathered_at_most_three_times_per_step_with_checkpointing(gathers: dict[str, Any]) -> None:
     found = gathers["checkpointed"]
     assert max(found["per_step"]) <= 3 * found["chunks"], found

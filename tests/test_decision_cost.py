@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from models import adamw_two_groups, batches, gpt2
+from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -29,7 +30,7 @@ def _work_per_op(placement: object, chunk_size: int) -> tuple[float, int]:
     return (after.decision_work - before.decision_work) / ops, len(chunked.manager.chunks)
 
 
-@pytest.mark.parametrize("make", [StaticPlacementConfig, AutoPlacementConfig])
+@pytest.mark.parametrize("make", slow_cases([StaticPlacementConfig, AutoPlacementConfig], AutoPlacementConfig))
 def test_decision_work_per_op_is_bounded_by_the_look_ahead(make: type) -> None:
     k = 2
     few, n_few = _work_per_op(make(max_prefetch=k), chunk_size=100_000)
@@ -41,6 +42,7 @@ def test_decision_work_per_op_is_bounded_by_the_look_ahead(make: type) -> None:
     assert 0 < many <= 2 * k
 
 
+@pytest.mark.slow  # the fast tier's case: the static policy's bound, above
 def test_no_decision_work_without_prefetch_or_budget() -> None:
     work, _ = _work_per_op(StaticPlacementConfig(max_prefetch=0), chunk_size=2_000)
     assert work == 0

@@ -18,6 +18,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from forked import run_script
+from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -73,7 +74,7 @@ def _scratch(disk_dir: Path) -> list[Path]:
     return sorted(disk_dir.glob(".chunkmem-scratch-*"))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", slow_cases(["fp32", "bf16"], "bf16"))
 def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_path: Path, precision: str) -> None:
     chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
     ram, ram_optimizer, ram_booster = _boost(IN_RAM, precision, None)
@@ -199,7 +200,7 @@ def test_the_scratch_directory_goes_at_exit_and_after_a_kill_with_the_next_boost
     assert not left[0].exists() and len(_scratch(tmp_path)) == 1
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["full", "sharded"])
+@pytest.mark.parametrize("shard", slow_cases([False, True], True), ids=["full", "sharded"])
 def test_a_checkpoint_of_a_model_on_disk_resumes_like_the_all_in_ram_run(tmp_path: Path, shard: bool) -> None:
     disk_dir = tmp_path / "scratch"
     disk_dir.mkdir()
@@ -270,7 +271,7 @@ def _two_ranks(rank: int, world_size: int, disk_dir: str, fail_at: int) -> list[
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fail_at", [pytest.param(-1, marks=pytest.mark.fast_tier), 2])
+@pytest.mark.parametrize("fail_at", [-1, 2])
 def test_two_ranks_with_sides_on_disk_and_a_disk_that_fills_up(tmp_path: Path, fail_at: int) -> None:
     for rank in range(2):
         (tmp_path / f"r{rank}").mkdir()
@@ -327,6 +328,7 @@ def test_fp16_inf_with_gradients_on_disk_skips_the_step_like_in_memory(tmp_path:
     _assert_equal_states(on_disk, in_ram)
 
 
+@pytest.mark.slow  # the fast tier's case: the sides on disk, bit exact
 def test_gradients_accumulated_over_two_backward_passes_on_disk_equal_in_memory(tmp_path: Path) -> None:
     def run(placement: Any, disk_dir: Path | None) -> Any:
         chunked, optimizer, booster = _boost(placement, "fp32", disk_dir)
@@ -371,7 +373,6 @@ def _boost_train_and_drop(rank: int, world_size: int, disk_dir: str) -> tuple[in
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_the_scratch_directories_go_with_a_collected_model_at_two_ranks(tmp_path: Path) -> None:
     for rank, (alive, after) in enumerate(run_ranks(_boost_train_and_drop, 2, args=(str(tmp_path),))):
         assert alive == 1, f"rank {rank}: {alive} scratch directories while the model lives"

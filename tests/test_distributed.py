@@ -76,10 +76,7 @@ def _parity(rank: int, world_size: int, arch: str, precision: str, placement: st
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "placement",
-    [
-        pytest.param(p, marks=pytest.mark.fast_tier) if p in ("static", "static-offload-prefetch1") else p
-        for p in PLACEMENTS
-    ],
+    [pytest.param(p, marks=pytest.mark.fast_tier) if p == "static" else p for p in PLACEMENTS],
 )
 def test_gpt2_fp32_two_ranks_match_pytorch(placement: str) -> None:
     results = run_ranks(_parity, args=("gpt2", "fp32", placement))
@@ -95,7 +92,6 @@ def test_llama_fp32_two_ranks_offloaded_match_pytorch() -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_llama_bf16_two_ranks_within_tolerance() -> None:
     for result in run_ranks(_parity, args=("llama", "bf16", "static")):
         assert result["losses"] == result["loss_tolerance"].approx(result["expected"])
@@ -139,7 +135,6 @@ def _accumulate(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_no_sync_accumulation_equals_large_batch() -> None:
     run_ranks(_accumulate)
 
@@ -166,7 +161,6 @@ def _clip(rank: int, world_size: int) -> list[float]:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_clip_grad_norm_matches_torch_and_ranks_agree() -> None:
     norms = run_ranks(_clip)
     assert norms[0] == norms[1]
@@ -219,7 +213,6 @@ def _branches(rank: int, world_size: int, schedule: list[dict[str, bool]]) -> in
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_unused_parameter_and_changed_order_on_all_ranks() -> None:
     plain, skip, swap = {}, {"skip": True}, {"swap": True}
     divergences = run_ranks(_branches, args=([plain, plain, skip, plain, swap, swap, plain],))
@@ -339,7 +332,6 @@ def _delayed(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_compute_waits_for_delayed_gathers() -> None:
     for result in run_ranks(_delayed):
         assert result["delayed"] > 0
@@ -363,7 +355,6 @@ def _fp16_overflow_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere() -> None:
     for result in run_ranks(_fp16_overflow_on_one_rank):
         assert result["unchanged"]

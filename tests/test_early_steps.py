@@ -13,6 +13,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from models import assert_state_close, copies, device_of, tolerance
+from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
 from placement import StaticPlacementConfig
@@ -169,7 +170,7 @@ def _assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.mark.parametrize("name", list(LOOPS))
+@pytest.mark.parametrize("name", slow_cases(LOOPS, "lr-changed-before-the-step"))
 def test_early_steps_give_the_bits_of_stepping_after_the_backward(name: str) -> None:
     loop, kept = LOOPS[name]
     early_state, early_out, (stats, early_optimizer) = _run(StepDuringBackward(), loop)
@@ -257,9 +258,7 @@ def _ranks(rank: int, world_size: int, name: str) -> list[Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "name", [pytest.param("plain", marks=pytest.mark.fast_tier), "clip-applies", "extra-micro-batch"]
-)
+@pytest.mark.parametrize("name", ["plain", "clip-applies", "extra-micro-batch"])
 def test_early_steps_at_two_ranks(name: str) -> None:
     counts = run_ranks(_ranks, 2, args=(name,))
     assert counts[0] == counts[1] and counts[0][0] > 0

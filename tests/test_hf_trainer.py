@@ -106,7 +106,7 @@ def assert_same_training(
 @pytest.mark.parametrize(
     "overrides, budget, exact",
     [
-        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule"),
+        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule", marks=pytest.mark.slow),
         # Recomputation runs forward ops inside backward ones: both need their chunks at once.
         # No clipping: the same arithmetic, so the same losses bit for bit.
         pytest.param(
@@ -211,6 +211,7 @@ def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp
     assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
 
 
+@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
     uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;
@@ -351,6 +352,7 @@ def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None
         assert result["peak_device_bytes"] <= BUDGET
 
 
+@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
 def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
     """TRL's SFTTrainer with a PEFT LoRA adapter on a tiny LLaMA, through ``ChunkTrainerMixin``,
     under a device budget below the model: the same losses as plain SFTTrainer, bit for bit (no

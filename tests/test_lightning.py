@@ -159,6 +159,7 @@ def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # the fast tier's case: the README loop's resume (test_checkpoint.py)
 def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path) -> None:
     """One epoch (k = 4 optimizer steps), ``trainer.save_checkpoint``, then a new module, Trainer and
     strategy resume with ``ckpt_path=`` for the second epoch: the losses are those of plain

@@ -100,7 +100,7 @@ def _eager_vs_meta(
 # --- the model's own initialisation -----------------------------------------------------------
 @pytest.mark.parametrize(
     ("arch", "make_meta"),
-    [("gpt2", _meta_gpt2), ("llama", _meta_llama_from_config)],
+    [("gpt2", _meta_gpt2), pytest.param("llama", _meta_llama_from_config, marks=pytest.mark.slow)],
     ids=["gpt2-tied", "llama-from_config"],
 )
 def test_meta_boost_equals_eager_boost(arch: str, make_meta: Callable[[], nn.Module]) -> None:
@@ -213,7 +213,6 @@ def _parity_w2(rank: int, world_size: int, llama_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_meta_boost_and_streaming_at_w2(tmp_path: Path) -> None:
     llama(seed=3).save_pretrained(tmp_path, max_shard_size="20KB")
     for rank, result in enumerate(run_ranks(_parity_w2, args=(str(tmp_path),))):

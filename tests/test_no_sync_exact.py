@@ -29,6 +29,7 @@ from models import (
     lm_loss,
     tolerance,
 )
+from tier import slow_cases
 
 from chunkmem import BudgetTooSmallError, ChunkedModel
 from placement import AutoPlacementConfig, Verb
@@ -131,7 +132,7 @@ def _accumulate_exactly(rank: int, world_size: int, name: str, budget_factor: fl
     return {"spills": spills, "early": early, "peak": chunked.stats().peak_device_bytes, "budget": budget}
 
 
-@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize("name", slow_cases(SETUPS, "gpt2-tied"))
 def test_no_sync_is_bit_exact_at_one_rank(name: str) -> None:
     """At one rank nothing moves to the host (a reduction needs no other rank): a buffer the
     device needs room for is reduced early into the gradient shard, which adds each backward's
@@ -141,7 +142,6 @@ def test_no_sync_is_bit_exact_at_one_rank(name: str) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 @pytest.mark.parametrize(
     ("name", "budget_factor"),
     [

@@ -282,8 +282,9 @@ def _two_ranks(rank: int, world_size: int, precision: str, placement: str, out: 
 @pytest.mark.parametrize(
     ("precision", "placement"),
     [
-        # The fast tier's two-rank case; its fp32 state is gathered in slices (a whole chunk does not fit the budget).
-        pytest.param("bf16", "auto-budget", marks=pytest.mark.fast_tier),
+        # Its fp32 state is gathered in slices (a whole chunk does not fit the budget). The fast tier's
+        # LoRA cases are the one-rank ones above and LoRA on a disk base at two ranks (test_param_disk).
+        ("bf16", "auto-budget"),
         pytest.param("fp32", "sides-on-disk", marks=SLOW),
         pytest.param("bf16", "sides-on-disk", marks=SLOW),
     ],

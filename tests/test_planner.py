@@ -133,7 +133,7 @@ def test_prediction_equals_a_run_at_world_size_1(placement: str) -> None:
     [
         ("static-prefetch2", "bf16", "gpt2"),
         ("auto-budget-prefetch3", "fp32", "llama"),
-        pytest.param("static-offload-budget", "fp32", "gpt2", marks=pytest.mark.fast_tier),
+        ("static-offload-budget", "fp32", "gpt2"),
     ],
 )
 def test_prediction_equals_a_run_at_world_size_2(placement: str, precision: str, arch: str) -> None:
@@ -170,6 +170,7 @@ def test_the_minimum_budget_is_accepted_by_a_real_run(world_size: int) -> None:
     assert all(peak <= minimum for peak in peaks)
 
 
+@pytest.mark.slow  # the fast tier's case: a prediction equal to a run
 def test_the_minimum_budget_is_the_minimum() -> None:
     predicted = _predicted(1, AutoPlacementConfig(device_budget=10**9, max_prefetch=1), "fp32", "gpt2")
     with pytest.raises(BudgetTooSmallError):
@@ -284,6 +285,7 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
         assert message in err.strip().splitlines()[-1], (name, err)
 
 
+@pytest.mark.slow  # the fast tier's case: the CLI plans a config file
 def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fitting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

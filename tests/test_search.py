@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tier import examples
+from tier import examples, slow_cases
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import search_chunk_size
@@ -78,7 +78,7 @@ def brute_force(sizes: list[tuple[int, object]], low: int, high: int, granularit
     return best
 
 
-@pytest.mark.parametrize("name", ["gpt2-small", "gpt2-medium", "llama-7b", "llama-small"])
+@pytest.mark.parametrize("name", slow_cases(["gpt2-small", "gpt2-medium", "llama-7b", "llama-small"], "llama-7b"))
 def test_waste_on_real_models(name: str) -> None:
     params = meta_params(name)
     assert all(p.is_meta for p in params)

@@ -329,7 +329,6 @@ def _refusals_on_two_ranks(rank: int, world_size: int, directory: str) -> dict[s
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_refused_loads_and_a_failed_save_raise_on_every_rank_and_change_nothing(tmp_path: Path) -> None:
     results = run_ranks(_refusals_on_two_ranks, args=(str(tmp_path),))
     for rank, out in enumerate(results):

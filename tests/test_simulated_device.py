@@ -17,7 +17,7 @@ from chunkmem.device.simulated import SimulatedLayer, UnorderedAccessError, simu
 
 pytestmark = pytest.mark.simulated
 
-FAST = {"offload-p3-bf16", "load-after-eval", "w2-offload-p3"}
+FAST = {"offload-p3-bf16", "load-after-eval"}
 
 
 def _both(rank: int, world_size: int, name: str) -> None:

@@ -326,7 +326,6 @@ def _hf_on_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, An
 
 
 @pytest.mark.multirank
-@pytest.mark.fast_tier
 def test_generate_and_save_pretrained_on_two_ranks(tmp_path: Path) -> None:
     results = run_ranks(_hf_on_two_ranks, args=(str(tmp_path),))
     assert [r["generate_equal"] for r in results] == [True, True]

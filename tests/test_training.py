@@ -25,6 +25,7 @@ from models import (
     train_chunked,
     train_reference,
 )
+from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError
 from placement import AutoPlacementConfig, StaticPlacementConfig
@@ -43,7 +44,7 @@ PLACEMENTS: dict[str, Any] = {
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("placement", slow_cases(PLACEMENTS, "offload-optim"))  # offload-all offloads it too
 def test_fp32_parity_with_pytorch(arch: str, placement: str) -> None:
     model, ref = copies(gpt2() if arch == "gpt2" else llama())
     data = batches(5)

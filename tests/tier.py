@@ -3,14 +3,19 @@
 The everyday command, ``python -m pytest -m "not slow"``, is the **fast tier**: ``conftest.py``
 sees the marker expression and sets ``CHUNKMEM_TEST_TIER=fast`` before any test module is
 imported, and property tests then draw fewer examples (``examples``). The full suite (CI, README's
-test command) draws them all.
+test command) draws them all. ``slow_cases`` leaves some cases of a parametrized test to the full
+suite, the fast tier keeping one representative of the path.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["FAST", "examples"]
+import pytest
+
+__all__ = ["FAST", "examples", "slow_cases"]
 
 FAST = os.environ.get("CHUNKMEM_TEST_TIER") == "fast"
 
@@ -21,3 +26,9 @@ def examples(full: int, fast: int | None = None) -> int:
     if not FAST:
         return full
     return fast if fast is not None else max(5, full // 10)
+
+
+def slow_cases(values: Iterable[Any], *slow: Any) -> list[Any]:
+    """``values`` for ``pytest.mark.parametrize`` with those in ``slow`` marked ``slow``: the fast
+    tier keeps the others (the cheapest case that exercises the path), the full suite runs all."""
+    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
