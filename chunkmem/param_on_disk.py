@@ -116,20 +116,24 @@ class ParamOnDisk:
         (a failure keeps the cast in memory, see the module docstring)."""
         self._settle_writes()
         self._machine.require("write")
-        if self._kept is not None:  # superseded by this write
-            self._transfers.before_host_write(self._kept)  # a gather's copy may still read it
-            self._transfers.give_back(self._kept)
+        transfers = self._transfers
+        cast = transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
+        try:
+            cast.copy_(master)
+            write = self._file.write(cast, self._offset, param=True)
+        except BaseException:
+            transfers.give_back(cast)
+            raise  # the kept values (or those on disk) are still the shard's: gathers read them
+        if self._kept is not None:  # superseded by the write now queued
+            transfers.before_host_write(self._kept)  # a gather's copy may still read it
+            transfers.give_back(self._kept)
             self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
             self._kept = None
-        cast = self._transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
-        cast.copy_(master)
-        transfers = self._transfers
 
         def written(future: Future[None]) -> None:  # on the I/O thread, or here if already done
             if future.exception() is None:
                 transfers.give_back(cast)  # a failed write keeps it: its values are the parameters
 
-        write = self._file.write(cast, self._offset, param=True)
         write.add_done_callback(written)
         self._writes.append((write, cast))
         self._machine.move("write")

@@ -8,11 +8,13 @@ values; checkpoints resume exactly."""
 
 from __future__ import annotations
 
+import errno
 import importlib
 import itertools
 import json
 import re
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,10 @@ from models import batches, gpt2
 from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
+from chunkmem.accounting import MemoryLedger
+from chunkmem.param_on_disk import ParamOnDisk
+from chunkmem.stats import Stats
+from chunkmem.transfers import HostTransfers
 from placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
 from placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 
@@ -320,3 +326,56 @@ def test_the_planner_cli_takes_a_parameter_disk_fraction(tmp_path: Path, capsys:
         with pytest.raises(SystemExit):
             plan_cli.main(argv)
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+class _MemoryFile:
+    """A stand-in for the disk file: regions in a dict; the next write fails (a full disk) when
+    asked."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, torch.Tensor] = {}
+        self.fail_next_write = False
+
+    def region(self, nbytes: int) -> int:
+        return 0
+
+    def write(self, tensor: torch.Tensor, offset: int, then: Any = None, param: bool = False) -> Future[None]:
+        done: Future[None] = Future()
+        if self.fail_next_write:
+            self.fail_next_write = False
+            done.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        else:
+            self.bytes[offset] = tensor.clone()
+            done.set_result(None)
+        return done
+
+    def read(self, tensor: torch.Tensor, offset: int, param: bool = False) -> Future[None]:
+        tensor.copy_(self.bytes[offset])
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def test_a_write_that_cannot_start_leaves_the_kept_values_for_the_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed write the shard's values are kept in memory; a later write that fails before
+    it is even queued (no staging buffer) must leave them there, not let gathers read the older
+    values still on disk."""
+    cpu = torch.device("cpu")
+    file, transfers = _MemoryFile(), HostTransfers(Stats(), cpu)
+    shard = ParamOnDisk("chunk 0 (rank 0)", 8, torch.float32, file, MemoryLedger(), transfers, cpu)  # type: ignore[arg-type]
+    shard.write(torch.full((8,), 1.0))
+    file.fail_next_write = True
+    shard.write(torch.full((8,), 2.0))  # fails on the I/O side: 2.0 kept in memory
+    slot = torch.empty(8)
+    shard.copy_into(slot)
+    assert torch.equal(slot, torch.full((8,), 2.0))
+
+    def no_buffer(*args: Any) -> torch.Tensor:
+        raise MemoryError("no pinned memory left")
+
+    monkeypatch.setattr(transfers, "staging", no_buffer)
+    with pytest.raises(MemoryError):
+        shard.write(torch.full((8,), 3.0))
+    monkeypatch.undo()
+    shard.copy_into(slot)
+    assert torch.equal(slot, torch.full((8,), 2.0)), "a gather read the stale values on disk"

@@ -115,7 +115,7 @@ CATCHES = {
     "comm.py: side_stream: self._layer.wait_stream(self._side_stream, self._layer.current_stream())": "offload-p3-bf16",
     "grad_on_disk.py: receive: self._transfers.before_host_read(host)": "disk-bf16",
     "param_on_disk.py: read_for_gather: transfers.before_host_write(staged)": "param-disk-bf16",
-    "param_on_disk.py: write: self._transfers.before_host_write(self._kept)": "param-disk-full",
+    "param_on_disk.py: write: transfers.before_host_write(self._kept)": "param-disk-full",
     "shard.py: prepare_host_write: self._transfers.before_host_write(self._master)": "load-after-eval",
     "shard.py: _settle_grad: self._transfers.before_host_read(self._grad)": "offload-p0",
     "shard.py: _settle_grad: self._transfers.before_host_read(staged)": "auto-p3",
