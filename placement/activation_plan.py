@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 from .policy import BudgetTooSmallError, format_bytes
 
-__all__ = ["ActivationChoice", "ActivationPlan", "BlockMeasure", "CopyRates", "choose_activations"]
+__all__ = [
+    "ActivationChoice",
+    "ActivationPlan",
+    "BlockMeasure",
+    "CopyRates",
+    "activation_minimum",
+    "choose_activations",
+]
 
 
 class ActivationChoice(enum.Enum):
@@ -114,6 +121,12 @@ def _offload_seconds(measure: BlockMeasure, after: BlockMeasure | None, rates: C
     return measure.offload_seconds + max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
 
 
+def activation_minimum(saved_bytes: Sequence[int], model_bytes: int) -> int:
+    """The least budget an ``auto`` plan can run in: model data's need and the largest call's
+    saved bytes (a call kept nowhere else still lives on the device while it runs)."""
+    return model_bytes + max(saved_bytes, default=0)
+
+
 def choose_activations(
     measures: Sequence[BlockMeasure], rates: CopyRates, budget: int, model_bytes: int
 ) -> ActivationPlan:
@@ -122,7 +135,7 @@ def choose_activations(
     keeping nothing does not fit."""
     n = len(measures)
     reserve = max((m.saved_bytes for m in measures), default=0)
-    minimum = model_bytes + reserve
+    minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes)
     if minimum > budget:
         largest = max(measures, key=lambda m: m.saved_bytes)
         raise BudgetTooSmallError(
