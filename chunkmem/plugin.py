@@ -26,7 +26,7 @@ from placement import (
     make_policy,
 )
 
-from .activations import ActivationBlocks
+from .activations import ActivationBlocks, DeviceBudget
 from .backing import Backing, TrainingBacking
 from .boosted_params import already_boosted, note_boosted, the_fix
 from .chunk import Chunk
@@ -339,7 +339,9 @@ class ChunkPlugin:
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
         activations = (
-            ActivationBlocks(model, self.activations, comm, stats, (manager.ledger, runtime.transient_room, policy))
+            ActivationBlocks(
+                model, self.activations, comm, stats, DeviceBudget(manager.ledger, runtime.transient_room, policy)
+            )
             if self.activations is not None
             else None
         )

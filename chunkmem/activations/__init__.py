@@ -1,7 +1,7 @@
 """Activation placement: what autograd saves inside the blocks an ``ActivationPlacement`` names is
 kept, recomputed (``blocks``) or offloaded to host memory (``offload``)."""
 
-from .blocks import ActivationBlocks
+from .blocks import ActivationBlocks, DeviceBudget
 from .offload import ActivationOffload, BlockCall
 
-__all__ = ["ActivationBlocks", "ActivationOffload", "BlockCall"]
+__all__ = ["ActivationBlocks", "ActivationOffload", "BlockCall", "DeviceBudget"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,7 +36,18 @@ from .auto import AutoBlocks
 from .ledger import DeviceActivations
 from .offload import ActivationOffload, BlockCall
 
-__all__ = ["ActivationBlocks"]
+__all__ = ["ActivationBlocks", "DeviceBudget"]
+
+
+class DeviceBudget(NamedTuple):
+    """What ``auto`` blocks are placed under: the ledger their saved activations are accounted in,
+    the room the runtime makes (``room(nbytes)``: the budget's free bytes then), and the policy
+    whose ``device_budget`` it is."""
+
+    ledger: MemoryLedger
+    room: Callable[[int], int | None]
+    policy: PlacementPolicy
+
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -65,8 +76,8 @@ def _refuse_double_checkpointing(name: str, how: str) -> None:
 
 
 class ActivationBlocks:
-    """The named blocks of one model and how each runs; see the module docstring. ``budget`` (the
-    ledger, the room the runtime makes, the policy) is what ``auto`` blocks are placed under."""
+    """The named blocks of one model and how each runs; see the module docstring. ``budget`` is what
+    ``auto`` blocks are placed under."""
 
     def __init__(
         self,
@@ -74,7 +85,7 @@ class ActivationBlocks:
         config: ActivationPlacement,
         comm: Communicator,
         stats: Stats,
-        budget: tuple[MemoryLedger, Callable[[int], int | None], PlacementPolicy] | None = None,
+        budget: DeviceBudget | None = None,
     ) -> None:
         self._stats = stats
         layer = comm.layer
@@ -85,7 +96,7 @@ class ActivationBlocks:
         self._auto: AutoBlocks | None = None
         self._account: DeviceActivations | None = None
         if config.auto:
-            assert budget is not None and budget[2].budget is not None, "a device budget (checked when boosting)"
+            assert budget is not None and budget.policy.budget is not None, "a device budget (checked when boosting)"
             ledger, room, policy = budget
             self._account = DeviceActivations(ledger, room, comm.rank)
             offload = ActivationOffload(self._transfers, layer.device, 0, config.min_offload_bytes, self._account)
