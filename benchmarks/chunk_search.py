@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, print_table, write_json
-from chunkmem.search import default_search_range, search_chunk_size
+from chunkmem.chunks.search import default_search_range, search_chunk_size
 
 
 def configs() -> dict[str, Any]:

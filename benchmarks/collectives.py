@@ -1,6 +1,6 @@
 """The collectives a chunk costs, alone: all-gather, reduce-scatter and all-reduce at several chunk
 sizes, on the backend chunkmem would use (gloo on the CPU, NCCL on GPUs). The figures behind the
-chunk-size search's floor (``chunkmem.search.MIN_EFFICIENT_CHUNK_BYTES``) and behind reducing
+chunk-size search's floor (``chunkmem.chunks.search.MIN_EFFICIENT_CHUNK_BYTES``) and behind reducing
 gradients by all-reduce on gloo (``Communicator.reduce_scatter_sum``).
 
     python benchmarks/collectives.py                   # W=2

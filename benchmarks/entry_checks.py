@@ -35,7 +35,7 @@ def _rank(rank: int, world_size: int, steps: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    import chunkmem.rank_checks as rank_checks
+    import chunkmem.ranks.rank_checks as rank_checks
     from chunkmem import Booster, ChunkPlugin
 
     original = rank_checks.RankChecks.entry

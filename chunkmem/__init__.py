@@ -6,10 +6,12 @@ parameter-op hooks (``hooks``).
 """
 
 from . import checkpoint
-from .accounting import Location, MemoryKind, MemoryLedger
+from .boosted.model import ChunkedModel
 from .booster import Booster
-from .chunk import Chunk, ChunkState, GradState
-from .comm import Communicator, PendingGather
+from .chunks.chunk import Chunk, ChunkState, GradState
+from .chunks.manager import ChunkManager
+from .chunks.search import ChunkSizeSearch, search_chunk_size
+from .chunks.tensor_state import TensorInfo, TensorState
 from .errors import (
     AlreadyBoostedError,
     BudgetExceededError,
@@ -33,16 +35,14 @@ from .errors import (
     UnmanageableParameter,
     UnscaledBackwardError,
 )
-from .manager import ChunkManager
-from .memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
-from .model import ChunkedModel
+from .execution.runtime import ChunkRuntime
 from .optim import ChunkOptimizer, LossScaleConfig, StepAfterBackward, StepDuringBackward
-from .planner import Plan, PlanningCommunicator, StepCounters, plan
+from .planning.planner import Plan, PlanningCommunicator, StepCounters, plan
 from .plugin import ChunkPlugin
-from .runtime import ChunkRuntime
-from .search import ChunkSizeSearch, search_chunk_size
-from .stats import Stats
-from .tensor_state import TensorInfo, TensorState
+from .ranks.comm import Communicator, PendingGather
+from .usage.accounting import Location, MemoryKind, MemoryLedger
+from .usage.memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
+from .usage.stats import Stats
 
 __all__ = [
     "AlreadyBoostedError",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .model import ChunkedModel
+from .boosted.model import ChunkedModel
 from .optim import ChunkOptimizer
 from .plugin import ChunkPlugin
 

@@ -10,7 +10,7 @@
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
 ``llama-13b``, ``llama-70b``), or a path to a ``config.json`` / model directory. The model is
 built on the meta device, so planning a 70B model takes seconds and no memory; see
-``chunkmem.planner`` for what is predicted and how.
+``chunkmem.planning.planner`` for what is predicted and how.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from placement.config import Budget
 
 from .device import PLANNED_DEVICES, planned_precision
 from .errors import ChunkmemError
-from .memory import process_capacity
-from .planner import Plan, plan
+from .planning.planner import Plan, plan
 from .plugin import ChunkPlugin
+from .usage.memory import process_capacity
 
 __all__ = ["SHAPES", "build_meta_model", "main"]
 

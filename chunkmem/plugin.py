@@ -27,12 +27,14 @@ from placement import (
 )
 
 from .activations import ActivationBlocks, DeviceBudget
-from .backing import Backing, TrainingBacking
-from .boosted_params import already_boosted, note_boosted, the_fix
-from .chunk import Chunk
-from .comm import Communicator
+from .boosted.backing import Backing, TrainingBacking
+from .boosted.boosted_params import already_boosted, note_boosted, the_fix
+from .boosted.model import ChunkedModel
+from .chunks.chunk import Chunk
+from .chunks.manager import ChunkManager
+from .chunks.search import default_search_range, search_chunk_size
+from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
-from .disk import DISK_BLOCK, SidesFile
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
@@ -40,16 +42,14 @@ from .errors import (
     MaterializeError,
     NotSupportedError,
 )
-from .manager import ChunkManager
-from .model import ChunkedModel
+from .execution.runtime import ChunkRuntime
 from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state_size
 from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
 from .optim.places import SidePlaces
 from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
-from .runtime import ChunkRuntime
-from .search import default_search_range, search_chunk_size
-from .shard import MASTER_DTYPE
-from .stats import Stats
+from .ranks.comm import Communicator
+from .tiers.disk import DISK_BLOCK, SidesFile
+from .usage.stats import Stats
 
 __all__ = ["ChunkPlugin", "Precision"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from chunkmem.disk import DiskFile
+from chunkmem.tiers.disk import DiskFile
 
 
 @contextmanager

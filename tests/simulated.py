@@ -161,8 +161,8 @@ def _host_write_after_copy(rank: int, world_size: int) -> dict[str, Any]:
     always comes first and waits already: this is the guard callers such as ``prepare_host_write``
     rely on when none does)."""
     from chunkmem.device import device_layer
-    from chunkmem.stats import Stats
-    from chunkmem.transfers import Direction, HostTransfers
+    from chunkmem.tiers.transfers import Direction, HostTransfers
+    from chunkmem.usage.stats import Stats
 
     transfers = HostTransfers(Stats(), device_layer(torch.device("cpu")))
     host = transfers.staging(1_000, torch.float32, torch.device("cpu"))
@@ -240,7 +240,7 @@ def wait_sites() -> list[tuple[str, int, str]]:
 def without(site: tuple[str, int, str]) -> Iterator[None]:
     """The wait called at ``site`` does nothing there (everywhere else it waits)."""
     from chunkmem.device.simulated import SimulatedLayer
-    from chunkmem.transfers import HostTransfers
+    from chunkmem.tiers.transfers import HostTransfers
 
     relative, line, name = site
     owner = HostTransfers if name.startswith("before_host") else SimulatedLayer

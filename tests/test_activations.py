@@ -319,8 +319,8 @@ def test_a_storage_freed_in_the_block_and_one_made_at_its_address_are_two_copies
     its storage's address, and must not be taken for it."""
     from chunkmem.activations import ActivationOffload, BlockCall
     from chunkmem.device import device_layer
-    from chunkmem.stats import Stats
-    from chunkmem.transfers import HostTransfers
+    from chunkmem.tiers.transfers import HostTransfers
+    from chunkmem.usage.stats import Stats
 
     offload = ActivationOffload(HostTransfers(Stats(), device_layer(torch.device("cpu"))), torch.device("cpu"), 1, 0)
     weight = torch.ones(256, requires_grad=True)

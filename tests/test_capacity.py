@@ -23,7 +23,7 @@ from models import (
 )
 
 from chunkmem import process_capacity
-from chunkmem.memory import DeviceMemory
+from chunkmem.usage.memory import DeviceMemory
 from placement import AutoPlacementConfig
 from placement.policy import format_bytes
 
@@ -37,16 +37,16 @@ def test_memory_the_process_holds_counts_as_usable_by_it(monkeypatch: pytest.Mon
     # memory is measured. Were held memory not counted, capacity would fall by the whole 512 MiB.
     import psutil
 
-    import chunkmem.memory
+    import chunkmem.usage.memory
 
-    real = chunkmem.memory.host_memory()
+    real = chunkmem.usage.memory.host_memory()
     start = psutil.Process().memory_info().rss
 
     def probe() -> DeviceMemory:
         taken = psutil.Process().memory_info().rss - start
         return DeviceMemory(total=real.total, free=real.free // 2 - taken, source="model")
 
-    monkeypatch.setattr(chunkmem.memory, "host_memory", probe)
+    monkeypatch.setattr(chunkmem.usage.memory, "host_memory", probe)
     before = process_capacity(torch.device("cpu"))
     held = torch.ones(128 * 2**20, dtype=torch.float32)  # 512 MiB, touched
     during = process_capacity(torch.device("cpu"))

@@ -32,7 +32,7 @@ from chunkmem import (
     checkpoint,
 )
 from chunkmem.checkpoint.manifest import seal
-from chunkmem.gather import Destination
+from chunkmem.execution.gather import Destination
 from chunkmem.optim.state_dict import full_optimizer_state
 
 

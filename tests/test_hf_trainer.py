@@ -29,8 +29,8 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
-from chunkmem.comm import Communicator
 from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+from chunkmem.ranks.comm import Communicator
 from placement import AutoPlacementConfig
 
 # Below the model's ~470 KiB of fp32 chunk data: chunks are evicted and gathered again every step.

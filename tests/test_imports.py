@@ -178,7 +178,7 @@ OPTIM_LAYERS = (
 )
 # The training front: the only modules outside ``chunkmem.optim`` that import it, and which it
 # never imports (it sits on the chunks, the runtime and the tiers, below the front).
-FRONT = ("chunkmem", "chunkmem.booster", "chunkmem.plugin", "chunkmem.planner", "chunkmem.checkpoint")
+FRONT = ("chunkmem", "chunkmem.booster", "chunkmem.plugin", "chunkmem.planning.planner", "chunkmem.checkpoint")
 FRONT_PACKAGES = ("chunkmem.checkpoint.", "chunkmem.integrations.")
 
 

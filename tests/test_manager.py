@@ -16,7 +16,7 @@ from models import gpt2
 from tier import examples
 
 from chunkmem import Communicator, Location, MemoryKind, Stats, UnmanageableParameter, search_chunk_size
-from chunkmem.manager import ChunkManager
+from chunkmem.chunks.manager import ChunkManager
 
 CPU = torch.device("cpu")
 DEV, HOST = Location.DEVICE, Location.HOST

@@ -15,7 +15,7 @@ import torch
 from chunkmem import describe_devices, device_capacity, device_free, host_memory
 from chunkmem.device import probes
 from chunkmem.device.probes import DeviceMemory
-from chunkmem.memory import device_memory, nvml_memory
+from chunkmem.usage.memory import device_memory, nvml_memory
 
 CPU = torch.device("cpu")
 GiB = 2**30

@@ -18,7 +18,7 @@ from test_disk_tier import ON_DISK, _boost, _scratch, _train
 
 _SCRATCH = """
 import os, signal, sys, time
-from chunkmem.disk import ScratchDir
+from chunkmem.tiers.disk import ScratchDir
 scratch = ScratchDir(sys.argv[1], 0)
 (scratch.path / "sides.bin").write_bytes(b"x" * 100)
 print(scratch.path, flush=True)
@@ -35,7 +35,7 @@ def _scratch_process(disk_dir: Path, how: str) -> tuple[Running, Path]:
 
 
 def test_a_boost_leaves_look_alikes_and_scratch_being_created_or_used(tmp_path: Path) -> None:
-    from chunkmem.disk import ScratchDir
+    from chunkmem.tiers.disk import ScratchDir
 
     # A user's directory that looks like scratch: chunkmem's name, a marker file, the user's work.
     look_alike = tmp_path / ".chunkmem-scratch-0123456789abcdef-rank0"
@@ -76,7 +76,7 @@ def test_a_boost_removes_a_killed_runs_scratch_but_not_a_running_ones(tmp_path: 
 _REAPER = """
 import sys, time
 from pathlib import Path
-from chunkmem.disk import remove_stale_scratch
+from chunkmem.tiers.disk import remove_stale_scratch
 print("reaping", flush=True)
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
@@ -87,7 +87,7 @@ while time.monotonic() < end:
 @pytest.mark.slow
 def test_scratch_being_created_survives_another_process_reaping_the_same_disk_dir(tmp_path: Path) -> None:
     """What a rank does at boost (remove dead scratch) while another creates its own, over and over."""
-    from chunkmem.disk import ScratchDir
+    from chunkmem.tiers.disk import ScratchDir
 
     reaper = start_script(_REAPER, str(tmp_path), "60")
     lost = []
@@ -124,7 +124,7 @@ def test_fresh_ranks_sharing_a_disk_dir_boost_and_train(tmp_path: Path, launch: 
 
 _FORKED_CHILD = """
 import os, sys
-from chunkmem.disk import ScratchDir
+from chunkmem.tiers.disk import ScratchDir
 scratch = ScratchDir(sys.argv[1], 0)
 child = os.fork()
 if child == 0:

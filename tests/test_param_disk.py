@@ -27,10 +27,10 @@ from models import batches, gpt2
 from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
-from chunkmem.accounting import MemoryLedger
-from chunkmem.param_on_disk import ParamOnDisk
-from chunkmem.stats import Stats
-from chunkmem.transfers import HostTransfers
+from chunkmem.chunks.param_on_disk import ParamOnDisk
+from chunkmem.tiers.transfers import HostTransfers
+from chunkmem.usage.accounting import MemoryLedger
+from chunkmem.usage.stats import Stats
 from placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
 from placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 

@@ -317,7 +317,7 @@ def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fit
     ("count", "shown"), [(950, "950"), (120_576, "121K"), (5_800_000, "5.8M"), (124_439_808, "124M"), (1.2e9, "1.2B")]
 )
 def test_parameter_counts_read_as_people_write_them(count: int, shown: str) -> None:
-    from chunkmem.plan_report import format_count
+    from chunkmem.planning.plan_report import format_count
 
     assert format_count(int(count)) == shown
 

@@ -129,7 +129,7 @@ class _LateWork:
 
 
 def test_an_agreement_whose_collective_completes_as_its_poll_times_out_goes_on() -> None:
-    from chunkmem.rank_checks import _done
+    from chunkmem.ranks.rank_checks import _done
 
     late = _LateWork()
     assert _done(late)

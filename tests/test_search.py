@@ -13,7 +13,7 @@ from tier import examples, slow_cases
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import search_chunk_size
-from chunkmem.search import CANDIDATE_BLOCK, default_search_range
+from chunkmem.chunks.search import CANDIDATE_BLOCK, default_search_range
 
 
 @functools.cache

@@ -436,7 +436,7 @@ def test_recording_stops_past_max_steps_and_keeps_the_previous_trace() -> None:
 def test_tracker_digest_does_not_depend_on_when_it_is_asked(asked_at: list[int]) -> None:
     """Ranks compare the digest after each synchronised backward: however often it was asked (and
     however ops were batched into it), it is the digest of the whole op sequence so far."""
-    from chunkmem.iteration import IterationTracker
+    from chunkmem.execution.iteration import IterationTracker
 
     def digest_of(ask: list[int], odd_op: int = -1) -> int:
         tracker = IterationTracker(lambda divergence: None)

@@ -506,9 +506,9 @@ def test_masters_fall_back_to_the_host_when_the_device_has_no_room(
     """Chunks are built one at a time; a chunk whose master does not fit on the device is built on
     the host instead (never an out-of-memory error), the placement adopts it, and training is
     unchanged."""
-    import chunkmem.comm
+    import chunkmem.ranks.comm
 
-    monkeypatch.setattr(chunkmem.comm, "device_free", lambda device: 0)
+    monkeypatch.setattr(chunkmem.ranks.comm, "device_free", lambda device: 0)
     model, ref = copies(gpt2())
     data = batches(3)
     expected = train_reference(ref, adamw_two_groups, data)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import placement as placement_pkg
 from placement import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, PlacementPolicy, choose_activations
 
-from ..comm import Communicator
 from ..errors import BudgetTooSmallError
-from ..stats import Stats
+from ..ranks.comm import Communicator
+from ..usage.stats import Stats
 from .ledger import DeviceActivations
 from .offload import ActivationOffload, BlockCall
 

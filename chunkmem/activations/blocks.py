@@ -27,11 +27,11 @@ from torch.utils.checkpoint import checkpoint
 
 from placement import ActivationPlacement, ActivationPlan, PlacementPolicy, block_class_name, matches_block
 
-from ..accounting import MemoryLedger
-from ..comm import Communicator
 from ..errors import NotSupportedError
-from ..stats import Stats
-from ..transfers import HostTransfers
+from ..ranks.comm import Communicator
+from ..tiers.transfers import HostTransfers
+from ..usage.accounting import MemoryLedger
+from ..usage.stats import Stats
 from .auto import AutoBlocks
 from .ledger import DeviceActivations
 from .offload import ActivationOffload, BlockCall

@@ -31,8 +31,8 @@ import torch
 
 from placement.policy import format_bytes
 
-from ..accounting import Location, MemoryKind, MemoryLedger
 from ..errors import BudgetExceededError
+from ..usage.accounting import Location, MemoryKind, MemoryLedger
 
 __all__ = ["DeviceActivations", "is_model_memory"]
 

@@ -33,7 +33,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..device.layer import Event
-from ..transfers import Direction, HostTransfers
+from ..tiers.transfers import Direction, HostTransfers
 from .ledger import DeviceActivations, is_model_memory
 
 __all__ = ["ActivationOffload", "BlockCall"]

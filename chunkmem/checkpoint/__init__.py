@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StateDictMismatchError
-from ..gather import Destination
+from ..execution.gather import Destination
 from ..optim import ChunkOptimizer
 from ..optim.state_dict import full_optimizer_state, stage_optimizer_state
 from .files import atomic_save
@@ -48,8 +48,8 @@ from .pipeline import load, save
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ..model import ChunkedModel
-    from ..model_state import StagedModelLoad
+    from ..boosted.model import ChunkedModel
+    from ..boosted.model_state import StagedModelLoad
     from ..optim.state_dict import StagedOptimizerState
     from .dcp_layout import SaveEntry
     from .sharded import Reading

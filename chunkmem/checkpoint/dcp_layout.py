@@ -66,8 +66,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..comm import Communicator
 from ..errors import NotSupportedError
+from ..ranks.comm import Communicator
 from .dcp_reader import SafeFileSystemReader
 
 __all__ = [

@@ -13,8 +13,8 @@ from ..errors import CheckpointMismatchError
 from .manifest import Manifest, TensorEntry
 
 if TYPE_CHECKING:
-    from ..manager import ChunkManager
-    from ..model import ChunkedModel
+    from ..boosted.model import ChunkedModel
+    from ..chunks.manager import ChunkManager
     from ..optim import ChunkOptimizer
 
 __all__ = [

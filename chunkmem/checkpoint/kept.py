@@ -7,7 +7,7 @@ another step keeps the one it replaces in ``.<name>.chunkmem-kept/<name>`` besid
 directory chunkmem owns: a marker names the target), with its manifest, so it still loads verified
 (``booster.load_model(model, ".model.pt.chunkmem-kept/model.pt")``). A file is kept by a hard link
 (no copy), a directory by a rename. The kept copies go once the set is whole again (see
-:meth:`~chunkmem.progress.TrainingProgress.saved`); a load that finds files of two steps names the
+:meth:`~chunkmem.boosted.progress.TrainingProgress.saved`); a load that finds files of two steps names the
 kept ones that make a set (:func:`check_pairing`).
 """
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..agreement import agree, on_first_rank
 from ..errors import CheckpointError, CheckpointWriteError
+from ..ranks.agreement import agree, on_first_rank
 from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
 from .identity import model_fingerprint
@@ -29,9 +29,9 @@ from .manifest import Kind, Manifest, Record, TensorEntry
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ..comm import Communicator
-    from ..manager import ChunkManager
-    from ..progress import TrainingProgress
+    from ..boosted.progress import TrainingProgress
+    from ..chunks.manager import ChunkManager
+    from ..ranks.comm import Communicator
     from .dcp_layout import SaveEntry
     from .sharded import Reading
 

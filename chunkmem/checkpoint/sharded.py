@@ -37,9 +37,9 @@ from typing import Generic, TypeVar
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..agreement import agree, on_first_rank
-from ..comm import Communicator
 from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
+from ..ranks.agreement import agree, on_first_rank
+from ..ranks.comm import Communicator
 from .dcp_layout import Blob, LoadTarget, SaveEntry, dcp_load, dcp_save
 from .dcp_reader import read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files

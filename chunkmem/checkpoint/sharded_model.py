@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..chunk import Chunk
-from ..chunk_layout import ShardPiece
-from ..model_state import StagedModelLoad, check_model_state
-from ..shard import MASTER_DTYPE
+from ..boosted.model_state import StagedModelLoad, check_model_state
+from ..chunks.chunk import Chunk
+from ..chunks.chunk_layout import ShardPiece
+from ..chunks.shard import MASTER_DTYPE
 from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
 from .sharded import Reading
 
 if TYPE_CHECKING:
-    from ..model import ChunkedModel
+    from ..boosted.model import ChunkedModel
 
 __all__ = ["model_save_entries", "plan_model_load"]
 

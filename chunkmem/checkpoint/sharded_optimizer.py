@@ -37,8 +37,8 @@ from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whol
 from .sharded import Reading
 
 if TYPE_CHECKING:
+    from ..chunks.tensor_state import TensorInfo
     from ..optim import ChunkOptimizer, Piece
-    from ..tensor_state import TensorInfo
 
 __all__ = ["optimizer_save_entries", "plan_optimizer_load"]
 

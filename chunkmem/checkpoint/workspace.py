@@ -2,7 +2,7 @@
 wrote is made durable, and what a failed write says.
 
 A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/`` (a random token),
-a directory chunkmem owns (:mod:`chunkmem.owned_dir`, as the disk tier's scratch space): its marker
+a directory chunkmem owns (:mod:`chunkmem.tiers.owned_dir`, as the disk tier's scratch space): its marker
 file names the target and the token, and the saving process holds its lock for as long as the
 workspace lives, so a workspace is *dead* exactly when its save was killed. Cleanup removes only
 dead workspaces; anything else beside a checkpoint, whatever its name, is never removed, renamed or
@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
-from ..owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
+from ..tiers.owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
 __all__ = [
     "KEEP_READING",

@@ -1,6 +1,6 @@
 """What the device layer knows about the accelerator itself: which one computes, its memory and
 this process's share of it, its allocator's peak, bf16 support. The host's side (psutil) is
-``chunkmem.memory``'s."""
+``chunkmem.usage.memory``'s."""
 
 from __future__ import annotations
 

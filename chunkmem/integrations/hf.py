@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from ..boosted.model import ChunkedModel
 from ..booster import Booster
 from ..errors import NotSupportedError
-from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
 from ..plugin import ChunkPlugin
 from .hf_accelerator import routed_to_chunkmem

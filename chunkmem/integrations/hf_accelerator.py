@@ -20,8 +20,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
+from ..boosted.model import ChunkedModel
 from ..errors import NotSupportedError
-from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
 
 __all__ = ["ChunkAccelerator", "chunk_optimizer_of", "routed_to_chunkmem"]

@@ -41,15 +41,15 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
+from ..boosted.model import ChunkedModel
 from ..booster import Booster
-from ..comm import Communicator
 from ..device import collective_backend, compute_device
 from ..errors import CheckpointError, NotSupportedError
-from ..model import ChunkedModel
 from ..optim import ChunkOptimizer
 from ..optim.loss_scale import LossScaleConfig
 from ..optim.step_config import StepAfterBackward, StepDuringBackward
 from ..plugin import ChunkPlugin
+from ..ranks.comm import Communicator
 from .lightning_parts import ChunkPrecision, ProcessGroupEnvironment, chunk_precision, value_clipping_refused
 
 __all__ = ["ChunkStrategy", "ProcessGroupEnvironment"]

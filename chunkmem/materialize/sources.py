@@ -20,10 +20,10 @@ import os
 
 import torch
 
-from ..chunk_layout import ShardPiece
+from ..chunks.chunk_layout import ShardPiece
+from ..chunks.param_values import LiveValues, ParamValues
+from ..chunks.tensor_state import TensorInfo
 from ..errors import MaterializeError, UnmanageableParameter
-from ..param_values import LiveValues, ParamValues
-from ..tensor_state import TensorInfo
 from .model_init import RecordedInit, record_init
 from .safetensors_weights import SafetensorsWeights
 

@@ -30,14 +30,14 @@ import torch
 
 from placement import DISK_WINDOW
 
-from ..accounting import Location, MemoryKind, MemoryLedger
-from ..disk import SidesFile
 from ..errors import DiskTierError
+from ..tiers.disk import SidesFile
+from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from .piece import is_elementwise
 from .runs import StepRuns
 
 if TYPE_CHECKING:
-    from ..chunk import Chunk
+    from ..chunks.chunk import Chunk
 
 __all__ = ["DiskSides"]
 

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..stats import Stats
+from ..usage.stats import Stats
 from .runs import Run, StepRuns, same_value
 
 if TYPE_CHECKING:
-    from ..chunk import Chunk
+    from ..chunks.chunk import Chunk
 
 __all__ = ["EarlySteps", "group_settings", "same_settings"]
 

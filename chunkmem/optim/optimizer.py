@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from ..agreed_values import hyperparameters
-from ..agreement import agree
-from ..chunk import Chunk, GradState
-from ..comm import Communicator
+from ..boosted.grad_markers import clear_markers
+from ..boosted.progress import TrainingProgress
+from ..chunks.chunk import Chunk, GradState
+from ..chunks.manager import ChunkManager
+from ..chunks.tensor_state import TensorInfo
 from ..errors import DiskTierError, NotSupportedError, StateDictMismatchError
-from ..gather import Destination
-from ..grad_markers import clear_markers
-from ..manager import ChunkManager
-from ..progress import TrainingProgress
-from ..runtime import ChunkRuntime
-from ..tensor_state import TensorInfo
+from ..execution.gather import Destination
+from ..execution.runtime import ChunkRuntime
+from ..ranks.agreed_values import hyperparameters
+from ..ranks.agreement import agree
+from ..ranks.comm import Communicator
 from .disk_sides import DiskSides
 from .early_steps import EarlySteps
 from .loss_scale import DynamicLossScaler

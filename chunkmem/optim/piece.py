@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..chunk import Chunk
-from ..chunk_layout import ShardPiece
-from ..tensor_state import TensorInfo
+from ..chunks.chunk import Chunk
+from ..chunks.chunk_layout import ShardPiece
+from ..chunks.tensor_state import TensorInfo
 
 __all__ = ["Piece", "is_elementwise"]
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 from placement import Layout
 
-from ..accounting import Location
+from ..usage.accounting import Location
 
 if TYPE_CHECKING:
-    from ..chunk import Chunk
-    from ..disk import SidesFile
+    from ..chunks.chunk import Chunk
+    from ..tiers.disk import SidesFile
 
 __all__ = ["SidePlaces"]
 

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..accounting import Location
+from ..usage.accounting import Location
 from .piece import Piece, is_elementwise
 
 if TYPE_CHECKING:
-    from ..chunk import Chunk
+    from ..chunks.chunk import Chunk
 
 __all__ = ["Run", "StepRuns", "same_value"]
 

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..chunk import GradState
+from ..chunks.chunk import GradState
+from ..chunks.grad_norm import flat_norm
+from ..chunks.grad_on_disk import GradOnDisk
 from ..errors import UnscaledBackwardError
-from ..grad_norm import flat_norm
-from ..grad_on_disk import GradOnDisk
 from .loss_scale import DynamicLossScaler
 
 if TYPE_CHECKING:
-    from ..manager import ChunkManager
-    from ..runtime import ChunkRuntime
+    from ..chunks.manager import ChunkManager
+    from ..execution.runtime import ChunkRuntime
     from .early_steps import EarlySteps
 
 __all__ = ["GradScaling"]

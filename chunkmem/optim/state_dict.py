@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..agreement import agree
+from ..chunks.tensor_state import TensorInfo
 from ..errors import DiskTierError, StateDictMismatchError
-from ..gather import Destination, gather_full
-from ..tensor_state import TensorInfo
+from ..execution.gather import Destination, gather_full
+from ..ranks.agreement import agree
 from .piece import Piece, is_elementwise
 from .probe import state_keys
 
 if TYPE_CHECKING:
-    from ..chunk import Chunk
-    from ..manager import ChunkManager
-    from ..runtime import ChunkRuntime
+    from ..chunks.chunk import Chunk
+    from ..chunks.manager import ChunkManager
+    from ..execution.runtime import ChunkRuntime
     from .loss_scale import DynamicLossScaler
 
 __all__ = [

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..accounting import Location, MemoryKind
 from ..errors import NotSupportedError
+from ..usage.accounting import Location, MemoryKind
 from .places import SidePlaces
 from .probe import StateSize
 from .runs import StepRuns
 
 if TYPE_CHECKING:
-    from ..manager import ChunkManager
-    from ..tensor_state import TensorInfo
+    from ..chunks.manager import ChunkManager
+    from ..chunks.tensor_state import TensorInfo
 
 __all__ = ["StateLedger"]
 

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..accounting import Location
 from ..errors import NotSupportedError
-from ..stats import Stats
+from ..usage.accounting import Location
+from ..usage.stats import Stats
 from .host_kernels import HostKernels
 from .runs import Run, StepRuns
 

@@ -1,0 +1,178 @@
+"""``ChunkManager``: packs parameters into chunks, maps each parameter to its chunk, and runs the
+chunk verbs the runtime asks for, with exact byte accounting in one ledger."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import UnmanageableParameter
+from ..ranks.comm import Communicator
+from ..tiers.transfers import HostTransfers
+from ..usage.accounting import Location, MemoryLedger
+from ..usage.stats import Stats
+from .chunk import Chunk, ChunkState
+from .param_values import LiveValues, ParamValues
+from .search import group_key
+from .tensor_state import TensorInfo
+
+if TYPE_CHECKING:
+    from ..tiers.disk import SidesFile
+
+__all__ = ["ChunkManager"]
+
+log = logging.getLogger("chunkmem")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ChunkManager:
+    """Owns the chunks of one model on one rank, the parameter -> chunk map and the byte ledger.
+    ``values`` is where closing a chunk reads its parameters' values (default: their own data)."""
+
+    def __init__(
+        self, comm: Communicator, compute_dtype: torch.dtype, stats: Stats, values: ParamValues | None = None
+    ) -> None:
+        self._comm = comm
+        self._values: ParamValues = values if values is not None else LiveValues()
+        self._compute_dtype = compute_dtype
+        self._stats = stats
+        self._transfers = HostTransfers(stats, comm.layer, comm.copy_stream)
+        self._ledger = MemoryLedger()
+        self._chunks: list[Chunk] = []
+        self._infos: dict[int, TensorInfo] = {}
+        self._ordered: list[TensorInfo] = []
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self._ledger
+
+    @property
+    def transfers(self) -> HostTransfers:
+        """Every copy between host and device of this model's chunks."""
+        return self._transfers
+
+    def prepare_master_writes(self) -> None:
+        """The CPU is about to write master shards (an optimizer step, a load): wait for
+        asynchronous copies still reading host masters."""
+        for chunk in self._chunks:
+            if chunk.state is not ChunkState.OPEN:
+                chunk.store.prepare_host_write()
+
+    @property
+    def comm(self) -> Communicator:
+        return self._comm
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(self._chunks)
+
+    def chunk(self, chunk_id: int) -> Chunk:
+        """The chunk with this id (ids are registration order)."""
+        return self._chunks[chunk_id]
+
+    @property
+    def infos(self) -> tuple[TensorInfo, ...]:
+        """Every managed parameter, in registration order."""
+        return tuple(self._ordered)
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` (this very object) is in one of the chunks."""
+        return id(param) in self._infos
+
+    def info(self, param: torch.Tensor) -> TensorInfo:
+        """Where ``param`` lives; raises ``KeyError`` naming its shape when it is not managed."""
+        info = self._infos.get(id(param))
+        if info is None or info.param is not param:
+            raise KeyError(
+                f"rank {self._comm.rank}: parameter of shape {tuple(param.shape)} is not managed by this chunk "
+                "manager; it was not part of the model when it was boosted"
+            )
+        return info
+
+    # --- registration -----------------------------------------------------------------------
+    def register(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], chunk_size: int) -> None:
+        """Pack parameters, in order, into chunks of ``chunk_size`` elements (rounded up to a
+        multiple of the world size). Each group (dtype, requires_grad) fills its own open chunk; a
+        parameter larger than ``chunk_size`` gets a chunk of its own."""
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
+        world = self._comm.world_size
+        capacity = -(-chunk_size // world) * world
+        open_chunks: dict[tuple[torch.dtype, bool], Chunk] = {}
+        for name, param in named_params:
+            self._check_manageable(name, param)
+            key = group_key(param)
+            numel = param.numel()
+            if numel > capacity:
+                chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad)
+            else:
+                chunk = open_chunks.get(key)
+                if chunk is None or not chunk.fits(numel):
+                    chunk = self._new_chunk(capacity, param.requires_grad)
+                    open_chunks[key] = chunk
+            info = TensorInfo(
+                name=name,
+                param=param,
+                chunk_id=chunk.chunk_id,
+                index=len(chunk.tensors),
+                offset=chunk.used,
+                numel=numel,
+                shape=param.shape,
+                trainable=param.requires_grad,
+            )
+            chunk.append(info)
+            self._infos[id(param)] = info
+            self._ordered.append(info)
+
+    def _new_chunk(self, capacity: int, trainable: bool) -> Chunk:
+        chunk = Chunk(
+            len(self._chunks),
+            capacity,
+            self._compute_dtype,
+            trainable,
+            self._comm,
+            self._ledger,
+            self._stats,
+            self._transfers,
+        )
+        self._chunks.append(chunk)
+        return chunk
+
+    def _check_manageable(self, name: str, param: torch.nn.Parameter) -> None:
+        where = f"parameter '{name}' (rank {self._comm.rank})"
+        if id(param) in self._infos:
+            raise UnmanageableParameter(f"{where} is registered twice; pass each parameter once")
+        if type(param) is not torch.nn.Parameter:
+            raise UnmanageableParameter(
+                f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
+                "parameter or tensor subclasses. Quantized weights (bitsandbytes' Params4bit / Int8Params, torchao's "
+                "quantized tensors) are such subclasses: their packed data, scales and kernels cannot be put in a "
+                "chunk's flat 16-bit or fp32 storage and gathered back. Load the base in 16-bit or fp32 without a "
+                "quantization config (chunks shard and offload it instead) and boost with ChunkPlugin(precision="
+                "'bf16'); other subclasses: unwrap them first"
+            )
+        self._values.check(param, where)
+        if param.dtype not in SUPPORTED_DTYPES:
+            raise UnmanageableParameter(
+                f"{where} has dtype {param.dtype}; chunks hold float32, bfloat16 or float16 parameters. "
+                "Cast the model (e.g. model.float()) or keep that parameter out of the boosted model"
+            )
+        if param.layout != torch.strided:
+            raise UnmanageableParameter(f"{where} has layout {param.layout}; only dense parameters can be managed")
+
+    # --- building the shards ----------------------------------------------------------------
+    def close_all(
+        self,
+        placement: Callable[[Chunk], tuple[Location, Location]],
+        disk: Callable[[Chunk], SidesFile | None] | None = None,
+    ) -> None:
+        """Shard every chunk, one at a time (a model larger than the device still wraps), with its
+        master and parameter shard where ``placement`` says, its master on the disk file ``disk``
+        gives (if any), its values read from ``values``."""
+        for chunk in self._chunks:
+            master, shard = placement(chunk)
+            chunk.close(master, shard, self._values, disk(chunk) if disk is not None else None)
+        self._values.release()

@@ -1,0 +1,66 @@
+"""``MasterSideBuffer``: an fp32 shard-sized buffer that lives where a chunk's master lives (the
+master itself, or its gradient shard), on the device or in host memory."""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import DeviceLayer
+from ..usage.accounting import Location, MemoryKind, MemoryLedger
+
+__all__ = ["MASTER_DTYPE", "MasterSideBuffer"]
+
+MASTER_DTYPE = torch.float32
+_CPU = torch.device("cpu")
+
+
+class MasterSideBuffer:
+    """An fp32 shard-sized buffer that lives where the master lives. With an asynchronous device its
+    host buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
+    back to the host; without one it is an ordinary allocation, freed when the buffer leaves."""
+
+    def __init__(
+        self,
+        kind: MemoryKind,
+        numel: int,
+        device: torch.device,
+        ledger: MemoryLedger,
+        pin: bool,
+        layer: DeviceLayer,
+        accounted: bool = True,
+        host_device: torch.device = _CPU,
+    ) -> None:
+        self._kind = kind
+        self._numel = numel
+        self._device = device
+        self._host_device = host_device
+        # Without ``accounted`` the owner reserves the bytes in the ledger itself, for as long as
+        # the buffer may exist, not only while it does.
+        self._ledger = ledger if accounted else None
+        self._pin = pin
+        self._layer = layer
+        self._host: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._numel * MASTER_DTYPE.itemsize
+
+    def take(self, location: Location) -> torch.Tensor:
+        """An uninitialized buffer at ``location`` (the kept pinned one on the host, with CUDA)."""
+        if location is Location.DEVICE:
+            if self._ledger is not None:
+                self._ledger.alloc(Location.DEVICE, self._kind, self.nbytes)
+            return torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._device)
+        if self._host is not None:
+            return self._host
+        if self._ledger is not None:
+            self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
+        host = self._layer.host_empty(self._numel, MASTER_DTYPE, self._host_device, pinned=self._pin)
+        if self._pin:
+            self._host = host
+        return host
+
+    def give_back(self, location: Location) -> None:
+        """The buffer taken at ``location`` is no longer used (a pinned host one stays allocated)."""
+        if self._ledger is not None and (location is Location.DEVICE or self._host is None):
+            self._ledger.free(location, self._kind, self.nbytes)

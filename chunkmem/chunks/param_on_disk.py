@@ -1,0 +1,159 @@
+"""``ParamOnDisk``: a chunk's 16-bit parameter shard (what gathers read) kept on disk, not in host
+memory (``offload_param_disk_frac``, or the auto policy under a host budget).
+
+A gather reads the shard from its region of the disk file into a staging buffer (pinned where the
+device pins), copies it to the device and gives the buffer back: nothing stays in host memory
+between uses. The shard is written when its master changed (the boost, an optimizer step, a
+load), cast from the master into a staging buffer that goes back to the pool once written; a
+frozen chunk's is written once, at boost. A write that fails (a full disk) keeps the cast in
+memory (``KEPT``): gathers read it there, and the next change writes it again.
+
+With fp32 compute the master is what gathers read, so the master itself lives on disk
+(``ShardStore`` moves it) and gathers read its region with :func:`read_for_gather`.
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..tiers.transfers import Direction, HostTransfers
+from ..usage.accounting import Location, MemoryKind, MemoryLedger
+from .state_machine import StateMachine, Transition
+
+if TYPE_CHECKING:
+    from ..tiers.disk import SidesFile
+
+__all__ = ["ParamOnDisk", "ParamOnDiskState", "read_for_gather"]
+
+
+class ParamOnDiskState(enum.Enum):
+    """Where the current values of a parameter shard bound for disk are."""
+
+    UNWRITTEN = "unwritten"
+    """No values yet (before the boost writes them)."""
+    ON_DISK = "on_disk"
+    """On disk (a write may still be in flight: reads wait for it); nothing in host memory."""
+    KEPT = "kept"
+    """The last write failed: the values are in a host buffer, written again at the next change."""
+
+
+_S = ParamOnDiskState
+_TABLE: dict[str, Transition[ParamOnDiskState]] = {
+    "write": Transition(
+        {_S.UNWRITTEN: _S.ON_DISK, _S.ON_DISK: _S.ON_DISK, _S.KEPT: _S.ON_DISK}, "Any values may be written."
+    ),
+    "keep after a failed write": Transition({_S.ON_DISK: _S.KEPT}, "Only a write that was started can fail."),
+    "copy for a gather": Transition(
+        {_S.ON_DISK: _S.ON_DISK, _S.KEPT: _S.KEPT}, "The boost writes the values before the first gather."
+    ),
+}
+
+
+def read_for_gather(
+    file: SidesFile,
+    offset: int,
+    slot: torch.Tensor,
+    transfers: HostTransfers,
+    ledger: MemoryLedger,
+    host_device: torch.device,
+) -> None:
+    """Read ``slot.numel()`` values of ``slot``'s dtype at ``offset`` of ``file`` into a staging
+    buffer and copy them into ``slot`` (on the device). The buffer goes back to the pool once the
+    copy has read it (so the pool hands out no buffer a copy still reads); it is accounted as host
+    staging meanwhile. A failed read raises ``DiskTierError`` (naming the file)."""
+    staged = transfers.staging(slot.numel(), slot.dtype, host_device)
+    nbytes = staged.numel() * staged.element_size()
+    ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
+    try:
+        file.read(staged, offset, param=True).result()
+        transfers.copy(slot, staged, Direction.TO_DEVICE)
+        transfers.before_host_write(staged)  # the pool's next user writes it
+    finally:
+        transfers.give_back(staged)
+        ledger.free(Location.HOST, MemoryKind.STAGING, nbytes)
+
+
+class ParamOnDisk:
+    """See the module docstring. ``label`` names the chunk in messages."""
+
+    def __init__(
+        self,
+        label: str,
+        numel: int,
+        dtype: torch.dtype,
+        file: SidesFile,
+        ledger: MemoryLedger,
+        transfers: HostTransfers,
+        host_device: torch.device,
+    ) -> None:
+        self._numel = numel
+        self._dtype = dtype
+        self._file = file
+        self._ledger = ledger
+        self._transfers = transfers
+        self._host_device = host_device
+        self._offset = file.region(self.nbytes)
+        self._machine = StateMachine(ParamOnDiskState.UNWRITTEN, _TABLE, lambda: label)
+        self._writes: list[tuple[Future[None], torch.Tensor]] = []  # in flight, with their sources
+        self._kept: torch.Tensor | None = None  # the values of a write that failed
+        ledger.alloc(Location.DISK, MemoryKind.SHARD_COPY, self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._numel * self._dtype.itemsize
+
+    @property
+    def state(self) -> ParamOnDiskState:
+        self._settle_writes()
+        return self._machine.state
+
+    def write(self, master: torch.Tensor) -> Future[None]:
+        """Cast ``master`` (its values in memory now) and write the cast to disk; returns the write
+        (a failure keeps the cast in memory, see the module docstring)."""
+        self._settle_writes()
+        self._machine.require("write")
+        transfers = self._transfers
+        cast = transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
+        try:
+            cast.copy_(master)
+            write = self._file.write(cast, self._offset, param=True)
+        except BaseException:
+            transfers.give_back(cast)
+            raise  # the kept values (or those on disk) are still the shard's: gathers read them
+        if self._kept is not None:  # superseded by the write now queued
+            transfers.before_host_write(self._kept)  # a gather's copy may still read it
+            transfers.give_back(self._kept)
+            self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
+            self._kept = None
+
+        def written(future: Future[None]) -> None:  # on the I/O thread, or here if already done
+            if future.exception() is None:
+                transfers.give_back(cast)  # a failed write keeps it: its values are the parameters
+
+        write.add_done_callback(written)
+        self._writes.append((write, cast))
+        self._machine.move("write")
+        return write
+
+    def _settle_writes(self) -> None:
+        """Wait for the writes in flight; one that failed keeps its values in memory."""
+        writes, self._writes = self._writes, []
+        for future, source in writes:
+            if future.exception() is not None and self._kept is None:
+                self._kept = source
+                self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
+                self._machine.move("keep after a failed write")
+
+    def copy_into(self, slot: torch.Tensor) -> None:
+        """This shard's values into ``slot`` (on the device): read from disk through a staging
+        buffer, or copied from memory after a failed write."""
+        self._settle_writes()
+        self._machine.require("copy for a gather")
+        if self._kept is not None:
+            self._transfers.copy(slot, self._kept, Direction.TO_DEVICE)
+            return
+        read_for_gather(self._file, self._offset, slot, self._transfers, self._ledger, self._host_device)

@@ -1,0 +1,547 @@
+"""The local shard of one chunk: the fp32 master (source of truth, where the optimizer updates it),
+its fp32 gradient shard (beside it), and the compute-dtype copies derived from it.
+
+* Master on the device: no copy at all; a gather casts the master into the gathered buffer on the
+  fly (DeepSpeed's fused downcast), so only compute-dtype bytes are ever all-gathered.
+* Master on the host, parameter shard on the host: a gather copies host data to the device; for
+  16-bit compute it copies a pinned cast of the master (cast once per optimizer step), so half the
+  bytes cross the bus.
+* Master on the host, parameter shard on the device (Gemini's ``offload_optim`` without
+  ``offload_param``): a device copy in compute dtype, refreshed once per optimizer step.
+* Master on disk, parameter shard on disk (``offload_param_disk_frac``): a gather reads the 16-bit
+  copy (``ParamOnDisk``), or with fp32 compute the master's own region, from disk into a staging
+  buffer; nothing gathers read stays in host memory.
+
+Copies are caches keyed by the master's version, which the optimizer bumps after each update.
+Every copy between host and device goes through :class:`HostTransfers` (counted, timed, and
+asynchronous from pinned memory on CUDA); a CPU write into a pinned buffer first waits for the
+copies still reading it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..tiers.transfers import Direction, HostTransfers
+from ..usage.accounting import Location, MemoryKind, MemoryLedger
+from .grad_on_disk import GradOnDisk
+from .master_buffer import MASTER_DTYPE, MasterSideBuffer
+from .param_on_disk import ParamOnDisk, read_for_gather
+
+if TYPE_CHECKING:
+    from ..tiers.disk import SidesFile
+
+__all__ = ["ShardStore", "SourceKind"]
+
+_CPU = torch.device("cpu")
+
+
+class SourceKind(enum.Enum):
+    """Where a gather reads this rank's shard from."""
+
+    DEVICE_MASTER = "device_master"
+    DEVICE_COPY = "device_copy"
+    HOST = "host"
+    DISK = "disk"
+
+
+class ShardStore:
+    """This rank's shard of one chunk; see the module docstring."""
+
+    def __init__(
+        self,
+        label: str,
+        numel: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        ledger: MemoryLedger,
+        transfers: HostTransfers,
+        master: Location,
+        shard: Location,
+        trainable: bool,
+        host_device: torch.device = _CPU,
+        disk: SidesFile | None = None,
+    ) -> None:
+        if master is Location.DEVICE and shard is Location.HOST:
+            raise ValueError(
+                f"{label}: a master shard on the device is the parameter shard, so the parameter shard "
+                "cannot be on the host; offload the master (optimizer side) too"
+            )
+        self._label = label
+        self._numel = numel
+        self._compute_dtype = compute_dtype
+        self._device = device
+        self._ledger = ledger
+        self._transfers = transfers
+        self._pin = transfers.layer.pins
+        self._version = 0
+        self._master_location = master
+        self._host_device = host_device
+        if disk is not None and master is not Location.HOST:
+            raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
+        if shard is Location.DISK and disk is None:
+            raise ValueError(f"{label}: a parameter shard on disk needs its optimizer side on disk too")
+        # The master goes to disk with 16-bit compute (gathers read its 16-bit copy); an fp32
+        # master is what gathers read, so it stays, unless the parameter shard goes to disk too.
+        # The gradient shard goes in both cases.
+        self._disk = disk if compute_dtype != MASTER_DTYPE or shard is Location.DISK else None
+        self._param_disk = (
+            ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device)
+            if disk is not None and shard is Location.DISK and compute_dtype != MASTER_DTYPE
+            else None
+        )
+        self._grad_disk = (
+            GradOnDisk(label, numel, disk, ledger, transfers, host_device) if disk is not None and trainable else None
+        )
+        self._disk_offset = -1
+        self._master_resident = True
+        # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
+        self._master_buffers = MasterSideBuffer(
+            MemoryKind.MASTER,
+            numel,
+            device,
+            ledger,
+            self._pin and disk is None,
+            transfers.layer,
+            host_device=host_device,
+        )
+        self._master = self._master_buffers.take(master)
+        self._grad_buffers = MasterSideBuffer(
+            MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, transfers.layer, False, host_device
+        )
+        self._trainable = trainable
+        # The gradient shard is reserved in the ledger where the master lives (the placement
+        # counts it), but allocated only when the first reduced gradients arrive and freed by
+        # zero_grad, as plain PyTorch allocates .grad in backward and frees it with
+        # zero_grad(set_to_none=True): after boosting, the process holds one copy of the weights.
+        self._grad: torch.Tensor | None = None
+        if trainable:
+            ledger.alloc(Location.DISK if self._grad_disk else master, MemoryKind.GRAD_SHARD, self._master_bytes)
+        self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
+        self._host_cast: torch.Tensor | None = None
+        self._host_cast_version = -1
+        if master is Location.HOST and self._needs_host_cast and shard is not Location.DISK:
+            self._host_cast = self._host_empty(compute_dtype)
+            self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
+        self._shard_location = shard
+        self._device_copy: torch.Tensor | None = None
+        self._device_copy_version = -1
+        if self.source_kind is SourceKind.DEVICE_COPY:
+            self._alloc_device_copy()
+
+    # --- sizes and places -------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def _master_bytes(self) -> int:
+        return self._numel * MASTER_DTYPE.itemsize
+
+    @property
+    def _copy_bytes(self) -> int:
+        return self._numel * self._compute_dtype.itemsize
+
+    @property
+    def _needs_host_cast(self) -> bool:
+        return self._compute_dtype != MASTER_DTYPE
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The fp32 master shard (the optimizer's parameters are views of it)."""
+        return self._master
+
+    @property
+    def master_location(self) -> Location:
+        return self._master_location
+
+    @property
+    def shard_location(self) -> Location:
+        return self._shard_location
+
+    @property
+    def source_kind(self) -> SourceKind:
+        if self._master_location is Location.DEVICE:
+            return SourceKind.DEVICE_MASTER
+        if self._shard_location is Location.DEVICE:
+            return SourceKind.DEVICE_COPY
+        if self._shard_location is Location.DISK:
+            return SourceKind.DISK
+        return SourceKind.HOST
+
+    @property
+    def keeps_compute_on_device(self) -> bool:
+        """Whether compute-dtype shard data sits on the device between uses."""
+        kind = self.source_kind
+        return kind is SourceKind.DEVICE_COPY or (
+            kind is SourceKind.DEVICE_MASTER and self._compute_dtype == MASTER_DTYPE
+        )
+
+    def resident_compute(self) -> torch.Tensor | None:
+        """A compute-dtype tensor on the device holding the current shard values between uses, if
+        this placement keeps one (at world size 1 it can serve as the gathered buffer)."""
+        kind = self.source_kind
+        if kind is SourceKind.DEVICE_MASTER and self._compute_dtype == MASTER_DTYPE:
+            return self._master
+        if kind is SourceKind.DEVICE_COPY:
+            return self._refreshed_device_copy()
+        return None
+
+    def _host_empty(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._transfers.layer.host_empty(self._numel, dtype, self._host_device)
+
+    # --- verbs ------------------------------------------------------------------------------
+    @property
+    def grad(self) -> torch.Tensor:
+        """The fp32 gradient shard, where the master lives (see ``allocate_grad``), with every copy
+        into it landed."""
+        if not self._trainable:
+            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        if self._grad_disk is not None:
+            return self._grad_disk.resident()
+        if self._grad is None:
+            raise RuntimeError(f"{self._label}: its gradient shard is not allocated; reduce gradients into it first")
+        self._settle_grad()
+        return self._grad
+
+    @property
+    def grad_allocated(self) -> bool:
+        if self._grad_disk is not None:
+            return self._grad_disk.present
+        return self._grad is not None
+
+    @property
+    def grad_on_disk(self) -> GradOnDisk | None:
+        """The gradient shard's disk residency, when it lives on disk (else ``None``)."""
+        return self._grad_disk
+
+    def allocate_grad(self) -> torch.Tensor:
+        """Allocate the (uninitialised) gradient shard where the master lives."""
+        if not self._trainable:
+            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        if self._grad is not None:
+            raise RuntimeError(f"{self._label}: its gradient shard is already allocated")
+        self._grad = self._grad_buffers.take(self._master_location)
+        return self._grad
+
+    def free_grad(self) -> None:
+        """Drop the gradient shard (its values no longer count); nothing to do when absent."""
+        if self._grad_disk is not None:
+            self._grad_disk.drop()
+            return
+        if self._grad is not None:
+            self._settle_grad()  # copies into it land before the buffer is reused
+            self._grad = None
+            self._grad_buffers.give_back(self._master_location)
+
+    def move_master(self, target: Location) -> None:
+        """Move the master (and with it where gradients and optimizer states live) between the
+        device and the host. Only before an optimizer holds views of the master (the chunkmem
+        optimizer is built after placement and never moves it)."""
+        if target is self._master_location:
+            return
+        if self._shard_location is Location.DISK:
+            raise ValueError(f"{self._label}: its parameter shard lives on disk, decided at boost; its master stays")
+        direction = Direction.TO_DEVICE if target is Location.DEVICE else Direction.TO_HOST
+        old, old_location = self._master, self._master_location
+        self._master = self._master_buffers.take(target)
+        self._transfers.copy(self._master, old, direction)
+        self._master_buffers.give_back(old_location)
+        if self._trainable:
+            self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._master_bytes)
+            self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._master_bytes)
+        if self._grad is not None:
+            self._settle_grad()
+            old_grad = self._grad
+            self._grad = self._grad_buffers.take(target)
+            self._transfers.copy(self._grad, old_grad, direction)
+            self._grad_buffers.give_back(old_location)
+        self._master_location = target
+        if target is Location.DEVICE:
+            self._drop_device_copy()
+            self._shard_location = Location.DEVICE
+            if self._host_cast is not None:
+                self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
+                self._host_cast = None
+        elif self._needs_host_cast and self._host_cast is None:
+            self._host_cast = self._host_empty(self._compute_dtype)
+            self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
+            self._host_cast_version = -1
+
+    def move_shard(self, target: Location) -> None:
+        """Keep (DEVICE) or drop (HOST) the compute-dtype shard on the device while the master is
+        on the host. Dropping never copies back: the host master is authoritative."""
+        if target is self._shard_location:
+            return
+        if Location.DISK in (target, self._shard_location):
+            raise ValueError(
+                f"{self._label}: a parameter shard goes to disk (or leaves it) only when placed at boost "
+                "(offload_param_disk_frac)"
+            )
+        if self._master_location is Location.DEVICE:
+            raise ValueError(
+                f"{self._label}: cannot move the parameter shard to the host while its master is on the "
+                "device (the master is the parameter shard); move the master first"
+            )
+        self._shard_location = target
+        if target is Location.HOST:
+            self._drop_device_copy()
+        else:
+            self._alloc_device_copy()
+
+    def prepare_host_write(self) -> None:
+        """The CPU is about to write the master (an optimizer step, a load): wait for copies
+        still reading it from pinned memory."""
+        if self._master_location is Location.HOST:
+            self._transfers.before_host_write(self._master)
+
+    @property
+    def receives_asynchronously(self) -> bool:
+        """Whether reduced gradients cross to the host asynchronously (a host master on CUDA): they
+        are then sent as soon as the reduction is queued, not when it is waited for."""
+        return self._master_location is Location.HOST and self._transfers.asynchronous and self._grad_disk is None
+
+    def receive_grad(
+        self,
+        reduced: torch.Tensor,
+        accumulate: bool,
+        after: Callable[[], None] | None = None,
+        divide_by: int | None = None,
+    ) -> None:
+        """Put this rank's reduced gradient slot (on the device) into the gradient shard: a fresh
+        shard, or added to what an earlier reduction left there (accumulation). ``after`` waits
+        for a collective still reducing the slot and ``divide_by`` averages it first; to a host
+        master both happen on the copy stream and the copy returns at once (``grad`` waits)."""
+        if self._grad_disk is not None:
+            self._grad_disk.receive(reduced, accumulate, after, divide_by)
+            return
+        to_host = self._master_location is Location.HOST
+        if not to_host:
+            if after is not None:
+                after()
+            if divide_by is not None:
+                reduced.div_(divide_by)
+            if accumulate:
+                self.grad.add_(reduced)
+            else:
+                self.allocate_grad().copy_(reduced)
+            return
+        if not accumulate:
+            target = self.allocate_grad()
+            self._transfers.copy(target, reduced, Direction.TO_HOST, after, divide_by)
+            return
+        # Into a staging buffer, added to the shard when it is next read: adding now would make
+        # the CPU wait for the copy.
+        staged = self._transfers.staging(reduced.numel(), reduced.dtype, self._host_device)
+        self._transfers.copy(staged, reduced, Direction.TO_HOST, after, divide_by)
+        self._pending_adds.append(staged)
+
+    def _settle_grad(self) -> None:
+        """Wait for copies into the gradient shard, then add the staged ones to it."""
+        assert self._grad is not None, f"{self._label}: settling a gradient shard that is not allocated"
+        self._transfers.before_host_read(self._grad)
+        while self._pending_adds:
+            staged = self._pending_adds.pop(0)
+            self._transfers.before_host_read(staged)
+            self._grad.add_(staged)
+            self._transfers.give_back(staged)
+
+    def mark_updated(self) -> None:
+        """The master changed (optimizer step, checkpoint load): derived copies are stale. A master
+        on disk changes only while in memory and its copies are made when it leaves
+        (``evict_master``), so they are current whenever it is out of memory."""
+        if self._master_resident:
+            self._version += 1
+
+    # --- reading for a gather ---------------------------------------------------------------
+    def copy_into(self, slot: torch.Tensor) -> None:
+        """Write this rank's shard, in compute dtype, into ``slot`` (a device tensor), counting
+        bytes that cross from the host."""
+        kind = self.source_kind
+        if kind is SourceKind.DEVICE_MASTER:
+            if slot.data_ptr() != self._master.data_ptr():  # the master may serve as the chunk
+                slot.copy_(self._master)
+        elif kind is SourceKind.DEVICE_COPY:
+            source = self._refreshed_device_copy()
+            if source.data_ptr() != slot.data_ptr():
+                slot.copy_(source)
+        elif kind is SourceKind.DISK:
+            self._copy_from_disk(slot)
+        else:
+            self._transfers.copy(slot, self._host_compute(), Direction.TO_DEVICE)
+
+    def _copy_from_disk(self, slot: torch.Tensor) -> None:
+        """A parameter shard on disk: its 16-bit copy read from disk (or kept in memory after a
+        failed write); with fp32 compute the master, from memory while it is there (a failed
+        write), else from its region of the disk file."""
+        if self._param_disk is not None:
+            self._param_disk.copy_into(slot)
+        elif self._master_resident:
+            self._transfers.copy(slot, self._master, Direction.TO_DEVICE)
+        else:
+            assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
+            read_for_gather(self._disk, self._disk_offset, slot, self._transfers, self._ledger, self._host_device)
+
+    def _host_compute(self) -> torch.Tensor:
+        if self._host_cast is None:
+            return self._master
+        if self._host_cast_version != self._version:
+            if not self._master_resident:
+                raise RuntimeError(
+                    f"{self._label}: its master is on disk and its 16-bit copy is stale; the copy is made when the "
+                    "master changes, while it is in memory (recast)"
+                )
+            self._transfers.before_host_write(self._host_cast)
+            self._host_cast.copy_(self._master)
+            self._host_cast_version = self._version
+        return self._host_cast
+
+    # --- the master on disk ---------------------------------------------------------------------
+    @property
+    def master_on_disk(self) -> bool:
+        """The master lives on disk between optimizer steps (see ``fetch_master``)."""
+        return self._disk is not None
+
+    @property
+    def master_resident(self) -> bool:
+        """The master's values are in memory (always, unless it lives on disk)."""
+        return self._master_resident
+
+    def master_slice(self, start: int, stop: int) -> torch.Tensor:
+        """A view of ``master[start:stop]``, made even while the master is on disk (its storage
+        then grows for the moment the view is made, with no values; the view reads the values
+        once the master is in memory again)."""
+        if self._master_resident:
+            return self._master[start:stop]
+        storage = self._master.untyped_storage()
+        storage.resize_(self._master_bytes)  # address space only: nothing is written
+        try:
+            return self._master[start:stop]
+        finally:
+            storage.resize_(0)
+
+    def readable_master(self) -> torch.Tensor:
+        """The master's values to read without changing them: the master in memory, or, while it
+        is on disk, a view mapped from its region of the disk file."""
+        if self._master_resident or self._disk is None:
+            return self._master
+        return self._disk.view(self._disk_offset, self._numel, MASTER_DTYPE)
+
+    def staging_for_master(self, numel: int) -> torch.Tensor:
+        """Where a load stages ``numel`` master values before installing them: memory, or for a
+        master on disk a file of the disk tier's scratch directory."""
+        if self._disk is None:
+            return torch.empty(numel, dtype=MASTER_DTYPE)
+        return self._disk.staging(numel, MASTER_DTYPE)
+
+    def spill_master(self) -> None:
+        """Move the master to its disk region, once, after it got its values (boost): its 16-bit
+        copy is made first (gathers read that) and its memory is freed."""
+        file = self._disk
+        if file is None or self._disk_offset >= 0:
+            raise RuntimeError(f"{self._label}: spill_master is for a master bound for disk, once")
+        self._host_compute()
+        written = self.write_param(changed=True)
+        if written is not None:
+            written.result()
+        self._disk_offset = file.region(self._master_bytes)
+        file.write(self._master, self._disk_offset, param=self._master_is_param).result()
+        self._master.untyped_storage().resize_(0)
+        self._master_resident = False
+        self._ledger.free(Location.HOST, MemoryKind.MASTER, self._master_bytes)
+        self._ledger.alloc(Location.DISK, MemoryKind.MASTER, self._master_bytes)
+
+    def fetch_master(self) -> Future[None] | None:
+        """Start reading the master from disk into memory (``None``: it is in memory)."""
+        if self._master_resident:
+            return None
+        file = self._disk
+        assert file is not None, f"{self._label}: a master off memory lives on disk"
+        self._master.untyped_storage().resize_(self._master_bytes)
+        self._master_resident = True
+        self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        return file.read(self._master, self._disk_offset)
+
+    @property
+    def _master_is_param(self) -> bool:
+        """fp32 compute with the parameter shard on disk: the master on disk is what gathers read."""
+        return self._shard_location is Location.DISK and self._param_disk is None
+
+    def write_param(self, changed: bool) -> Future[None] | None:
+        """With its 16-bit parameter shard on disk: when the master (in memory now) ``changed``,
+        write its cast to disk (before the master leaves memory; a master on disk has not changed, as
+        in ``evict_master``). Returns the write (``None``: none); one that fails keeps the cast in
+        memory by itself (``ParamOnDisk``)."""
+        if self._param_disk is None or not changed or not self._master_resident:
+            return None
+        return self._param_disk.write(self._master)
+
+    def evict_master(self, changed: bool) -> Future[None] | None:
+        """Free the master's memory, writing it back first when ``changed`` (its 16-bit copy is
+        made from it before; one on disk is written by ``write_param``, called first). Returns the
+        write to wait for (``None``: none); if it fails, call ``master_write_failed``: the values
+        are still in memory."""
+        file = self._disk
+        if file is None or not self._master_resident:
+            return None
+        if changed:
+            self._version += 1  # what mark_updated does: the copies are stale
+            self._host_compute()
+        self._master_resident = False
+        self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        storage = self._master.untyped_storage()
+        if not changed:
+            storage.resize_(0)
+            return None
+        return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)
+
+    def master_write_failed(self) -> None:
+        """The write ``evict_master`` started failed: the master kept its memory and values."""
+        self._master_resident = True
+        self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+
+    @contextmanager
+    def resident_master(self, write_back: bool = False) -> Iterator[torch.Tensor]:
+        """The master in memory for the block (a checkpoint reading or loading it); written back
+        after it with ``write_back``."""
+        fetched = self.fetch_master()
+        if fetched is None:
+            yield self._master
+            return
+        fetched.result()
+        try:
+            yield self._master
+        finally:
+            param = self.write_param(changed=write_back)
+            written = self.evict_master(changed=write_back)
+            if written is not None and written.exception() is not None:
+                self.master_write_failed()
+                raise written.exception()  # type: ignore[misc]
+            if param is not None and param.exception() is not None:
+                raise param.exception()  # type: ignore[misc]
+
+    def _alloc_device_copy(self) -> torch.Tensor:
+        self._ledger.alloc(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)
+        self._device_copy = torch.empty(self._numel, dtype=self._compute_dtype, device=self._device)
+        self._device_copy_version = -1
+        return self._device_copy
+
+    def _refreshed_device_copy(self) -> torch.Tensor:
+        if self._device_copy is None:
+            self._alloc_device_copy()
+        assert self._device_copy is not None, f"{self._label}: device copy missing after allocation"
+        if self._device_copy_version != self._version:
+            self._transfers.copy(self._device_copy, self._host_compute(), Direction.TO_DEVICE)
+            self._device_copy_version = self._version
+        return self._device_copy
+
+    def _drop_device_copy(self) -> None:
+        if self._device_copy is not None:
+            self._device_copy = None
+            self._ledger.free(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

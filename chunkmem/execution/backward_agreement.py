@@ -1,0 +1,43 @@
+"""At the end of a synchronised backward the ranks agree, in one small all-reduce, that they ran
+the same ops on managed parameters (an op-sequence digest: the maximum of ``d`` and of ``-d`` tell
+whether every rank has ``d``) and which parameters got a gradient on any rank (a parameter with a
+gradient anywhere has one everywhere, as in DDP)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..chunks.chunk import Chunk
+from ..errors import TraceDivergenceError
+from ..ranks.comm import Communicator
+
+__all__ = ["agree_backward"]
+
+
+def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk]) -> None:
+    """Agree ``digest`` and the trainable ``chunks``' gradient flags over ranks; raise
+    ``TraceDivergenceError`` naming the odd ranks when the digests differ."""
+    trainable = [c for c in chunks if c.trainable]
+    flags = [int(f) for c in trainable for f in c.params_with_grad]
+    payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=comm.tensor_device)
+    comm.all_reduce(payload, dist.ReduceOp.MAX)
+    if int(payload[0]) != digest or int(-payload[1]) != digest:
+        everyone = comm.all_gather_tensors(torch.tensor([digest], device=comm.tensor_device))
+        digests = [int(d) for d in everyone]
+        reference = max(set(digests), key=digests.count)
+        odd = [r for r, d in enumerate(digests) if d != reference]
+        raise TraceDivergenceError(
+            f"rank {comm.rank}: ranks {odd} ran different operations on managed parameters than the "
+            f"other ranks in this iteration (op-sequence digests {digests}), so chunk collectives did not "
+            "match and gradients are not trustworthy; the optimizer step must not run. All ranks must "
+            "use the same parameters in the same order (no rank-dependent branches in the model)."
+        )
+    agreed = [bool(v) for v in payload[2:].tolist()]
+    start = 0
+    for chunk in trainable:
+        n = len(chunk.tensors)
+        chunk.set_params_with_grad(tuple(agreed[start : start + n]))
+        start += n

@@ -1,0 +1,168 @@
+"""Memory probes (device and host) and the non-model-data measurement the auto policy needs.
+
+Probes work on a machine without a GPU: the compute device is then the CPU, and its capacity and
+free memory are the host's (psutil). ``describe_devices()`` says what was found and how.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+
+from ..device import (
+    DeviceMemory,
+    accelerator_lines,
+    accelerator_memory,
+    accelerator_process_capacity,
+    is_accelerator,
+    nvml_memory,
+    peak_allocated,
+    reset_peak,
+)
+from .accounting import MemoryLedger
+
+__all__ = [
+    "DeviceMemory",
+    "NonModelSampler",
+    "describe_devices",
+    "device_capacity",
+    "device_free",
+    "host_memory",
+    "nvml_memory",
+    "process_capacity",
+]
+
+log = logging.getLogger("chunkmem")
+
+
+def host_memory() -> DeviceMemory:
+    """Host RAM (psutil)."""
+    vm = psutil.virtual_memory()
+    return DeviceMemory(total=int(vm.total), free=int(vm.available), source="psutil")
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """The compute device's memory: the accelerator's (``chunkmem.device``), host RAM on the CPU."""
+    if is_accelerator(device):
+        return accelerator_memory(device)
+    mem = host_memory()
+    return DeviceMemory(total=mem.total, free=mem.free, source="psutil (no GPU: the CPU is the device)")
+
+
+def device_capacity(device: torch.device) -> int:
+    """Total bytes of the compute device."""
+    return device_memory(device).total
+
+
+def process_capacity(device: torch.device) -> int:
+    """Bytes of the compute device this process may use now: what is free (other processes
+    count) plus what this process already holds, capped by its per-process memory fraction on an
+    accelerator (``chunkmem.device.accelerator_process_capacity``)."""
+    if is_accelerator(device):
+        return accelerator_process_capacity(device)
+    memory = host_memory()
+    return min(memory.total, memory.free + psutil.Process().memory_info().rss)
+
+
+def device_free(device: torch.device) -> int:
+    """Free bytes of the compute device now."""
+    return device_memory(device).free
+
+
+def describe_devices() -> str:
+    """One line per memory the probes can see, and why a probe is missing."""
+    host = host_memory()
+    lines = [f"host: {host.total / 2**30:.1f} GiB total, {host.free / 2**30:.1f} GiB available (psutil)"]
+    return "\n".join([*lines, *accelerator_lines()])
+
+
+class _Saved:
+    """A tensor autograd saved for backward, counted while the graph keeps it: ``on_free`` runs
+    when the graph lets go of it."""
+
+    __slots__ = ("_on_free", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, on_free: Callable[[], None] | None) -> None:
+        self.tensor = tensor
+        self._on_free = on_free
+
+    def __del__(self) -> None:
+        if self._on_free is not None:
+            self._on_free()
+
+
+class NonModelSampler:
+    """Non-model device memory at each hook position of a recording iteration.
+
+    On CUDA it is what the allocator holds beyond accounted chunk memory. On the CPU, where the
+    allocator cannot be asked, it is the bytes autograd keeps saved for backward (activations),
+    tracked with saved-tensor hooks; parameters and their views are model data and not counted.
+    """
+
+    def __init__(self, device: torch.device, ledger: MemoryLedger) -> None:
+        self._device = device
+        self._ledger = ledger
+        self._samples: list[int] = []
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references]
+        self._live_bytes = 0
+        self._hooks: Any = None
+        self._allocator_measures = peak_allocated(device) is not None
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return tuple(self._samples)
+
+    def reset(self) -> None:
+        """Forget the samples (a new measured iteration starts)."""
+        self._samples.clear()
+        reset_peak(self._device)
+
+    def sample(self) -> None:
+        """Record non-model bytes at the current hook position: on CUDA the allocator's peak since
+        the previous sample (the op in between made its temporaries) less the chunk bytes now.
+        Resets the allocator's peak statistics while measuring."""
+        peak = peak_allocated(self._device) if self._allocator_measures else None
+        if peak is not None:
+            used = peak - self._ledger.device_bytes
+            reset_peak(self._device)
+        else:
+            used = self._live_bytes
+        self._samples.append(max(0, int(used)))
+
+    def saved_tensor_hooks(self) -> Any:
+        """A context manager that tracks saved activations (CPU only; a no-op context on CUDA)."""
+        if self._allocator_measures:
+            from contextlib import nullcontext
+
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return _Saved(tensor, None)
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the storage itself (meta storages all have address 0)
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [storage.nbytes(), 1]
+            self._live_bytes += storage.nbytes()
+        else:
+            entry[1] += 1
+        return _Saved(tensor, lambda: self._drop(key))
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def _drop(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._live_bytes -= entry[0]
+            del self._live[key]
