@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from placement import ComputeTrace, Divergence, Phase, TraceCursor, TraceStep, step_digest
+
+from ..ranks.where import IterationKind, Where
 
 __all__ = ["IterationKind", "IterationTracker", "Mode", "Where"]
 
@@ -31,30 +32,6 @@ class Mode(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-class IterationKind(enum.Enum):
-    TRAINING = "training"
-    INFERENCE = "inference"
-
-
-@dataclass(frozen=True, slots=True)
-class Where:
-    """A point in the run, for messages and cross-rank checks."""
-
-    kind: IterationKind
-    iteration: int
-    """Training iterations begun so far minus one (the current one), or inference forwards."""
-    position: int
-    """Index of the latest op in the iteration (-1 before the first)."""
-    between: bool = False
-    """No iteration runs: the point is after iteration ``iteration`` ended."""
-
-    def describe(self) -> str:
-        if self.between:
-            return f"after {self.kind.value} iteration {self.iteration}"
-        op = "its start" if self.position < 0 else f"op {self.position}"
-        return f"{self.kind.value} iteration {self.iteration}, {op}"
 
 
 class IterationTracker:

@@ -48,11 +48,11 @@ import torch.distributed as dist
 from placement import FetchPlan, Phase
 
 from ..errors import TraceDivergenceError
-from ..execution.iteration import IterationKind, Where
 from .agreed_values import AgreedValues
 from .departure_search import Activity, Answer, DepartureSearch
 from .rank_channel import Message, RankChannel
 from .thread_activity import blocked_in_user_collective, raise_in, where_thread_is
+from .where import IterationKind, Where
 
 __all__ = ["CheckKind", "RankChecks"]
 
