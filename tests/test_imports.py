@@ -8,6 +8,28 @@ circle closed through one is still two modules that need each other to be read).
 package's ``__init__`` is a module. Importing ``a.b.c`` from outside the package ``a.b`` also runs
 ``a/b/__init__``, so it counts as importing ``a.b`` too (from inside, the package is already being
 imported: a sibling import does not run it again).
+
+The layers, lowest first (``LAYERS``; README.md "Layout" draws the same): a package imports only
+packages of lower layers, never one of its own layer or above, type-only imports included.
+
+ 0. ``placement`` (decisions), ``hooks`` (parameter-op hooks): no chunkmem code
+ 1. ``chunkmem.errors`` (the exceptions), ``chunkmem.device`` (the accelerator layer)
+ 2. ``chunkmem.usage``: the byte ledger, the counters, memory probes
+ 3. ``chunkmem.ranks``: collectives and cross-rank checks; ``chunkmem.tiers``: host transfers, disk
+    files, owned directories
+ 4. ``chunkmem.chunks``: chunks, their state, this rank's shard in every tier, the manager
+ 5. ``chunkmem.execution``: the runtime and the executor; ``chunkmem.activations``;
+    ``chunkmem.materialize``
+ 6. ``chunkmem.boosted``: ``ChunkedModel`` and what it carries
+ 7. ``chunkmem.optim``: the optimizer side
+ 8. ``chunkmem.checkpoint``
+ 9. ``chunkmem.plugin``
+10. ``chunkmem.booster``; ``chunkmem.planning``
+11. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
+12. ``chunkmem`` (its ``__init__``: the public API)
+
+Every module of chunkmem lives in one of these subpackages; only the public entry points
+(``ENTRY_POINTS``) sit at its top level.
 """
 
 from __future__ import annotations
@@ -138,9 +160,93 @@ def test_the_packages_import_each_other_without_cycles() -> None:
     assert {"chunkmem", "chunkmem.checkpoint", "placement", "hooks"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-    for package in ("placement", "hooks"):  # the arrows point one way (DESIGN.md)
+    for package in ("placement", "hooks"):  # the arrows point one way (layer 0 of LAYERS)
         outward = {t for m, ts in graph.items() if m.split(".")[0] == package for t in ts if t.startswith("chunkmem")}
         assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
+
+
+# The layers of the module docstring, lowest first. An entry is a package (all its modules) or a
+# module at the top of chunkmem; ``chunkmem`` itself names its ``__init__`` only.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("placement", "hooks"),
+    ("chunkmem.errors", "chunkmem.device"),
+    ("chunkmem.usage",),
+    ("chunkmem.ranks", "chunkmem.tiers"),
+    ("chunkmem.chunks",),
+    ("chunkmem.execution", "chunkmem.activations", "chunkmem.materialize"),
+    ("chunkmem.boosted",),
+    ("chunkmem.optim",),
+    ("chunkmem.checkpoint",),
+    ("chunkmem.plugin",),
+    ("chunkmem.booster", "chunkmem.planning"),
+    ("chunkmem.integrations", "chunkmem.plan"),
+    ("chunkmem",),
+)
+# The modules at the top of chunkmem: what users import or run; everything else is in a subpackage.
+ENTRY_POINTS = {"chunkmem", "chunkmem.errors", "chunkmem.plugin", "chunkmem.booster", "chunkmem.plan"}
+
+
+def unit_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:
+    """The entry of ``layers`` that ``module`` belongs to (the longest that holds it), or ``None``."""
+    entries = sorted((entry for layer in layers for entry in layer), key=len, reverse=True)
+    for entry in entries:
+        # A top-level package's own name stands for its ``__init__`` alone, so that a new module at
+        # the top of chunkmem belongs to no layer until it is placed in one.
+        if module == entry or (module.startswith(entry + ".") and entry != "chunkmem"):
+            return entry
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Every import of ``graph`` that does not point to a lower layer of ``layers`` (within one
+    entry, anything goes: a package's modules read each other), and every module in no layer."""
+    depth = {entry: index for index, layer in enumerate(layers) for entry in layer}
+    out = []
+    for module in sorted(graph):
+        unit = unit_of(module, layers)
+        if unit is None:
+            out.append(f"{module} is in no layer: move it into the subpackage of its concern (LAYERS)")
+            continue
+        for target in sorted(graph[module]):
+            target_unit = unit_of(target, layers)
+            if target_unit is None or target_unit == unit or depth[target_unit] < depth[unit]:
+                continue
+            out.append(
+                f"{module} (layer {depth[unit]}, {unit}) imports {target} (layer {depth[target_unit]}, "
+                f"{target_unit}): a package imports only lower layers"
+            )
+    return out
+
+
+def test_the_layer_checker_sees_upward_sideways_and_unplaced_modules() -> None:
+    """The checker itself, on a graph written here (not on the project's own code)."""
+    layers = (("low",), ("mid.a", "mid.b"), ("top",))
+    fine = {"low.x": set(), "mid.a.y": {"low.x", "mid.a"}, "mid.a": set(), "top": {"mid.a.y", "mid.b.z"}}
+    assert layer_violations(fine, layers) == []
+    upward = {"low.x": {"mid.a.y"}, "mid.a.y": set()}
+    sideways = {"mid.a.y": {"mid.b.z"}, "mid.b.z": set()}
+    stray = {"elsewhere": set()}
+    assert len(layer_violations(upward, layers)) == 1
+    assert len(layer_violations(sideways, layers)) == 1
+    assert layer_violations(stray, layers) == [
+        "elsewhere is in no layer: move it into the subpackage of its concern (LAYERS)"
+    ]
+    assert unit_of("chunkmem.stray", (("chunkmem",),)) is None
+
+
+def test_the_packages_import_in_layers() -> None:
+    """The layout as drawn in the module docstring: every module in a layer, every import downward."""
+    graph = import_graph()
+    top = {"chunkmem"} | {
+        m
+        for m, (_, is_package) in _modules().items()
+        if m.startswith("chunkmem.") and m.count(".") == 1 and not is_package
+    }
+    assert top == ENTRY_POINTS, (
+        f"modules at the top of chunkmem that are not entry points: {sorted(top - ENTRY_POINTS)}"
+    )
+    violations = layer_violations(graph, LAYERS)
+    assert not violations, "\n".join(violations)
 
 
 @pytest.mark.slow  # a fresh interpreter (what an import loads is what is tested): 6-12 s
@@ -176,14 +282,6 @@ OPTIM_LAYERS = (
     ("scaling",),
     ("optimizer",),
 )
-# The training front: the only modules outside ``chunkmem.optim`` that import it, and which it
-# never imports (it sits on the chunks, the runtime and the tiers, below the front).
-FRONT = ("chunkmem", "chunkmem.booster", "chunkmem.plugin", "chunkmem.planning.planner", "chunkmem.checkpoint")
-FRONT_PACKAGES = ("chunkmem.checkpoint.", "chunkmem.integrations.")
-
-
-def _in_front(module: str) -> bool:
-    return module in FRONT or module.startswith(FRONT_PACKAGES)
 
 
 def test_the_optimizer_package_imports_in_layers() -> None:
@@ -195,12 +293,6 @@ def test_the_optimizer_package_imports_in_layers() -> None:
     for module in sorted(inside):
         upward = sorted(t for t in graph[module] if t in layer and layer[t] >= layer[module])
         assert not upward, f"{module} imports {upward}, not in a lower layer of OPTIM_LAYERS"
-        front = sorted(t for t in graph[module] if _in_front(t) or t == package)
-        assert not front, f"{module} imports the training front {front}"
-    importers = sorted(
-        m
-        for m, targets in graph.items()
-        if m != package and m not in inside and any(t == package or t in inside for t in targets)
-    )
-    below = [m for m in importers if not _in_front(m)]
-    assert not below, f"modules below the training front import {package}: {below}"
+        assert package not in graph[module], f"{module} imports its own package's __init__"
+    # Which packages may import the optimizer side, and which it may import: LAYERS
+    # (test_the_packages_import_in_layers).
