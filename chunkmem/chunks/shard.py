@@ -1,5 +1,5 @@
 """The local shard of one chunk: the fp32 master (source of truth, where the optimizer updates it),
-its fp32 gradient shard (beside it), and the compute-dtype copies derived from it.
+its fp32 gradient shard (beside it, ``GradShard``), and the compute-dtype copies derived from it.
 
 * Master on the device: no copy at all; a gather casts the master into the gathered buffer on the
   fly (DeepSpeed's fused downcast), so only compute-dtype bytes are ever all-gathered.
@@ -31,6 +31,7 @@ import torch
 from ..tiers.transfers import Direction, HostTransfers
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from .grad_on_disk import GradOnDisk
+from .grad_shard import GradShard
 from .master_buffer import MASTER_DTYPE, MasterSideBuffer
 from .param_on_disk import ParamOnDisk, read_for_gather
 
@@ -96,9 +97,6 @@ class ShardStore:
             if disk is not None and shard is Location.DISK and compute_dtype != MASTER_DTYPE
             else None
         )
-        self._grad_disk = (
-            GradOnDisk(label, numel, disk, ledger, transfers, host_device) if disk is not None and trainable else None
-        )
         self._disk_offset = -1
         self._master_resident = True
         # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
@@ -112,18 +110,9 @@ class ShardStore:
             host_device=host_device,
         )
         self._master = self._master_buffers.take(master)
-        self._grad_buffers = MasterSideBuffer(
-            MemoryKind.GRAD_SHARD, numel, device, ledger, self._pin, transfers.layer, False, host_device
-        )
-        self._trainable = trainable
-        # The gradient shard is reserved in the ledger where the master lives (the placement
-        # counts it), but allocated only when the first reduced gradients arrive and freed by
-        # zero_grad, as plain PyTorch allocates .grad in backward and frees it with
-        # zero_grad(set_to_none=True): after boosting, the process holds one copy of the weights.
-        self._grad: torch.Tensor | None = None
+        self._grads: GradShard | None = None
         if trainable:
-            ledger.alloc(Location.DISK if self._grad_disk else master, MemoryKind.GRAD_SHARD, self._master_bytes)
-        self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
+            self._grads = GradShard(label, numel, device, ledger, transfers, master, self._pin, host_device, disk)
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
         if master is Location.HOST and self._needs_host_cast and shard is not Location.DISK:
@@ -196,49 +185,56 @@ class ShardStore:
     def _host_empty(self, dtype: torch.dtype) -> torch.Tensor:
         return self._transfers.layer.host_empty(self._numel, dtype, self._host_device)
 
-    # --- verbs ------------------------------------------------------------------------------
+    # --- the gradient shard (GradShard) ------------------------------------------------------
+    def _grad_shard(self) -> GradShard:
+        if self._grads is None:
+            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
+        return self._grads
+
     @property
     def grad(self) -> torch.Tensor:
         """The fp32 gradient shard, where the master lives (see ``allocate_grad``), with every copy
         into it landed."""
-        if not self._trainable:
-            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
-        if self._grad_disk is not None:
-            return self._grad_disk.resident()
-        if self._grad is None:
-            raise RuntimeError(f"{self._label}: its gradient shard is not allocated; reduce gradients into it first")
-        self._settle_grad()
-        return self._grad
+        return self._grad_shard().values
 
     @property
     def grad_allocated(self) -> bool:
-        if self._grad_disk is not None:
-            return self._grad_disk.present
-        return self._grad is not None
+        return self._grads is not None and self._grads.allocated
 
     @property
     def grad_on_disk(self) -> GradOnDisk | None:
         """The gradient shard's disk residency, when it lives on disk (else ``None``)."""
-        return self._grad_disk
+        return self._grads.on_disk if self._grads is not None else None
 
     def allocate_grad(self) -> torch.Tensor:
         """Allocate the (uninitialised) gradient shard where the master lives."""
-        if not self._trainable:
-            raise RuntimeError(f"{self._label}: has no gradient shard; its parameters do not require grad")
-        if self._grad is not None:
-            raise RuntimeError(f"{self._label}: its gradient shard is already allocated")
-        self._grad = self._grad_buffers.take(self._master_location)
-        return self._grad
+        return self._grad_shard().allocate()
 
     def free_grad(self) -> None:
         """Drop the gradient shard (its values no longer count); nothing to do when absent."""
-        if self._grad_disk is not None:
-            self._grad_disk.drop()
-            return
-        if self._grad is not None:
-            self._settle_grad()  # copies into it land before the buffer is reused
-            self._grad = None
-            self._grad_buffers.give_back(self._master_location)
+        if self._grads is not None:
+            self._grads.free()
+
+    @property
+    def receives_asynchronously(self) -> bool:
+        """Whether reduced gradients cross to the host asynchronously (a host master on CUDA): they
+        are then sent as soon as the reduction is queued, not when it is waited for."""
+        return self._master_location is Location.HOST and self._transfers.asynchronous and self.grad_on_disk is None
+
+    def receive_grad(
+        self,
+        reduced: torch.Tensor,
+        accumulate: bool,
+        after: Callable[[], None] | None = None,
+        divide_by: int | None = None,
+    ) -> None:
+        """Put this rank's reduced gradient slot (on the device) into the gradient shard: a fresh
+        shard, or added to what an earlier reduction left there (accumulation). ``after`` waits
+        for a collective still reducing the slot and ``divide_by`` averages it first; to a host
+        master both happen on the copy stream and the copy returns at once (``grad`` waits)."""
+        self._grad_shard().receive(reduced, accumulate, after, divide_by)
+
+    # --- verbs ------------------------------------------------------------------------------
 
     def move_master(self, target: Location) -> None:
         """Move the master (and with it where gradients and optimizer states live) between the
@@ -253,15 +249,8 @@ class ShardStore:
         self._master = self._master_buffers.take(target)
         self._transfers.copy(self._master, old, direction)
         self._master_buffers.give_back(old_location)
-        if self._trainable:
-            self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._master_bytes)
-            self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._master_bytes)
-        if self._grad is not None:
-            self._settle_grad()
-            old_grad = self._grad
-            self._grad = self._grad_buffers.take(target)
-            self._transfers.copy(self._grad, old_grad, direction)
-            self._grad_buffers.give_back(old_location)
+        if self._grads is not None:
+            self._grads.move(target, direction)
         self._master_location = target
         if target is Location.DEVICE:
             self._drop_device_copy()
@@ -300,57 +289,6 @@ class ShardStore:
         still reading it from pinned memory."""
         if self._master_location is Location.HOST:
             self._transfers.before_host_write(self._master)
-
-    @property
-    def receives_asynchronously(self) -> bool:
-        """Whether reduced gradients cross to the host asynchronously (a host master on CUDA): they
-        are then sent as soon as the reduction is queued, not when it is waited for."""
-        return self._master_location is Location.HOST and self._transfers.asynchronous and self._grad_disk is None
-
-    def receive_grad(
-        self,
-        reduced: torch.Tensor,
-        accumulate: bool,
-        after: Callable[[], None] | None = None,
-        divide_by: int | None = None,
-    ) -> None:
-        """Put this rank's reduced gradient slot (on the device) into the gradient shard: a fresh
-        shard, or added to what an earlier reduction left there (accumulation). ``after`` waits
-        for a collective still reducing the slot and ``divide_by`` averages it first; to a host
-        master both happen on the copy stream and the copy returns at once (``grad`` waits)."""
-        if self._grad_disk is not None:
-            self._grad_disk.receive(reduced, accumulate, after, divide_by)
-            return
-        to_host = self._master_location is Location.HOST
-        if not to_host:
-            if after is not None:
-                after()
-            if divide_by is not None:
-                reduced.div_(divide_by)
-            if accumulate:
-                self.grad.add_(reduced)
-            else:
-                self.allocate_grad().copy_(reduced)
-            return
-        if not accumulate:
-            target = self.allocate_grad()
-            self._transfers.copy(target, reduced, Direction.TO_HOST, after, divide_by)
-            return
-        # Into a staging buffer, added to the shard when it is next read: adding now would make
-        # the CPU wait for the copy.
-        staged = self._transfers.staging(reduced.numel(), reduced.dtype, self._host_device)
-        self._transfers.copy(staged, reduced, Direction.TO_HOST, after, divide_by)
-        self._pending_adds.append(staged)
-
-    def _settle_grad(self) -> None:
-        """Wait for copies into the gradient shard, then add the staged ones to it."""
-        assert self._grad is not None, f"{self._label}: settling a gradient shard that is not allocated"
-        self._transfers.before_host_read(self._grad)
-        while self._pending_adds:
-            staged = self._pending_adds.pop(0)
-            self._transfers.before_host_read(staged)
-            self._grad.add_(staged)
-            self._transfers.give_back(staged)
 
     def mark_updated(self) -> None:
         """The master changed (optimizer step, checkpoint load): derived copies are stale. A master
