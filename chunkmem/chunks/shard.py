@@ -346,11 +346,6 @@ class ShardStore:
         """The master lives on disk between optimizer steps (see ``fetch_master``)."""
         return self._disk is not None
 
-    @property
-    def master_resident(self) -> bool:
-        """The master's values are in memory (always, unless it lives on disk)."""
-        return self._master_resident
-
     def master_slice(self, start: int, stop: int) -> torch.Tensor:
         """A view of ``master[start:stop]``, made even while the master is on disk (its storage
         then grows for the moment the view is made, with no values; the view reads the values

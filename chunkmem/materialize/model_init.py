@@ -128,9 +128,6 @@ class RecordedInit:
         """Bytes of the storage the parameter is replayed in."""
         return self._graph.storage(self._params[id(param)].ref.storage).nbytes
 
-    def has_buffer(self, name: str) -> bool:
-        return name in self._buffers
-
     def buffer_value(self, name: str) -> torch.Tensor:
         target = self._buffers[name]
         try:
