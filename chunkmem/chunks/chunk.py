@@ -178,7 +178,7 @@ class Chunk:
                     master_tensor[piece.shard].copy_(source.read(info, piece))
         store.mark_updated()
         if store.master_on_disk:
-            store.spill_master()
+            store.move_master_to_disk()
         self._store = store
         self._grads.close(store)
         self._residency.close(store)

@@ -373,12 +373,12 @@ class ShardStore:
             return torch.empty(numel, dtype=MASTER_DTYPE)
         return self._disk.staging(numel, MASTER_DTYPE)
 
-    def spill_master(self) -> None:
+    def move_master_to_disk(self) -> None:
         """Move the master to its disk region, once, after it got its values (boost): its 16-bit
         copy is made first (gathers read that) and its memory is freed."""
         file = self._disk
         if file is None or self._disk_offset >= 0:
-            raise RuntimeError(f"{self._label}: spill_master is for a master bound for disk, once")
+            raise RuntimeError(f"{self._label}: move_master_to_disk is for a master bound for disk, once")
         self._host_compute()
         written = self.write_param(changed=True)
         if written is not None:

@@ -1,4 +1,4 @@
-"""``PlanExecutor``: carries out, on real chunks, what the device residency decides.
+"""``ResidencyExecutor``: carries out, on real chunks, what the device residency decides.
 
 What is on the device (gathered, in flight, prefetched, awaited, gradient buffers accepting or
 reducing, and their bytes) is owned by one tensor-free :class:`placement.DeviceResidency`, which
@@ -32,7 +32,7 @@ from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind
 from ..usage.stats import Stats
 
-__all__ = ["PlanCheck", "PlanExecutor"]
+__all__ = ["PlanCheck", "ResidencyExecutor"]
 
 _BUFFERS = (MemoryKind.GATHERED, MemoryKind.GRAD_BUFFER)
 
@@ -45,7 +45,7 @@ class PlanCheck(Protocol):
     ) -> None: ...
 
 
-class PlanExecutor:
+class ResidencyExecutor:
     """See the module docstring."""
 
     def __init__(
@@ -164,7 +164,7 @@ class PlanExecutor:
         if ledger_bytes != self._residency.buffer_bytes:
             raise RuntimeError(
                 f"rank {self._rank}: the device residency accounts {self._residency.buffer_bytes} bytes of gathered "
-                f"and gradient buffers but {ledger_bytes} are allocated; a buffer moved outside the plan executor"
+                f"and gradient buffers but {ledger_bytes} are allocated; a buffer moved outside the residency executor"
             )
 
     # --- iterations -----------------------------------------------------------------------------

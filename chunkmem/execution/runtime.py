@@ -3,7 +3,7 @@
 It turns hook calls into the calls of the objects that own each part, each in its own module:
 
 * :class:`~chunkmem.execution.iteration.IterationTracker`: iterations, passes and the compute trace;
-* :class:`~chunkmem.execution.executor.PlanExecutor`: what is on the device (``placement.DeviceResidency``)
+* :class:`~chunkmem.execution.executor.ResidencyExecutor`: what is on the device (``placement.DeviceResidency``)
   carried out around every op, gradients into flat buffers and their reductions, the budget;
 * :class:`~chunkmem.ranks.rank_checks.RankChecks` and ``agree_backward``: ranks agree at every entry
   point, and at the end of each synchronised backward on the ops they ran and which parameters got
@@ -37,7 +37,7 @@ from ..ranks.agreed_values import AgreedValues
 from ..usage.accounting import Location
 from ..usage.stats import Stats
 from .backward_agreement import agree_backward
-from .executor import PlanExecutor
+from .executor import ResidencyExecutor
 from .iteration import IterationTracker, Mode
 from .profiling import NonModelProfile
 
@@ -80,7 +80,7 @@ class ChunkRuntime(ParamOpHook):
         if self._checks is not None:
             self._checks.follow(self._tracker.where, lambda: self._tracker.recording)
         check = self._checks if self._checks is not None and self._checks.check_plans else None
-        self._executor = PlanExecutor(manager, policy, specs, stats, check)
+        self._executor = ResidencyExecutor(manager, policy, specs, stats, check)
         self._profile = NonModelProfile(policy, self._comm, self._ledger)
         residency = self._executor.residency
         self._resident = (
@@ -159,7 +159,7 @@ class ChunkRuntime(ParamOpHook):
         return self._specs
 
     def record_actions(self) -> Any:
-        """A context manager collecting every residency action carried out in it (``PlanExecutor``)."""
+        """A context manager collecting every residency action carried out in it (``ResidencyExecutor``)."""
         return self._executor.record_actions()
 
     @property
@@ -421,11 +421,11 @@ class ChunkRuntime(ParamOpHook):
         self._executor.check_budget(what)
 
     def transient_room(self, nbytes: int) -> int | None:
-        """Device bytes free for a temporary buffer wanting ``nbytes`` (see ``PlanExecutor``)."""
+        """Device bytes free for a temporary buffer wanting ``nbytes`` (see ``ResidencyExecutor``)."""
         return self._executor.transient_room(nbytes)
 
     def transient(self, nbytes: int, what: str) -> Any:
-        """Account a temporary device buffer used outside training steps (see ``PlanExecutor``)."""
+        """Account a temporary device buffer used outside training steps (see ``ResidencyExecutor``)."""
         return self._executor.transient(nbytes, what)
 
     # --- gradients --------------------------------------------------------------------------
