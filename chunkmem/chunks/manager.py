@@ -1,5 +1,7 @@
-"""``ChunkManager``: packs parameters into chunks, maps each parameter to its chunk, and runs the
-chunk verbs the runtime asks for, with exact byte accounting in one ledger."""
+"""``ChunkManager``: packs parameters into chunks (``register``), maps each parameter to its chunk,
+and shards every chunk where the placement puts it (``close_all``). It owns the model's byte ledger
+and host transfers; what is gathered, released or evicted during a step is the runtime's
+(``chunkmem.execution``), not the manager's."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 move per step?
 
 ``plan`` boosts the model with the real chunkmem stack - the same chunk manager, placement policy,
-plan executor, gradient routing and optimizer wrapper as a training run - over a
+device residency and its executor, gradient reductions and ``ChunkOptimizer`` as a training run - over a
 :class:`PlanningCommunicator`: world size ``W`` seen from rank 0, every tensor on the meta device
 (no memory, no arithmetic) and collectives that move nothing. It then runs a few training steps on
 the example inputs, so the compute trace is recorded by the model's own forward and backward and
