@@ -17,7 +17,7 @@ from models import batches, gpt2, llama
 from test_activation_budget import BATCH, WIDTH, Stack, _auto, _train
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, plan
-from placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
+from placement import ActivationChoice, ActivationPlacement, BlockPlacement, CopyRates, StaticPlacementConfig
 
 BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 
@@ -70,7 +70,7 @@ def test_offloaded_blocks_copy_what_the_plan_predicts(arch: str, precision: str)
     activations = ActivationPlacement(offload=[BLOCKS[arch]])
     predicted = _lm_plan(arch, activations, "eager", precision)
     measured = _lm_run(arch, activations, "eager", precision)
-    assert [c.how for c in predicted.activation_calls] == ["offload", "offload"]
+    assert [c.how for c in predicted.activation_calls] == [BlockPlacement.OFFLOAD] * 2
     assert predicted.activation_d2h_bytes_per_step > 0
     for step in measured:
         assert step["activation_d2h_bytes"] == predicted.activation_d2h_bytes_per_step
@@ -102,7 +102,7 @@ def test_auto_saved_bytes_per_call_and_the_minimum_budget_equal_a_runs() -> None
     roomy = 10_000_000
     predicted = _stack_plan(roomy)
     run = _train(roomy, _auto())
-    assert [c.how for c in predicted.activation_calls] == ["auto"] * 4
+    assert [c.how for c in predicted.activation_calls] == [BlockPlacement.AUTO] * 4
     assert tuple(c.saved_bytes for c in predicted.activation_calls) == run["plan"].saved_bytes
     # The first step offloads every auto call while measuring it: its copies are the planned ones.
     assert run["after_first"].activation_d2h_bytes == sum(c.offload_bytes for c in predicted.activation_calls) > 0
@@ -130,7 +130,7 @@ def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
     base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x8", "--device", "cpu", "--precision", "fp32"]
     offloaded = plan_cli.main([*base, "--activations", "offload=GPT2Block"])
     table = capsys.readouterr().out
-    assert [c.how for c in offloaded.activation_calls] == ["offload"] * 3
+    assert [c.how for c in offloaded.activation_calls] == [BlockPlacement.OFFLOAD] * 3
     assert "blocks transformer.h.0 .. transformer.h.2 (3 calls), offload" in table
     auto = plan_cli.main([*base, "--device-budget", "64MiB", "--activations", "auto=GPT2Block", "--json"])
     shown = json.loads(capsys.readouterr().out)
