@@ -72,16 +72,24 @@ def _auto() -> ActivationPlacement:
     return ActivationPlacement(auto=["Block"])
 
 
-def _train(
-    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
-) -> dict[str, Any]:
-    chunked, optimizer, booster = boost(
+AUTO = ActivationPlacement(auto=["Block"])
+
+
+def _boosted(budget: int | None, activations: ActivationPlacement | None = AUTO) -> tuple[Any, Any, Any]:
+    """The stack boosted under ``budget`` with ``activations`` (default: every block ``auto``)."""
+    return boost(
         Stack(),
         adamw_two_groups,
         chunk_size=8_000,
         placement=StaticPlacementConfig(device_budget=budget),
         activations=activations,
     )
+
+
+def _train(
+    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
+) -> dict[str, Any]:
+    chunked, optimizer, booster = _boosted(budget, activations)
     losses, after_forward, after_first = [], [], None
     for x in _data(rank, world_size):
         loss = _loss(chunked, x)
@@ -189,13 +197,7 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
 @pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
-    chunked, optimizer, booster = boost(
-        Stack(),
-        adamw_two_groups,
-        chunk_size=8_000,
-        placement=StaticPlacementConfig(device_budget=budget),
-        activations=_auto(),
-    )
+    chunked, optimizer, booster = _boosted(budget)
     for x in _data()[:2]:
         booster.backward(_loss(chunked, x), optimizer)
         optimizer.step()
@@ -381,13 +383,7 @@ def test_a_failed_wait_for_an_offloaded_calls_copies_leaves_nothing_in_the_ledge
 
     _every_call_offloaded(monkeypatch)
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
-    chunked, optimizer, booster = boost(
-        Stack(),
-        adamw_two_groups,
-        chunk_size=8_000,
-        placement=StaticPlacementConfig(device_budget=budget),
-        activations=_auto(),
-    )
+    chunked, optimizer, booster = _boosted(budget)
     x = _data()[0]
     booster.backward(_loss(chunked, x), optimizer)  # measured
     wait = HostTransfers.before_host_read
@@ -454,13 +450,7 @@ def test_the_copy_rates_the_choice_reads_hold_every_measured_copys_time(monkeypa
     inputs = _every_call_offloaded(monkeypatch)
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
     with simulated_device():
-        chunked, optimizer, booster = boost(
-            Stack(),
-            adamw_two_groups,
-            chunk_size=8_000,
-            placement=StaticPlacementConfig(device_budget=budget),
-            activations=_auto(),
-        )
+        chunked, optimizer, booster = _boosted(budget)
         for x in _data()[:2]:
             booster.backward(_loss(chunked, x), optimizer)
     ((_, rates),) = inputs
