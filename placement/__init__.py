@@ -4,7 +4,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
 from .activation_plan import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, choose_activations
-from .activations import ActivationPlacement, BlockClass, block_class_name, matches_block
+from .activations import ActivationPlacement, BlockClass, BlockPlacement, block_class_name, matches_block
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .factory import make_policy
@@ -37,6 +37,7 @@ __all__ = [
     "AutoPolicy",
     "BlockClass",
     "BlockMeasure",
+    "BlockPlacement",
     "BudgetNeed",
     "BudgetTooSmallError",
     "BufferKind",

@@ -9,11 +9,12 @@ is kept: autograd saves what it saves, as in plain PyTorch.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
-__all__ = ["ActivationPlacement", "BlockClass", "block_class_name", "matches_block"]
+__all__ = ["ActivationPlacement", "BlockClass", "BlockPlacement", "block_class_name", "matches_block"]
 
 BlockClass = str | type
 """A block class: its name, its qualified name, or the class."""
@@ -54,6 +55,14 @@ def matches_block(block: BlockClass, module: object) -> bool:
         return isinstance(module, block)
     cls = type(module)
     return block in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+class BlockPlacement(enum.Enum):
+    """How a named block's saved tensors are placed: the ``ActivationPlacement`` field naming its class."""
+
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+    AUTO = "auto"
 
 
 class ActivationPlacement(BaseModel):
@@ -98,6 +107,17 @@ class ActivationPlacement(BaseModel):
     min_offload_bytes: Annotated[int, Field(ge=0, strict=True)] = 1024
     """Saved tensors whose storage is smaller than this many bytes stay on the device (a copy
     costs more than their room: layer-norm statistics, scalars)."""
+
+    def placement_of(self, module: object) -> BlockPlacement | None:
+        """How ``module``'s saved tensors are placed (``None``: it is no named block)."""
+        for how, blocks in (
+            (BlockPlacement.RECOMPUTE, self.recompute),
+            (BlockPlacement.OFFLOAD, self.offload),
+            (BlockPlacement.AUTO, self.auto),
+        ):
+            if any(matches_block(b, module) for b in blocks):
+                return how
+        return None
 
     @model_validator(mode="after")
     def _one_choice_per_class(self) -> ActivationPlacement:

@@ -72,16 +72,24 @@ def _auto() -> ActivationPlacement:
     return ActivationPlacement(auto=["Block"])
 
 
-def _train(
-    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
-) -> dict[str, Any]:
-    chunked, optimizer, booster = boost(
+AUTO = ActivationPlacement(auto=["Block"])
+
+
+def _boosted(budget: int | None, activations: ActivationPlacement | None = AUTO) -> tuple[Any, Any, Any]:
+    """The stack boosted under ``budget`` with ``activations`` (default: every block ``auto``)."""
+    return boost(
         Stack(),
         adamw_two_groups,
         chunk_size=8_000,
         placement=StaticPlacementConfig(device_budget=budget),
         activations=activations,
     )
+
+
+def _train(
+    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
+) -> dict[str, Any]:
+    chunked, optimizer, booster = _boosted(budget, activations)
     losses, after_forward, after_first = [], [], None
     for x in _data(rank, world_size):
         loss = _loss(chunked, x)
@@ -189,13 +197,7 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
 @pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
-    chunked, optimizer, booster = boost(
-        Stack(),
-        adamw_two_groups,
-        chunk_size=8_000,
-        placement=StaticPlacementConfig(device_budget=budget),
-        activations=_auto(),
-    )
+    chunked, optimizer, booster = _boosted(budget)
     for x in _data()[:2]:
         booster.backward(_loss(chunked, x), optimizer)
         optimizer.step()
@@ -349,3 +351,109 @@ def test_small_saved_tensors_an_offloaded_call_keeps_come_back_for_its_backward(
     assert run["stats"].activation_d2h_bytes == 0  # nothing was large enough to copy
     assert run["after_forward"][0].activation_bytes == BLOCKS * PER_BLOCK  # kept, in the ledger
     assert run["stats"].peak_device_bytes <= budget
+
+
+# --- what the choice is made from, and a failed wait ------------------------------------------
+def _every_call_offloaded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Make the plan offload every call (whatever the timings say); returns the choice's inputs."""
+    import dataclasses
+
+    import chunkmem.activations.auto as auto
+
+    choose, inputs = auto.choose_activations, []
+
+    def offload_all(measures: Any, rates: CopyRates, budget: int, model_bytes: int) -> Any:
+        inputs.append((measures, rates))
+        plan = choose(measures, rates, budget, model_bytes)
+        return dataclasses.replace(plan, choices=(ActivationChoice.OFFLOAD,) * len(plan.choices), kept_bytes=0)
+
+    monkeypatch.setattr(auto, "choose_activations", offload_all)
+    return inputs
+
+
+def test_a_failed_wait_for_an_offloaded_calls_copies_leaves_nothing_in_the_ledger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wait at a call's end for its copies to the host fails (a device error): the call is over,
+    and what it held for them leaves the ledger at once (the failed call itself lives on in the
+    error's traceback)."""
+    import sys
+
+    from chunkmem.tiers.transfers import HostTransfers
+
+    _every_call_offloaded(monkeypatch)
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
+    chunked, optimizer, booster = _boosted(budget)
+    x = _data()[0]
+    booster.backward(_loss(chunked, x), optimizer)  # measured
+    wait = HostTransfers.before_host_read
+
+    def failing(self: HostTransfers, host: torch.Tensor) -> None:
+        if sys._getframe(1).f_code.co_name == "settle":
+            raise RuntimeError("injected: the device failed while the host waited for a copy")
+        wait(self, host)
+
+    monkeypatch.setattr(HostTransfers, "before_host_read", failing)
+    with pytest.raises(RuntimeError, match="injected") as failed:
+        _loss(chunked, x)  # the plan's first call: offloaded, its wait fails
+    assert chunked.activation_plan.choices[0] is ActivationChoice.OFFLOAD
+    assert chunked.stats().activation_bytes == 0
+    assert failed.value is not None  # the traceback (and the failed call) lived until here
+    monkeypatch.setattr(HostTransfers, "before_host_read", wait)
+    booster.backward(_loss(chunked, x), optimizer)  # trains on
+    assert chunked.stats().activation_bytes == 0
+
+
+@pytest.mark.simulated
+def test_the_copy_rates_the_choice_reads_hold_every_measured_copys_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an asynchronous device a copy's time is known once it completed. Copies here complete
+    only when the host waits for them, and take 1 ms out, 3 ms back: the rates the choice is made
+    from are the measured bytes over all the measured copies' time, each way."""
+    import sys
+
+    from chunkmem.device.simulated import SimulatedLayer, simulated_device
+    from chunkmem.tiers.transfers import Direction, HostTransfers
+
+    seconds = {Direction.TO_HOST: 1e-3, Direction.TO_DEVICE: 3e-3}
+    copying: list[Direction] = []
+    direction_of: dict[int, Direction] = {}
+    waited: set[int] = set()
+    made = {d: [0, 0] for d in Direction}  # copies, bytes
+    copy, record, synchronize = HostTransfers.copy, SimulatedLayer.record_event, SimulatedLayer.synchronize
+
+    def counted_copy(self: HostTransfers, target: torch.Tensor, source: torch.Tensor, direction: Direction, **kw: Any):
+        copying.append(direction)
+        try:
+            copy(self, target, source, direction, **kw)
+        finally:
+            copying.pop()
+        activations = sys._getframe(1).f_globals["__name__"].startswith("chunkmem.activations")
+        if activations and not inputs:  # the activations' copies, before the choice
+            made[direction][0] += 1
+            made[direction][1] += source.numel() * source.element_size()
+
+    def recorded(self: SimulatedLayer, *args: Any, **kwargs: Any) -> Any:
+        event = record(self, *args, **kwargs)
+        if copying:
+            direction_of[id(event)] = copying[-1]
+        return event
+
+    def synchronized(self: SimulatedLayer, event: Any) -> None:
+        waited.add(id(event))
+        synchronize(self, event)
+
+    monkeypatch.setattr(HostTransfers, "copy", counted_copy)
+    monkeypatch.setattr(SimulatedLayer, "record_event", recorded)
+    monkeypatch.setattr(SimulatedLayer, "synchronize", synchronized)
+    monkeypatch.setattr(SimulatedLayer, "query", lambda self, event: event is None or id(event) in waited)
+    monkeypatch.setattr(SimulatedLayer, "elapsed_seconds", lambda self, begin, end: seconds[direction_of[id(end)]])
+    inputs = _every_call_offloaded(monkeypatch)
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
+    with simulated_device():
+        chunked, optimizer, booster = _boosted(budget)
+        for x in _data()[:2]:
+            booster.backward(_loss(chunked, x), optimizer)
+    ((_, rates),) = inputs
+    assert made[Direction.TO_HOST] == made[Direction.TO_DEVICE] == [4 * BLOCKS, BLOCKS * PER_BLOCK]
+    assert rates.to_host == pytest.approx(BLOCKS * PER_BLOCK / (4 * BLOCKS * seconds[Direction.TO_HOST]))
+    assert rates.to_device == pytest.approx(BLOCKS * PER_BLOCK / (4 * BLOCKS * seconds[Direction.TO_DEVICE]))

@@ -317,7 +317,7 @@ def test_no_grad_forward_of_an_offloaded_block_copies_nothing() -> None:
 def test_a_storage_freed_in_the_block_and_one_made_at_its_address_are_two_copies() -> None:
     """Each saved tensor is freed once packed (autograd keeps the handle): the next tensor may get
     its storage's address, and must not be taken for it."""
-    from chunkmem.activations import ActivationOffload, BlockCall
+    from chunkmem.activations import ActivationOffload
     from chunkmem.device import device_layer
     from chunkmem.tiers.transfers import HostTransfers
     from chunkmem.usage.stats import Stats
@@ -325,7 +325,7 @@ def test_a_storage_freed_in_the_block_and_one_made_at_its_address_are_two_copies
     offload = ActivationOffload(HostTransfers(Stats(), device_layer(torch.device("cpu"))), torch.device("cpu"), 1, 0)
     weight = torch.ones(256, requires_grad=True)
     total = torch.zeros(())
-    with offload.hooks(BlockCall("block", torch.nn.Module())):
+    with offload.hooks(offload.call("block", torch.nn.Module())):
         for i in range(20):
             total = total + (torch.full((256,), float(i)) * weight).sum()  # saves the filled tensor
     total.backward()

@@ -17,7 +17,7 @@ from models import batches, gpt2, llama
 from test_activation_budget import BATCH, WIDTH, Stack, _auto, _train
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, plan
-from placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
+from placement import ActivationChoice, ActivationPlacement, BlockPlacement, CopyRates, StaticPlacementConfig
 
 BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 
@@ -70,7 +70,7 @@ def test_offloaded_blocks_copy_what_the_plan_predicts(arch: str, precision: str)
     activations = ActivationPlacement(offload=[BLOCKS[arch]])
     predicted = _lm_plan(arch, activations, "eager", precision)
     measured = _lm_run(arch, activations, "eager", precision)
-    assert [c.how for c in predicted.activation_calls] == ["offload", "offload"]
+    assert [c.how for c in predicted.activation_calls] == [BlockPlacement.OFFLOAD] * 2
     assert predicted.activation_d2h_bytes_per_step > 0
     for step in measured:
         assert step["activation_d2h_bytes"] == predicted.activation_d2h_bytes_per_step
@@ -102,7 +102,7 @@ def test_auto_saved_bytes_per_call_and_the_minimum_budget_equal_a_runs() -> None
     roomy = 10_000_000
     predicted = _stack_plan(roomy)
     run = _train(roomy, _auto())
-    assert [c.how for c in predicted.activation_calls] == ["auto"] * 4
+    assert [c.how for c in predicted.activation_calls] == [BlockPlacement.AUTO] * 4
     assert tuple(c.saved_bytes for c in predicted.activation_calls) == run["plan"].saved_bytes
     # The first step offloads every auto call while measuring it: its copies are the planned ones.
     assert run["after_first"].activation_d2h_bytes == sum(c.offload_bytes for c in predicted.activation_calls) > 0
@@ -130,7 +130,7 @@ def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
     base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x8", "--device", "cpu", "--precision", "fp32"]
     offloaded = plan_cli.main([*base, "--activations", "offload=GPT2Block"])
     table = capsys.readouterr().out
-    assert [c.how for c in offloaded.activation_calls] == ["offload"] * 3
+    assert [c.how for c in offloaded.activation_calls] == [BlockPlacement.OFFLOAD] * 3
     assert "blocks transformer.h.0 .. transformer.h.2 (3 calls), offload" in table
     auto = plan_cli.main([*base, "--device-budget", "64MiB", "--activations", "auto=GPT2Block", "--json"])
     shown = json.loads(capsys.readouterr().out)
@@ -148,3 +148,60 @@ def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert exit_.value.code == 2 and last.startswith("python -m chunkmem.plan: error:"), (name, last)
         assert message in last, (name, last)
+
+
+class Tricky(torch.nn.Module):
+    """What a saved-tensor count can get wrong: views of an activation and of a parameter, one
+    tensor saved twice, parameters saved by ops, and temporaries freed once saved (an offload
+    keeps a copy), whose storages the next ones may take the place of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(WIDTH, WIDTH)  # saves its input and (model memory) its weight
+        self.scale = torch.nn.Parameter(torch.ones(WIDTH))
+        self.proj = torch.nn.Parameter(torch.eye(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a = h.t() @ h  # a view of h and h: one storage
+        s = h * self.scale  # h again, and a parameter
+        y = s @ self.proj.t()  # s, and a view of a parameter
+        out = x + y * y + a.mean()  # y twice
+        for i in range(3):
+            out = out + torch.sin(s * (i + 2))  # a temporary, freed once saved
+        return out
+
+
+class TrickyStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Tricky() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("how", ["auto", "offload"])
+def test_the_planned_saved_bytes_are_a_runs_with_views_double_saves_and_saved_parameters(how: str) -> None:
+    rows = 64
+    per_call = 7 * rows * WIDTH * 4  # x, h, s, y and the three temporaries
+    activations = ActivationPlacement(**{how: ["Tricky"]})
+    with torch.device("meta"):
+        meta = TrickyStack()
+    x = torch.randn(rows, WIDTH)
+    predicted = plan(meta, _plugin(activations, 10_000_000), {"x": x}, optimizer=_adamw, device="cpu", steps=2)
+    assert [(c.saved_bytes, c.offload_bytes) for c in predicted.activation_calls] == [(per_call, per_call)] * 2
+    model = TrickyStack()
+    booster = Booster(_plugin(activations, 10_000_000))
+    chunked, optimizer, *_ = booster.boost(model, _adamw(model.parameters()))
+    for _ in range(2):
+        booster.backward(chunked(x), optimizer)
+    stats = chunked.stats()
+    if how == "auto":
+        assert chunked.activation_plan.saved_bytes == (per_call,) * 2  # measured in the first step
+        assert stats.activation_d2h_bytes == 2 * per_call  # the first step's copies (then all kept)
+    else:
+        assert stats.activation_d2h_bytes == 2 * 2 * per_call

@@ -25,7 +25,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from placement import ActivationPlacement, ActivationPlan, PlacementPolicy, block_class_name, matches_block
+from placement import (
+    ActivationPlacement,
+    ActivationPlan,
+    BlockPlacement,
+    PlacementPolicy,
+    block_class_name,
+    matches_block,
+)
 
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
@@ -34,7 +41,7 @@ from ..usage.accounting import MemoryLedger
 from ..usage.stats import Stats
 from .auto import AutoBlocks
 from .ledger import DeviceActivations
-from .offload import ActivationOffload, BlockCall
+from .offload import ActivationOffload
 
 __all__ = ["ActivationBlocks", "DeviceBudget"]
 
@@ -101,14 +108,12 @@ class ActivationBlocks:
             self._account = DeviceActivations(ledger, room, comm.rank)
             offload = ActivationOffload(self._transfers, layer.device, 0, config.min_offload_bytes, self._account)
             self._auto = AutoBlocks(
-                offload, self._account, comm, policy, self._copies, self._transfers.settle, self._recompute
+                offload, self._account, comm, policy, self._copies, self._measured_copies, self._recompute
             )
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
-            recompute = any(matches_block(b, module) for b in config.recompute)
-            offloaded = any(matches_block(b, module) for b in config.offload)
-            auto = any(matches_block(b, module) for b in config.auto)
-            if not (recompute or offloaded or auto):
+            how = config.placement_of(module)
+            if how is None:
                 continue
             inside = next((outer for outer, m, _ in self._blocks if name.startswith(outer + ".")), None)
             if inside is not None:
@@ -116,7 +121,11 @@ class ActivationBlocks:
                     f"ActivationPlacement names the class of {name} ({type(module).__name__}) and of {inside}, "
                     "which holds it: a block's saved tensors are placed once; name one of the two classes"
                 )
-            run = self._recomputed if recompute else self._offloaded if offloaded else self._automatic
+            run = {
+                BlockPlacement.RECOMPUTE: self._recomputed,
+                BlockPlacement.OFFLOAD: self._offloaded,
+                BlockPlacement.AUTO: self._automatic,
+            }[how]
             self._blocks.append((name, module, functools.partial(run, name or "(the model)", module, module.forward)))
         for block in (*config.recompute, *config.offload, *config.auto):
             if not any(matches_block(block, m) for _, m, _ in self._blocks):
@@ -126,6 +135,10 @@ class ActivationBlocks:
                     f"model is one; its module classes are {present}"
                 )
         self._attach()
+
+    def _measured_copies(self) -> None:
+        """Every copy's time is in the counters (the host waits for copies still running)."""
+        self._transfers.settle(wait=True)
 
     @property
     def plan(self) -> ActivationPlan | None:
@@ -212,5 +225,5 @@ class ActivationBlocks:
     ) -> Any:
         if not self._placed(name, module, "offloaded"):
             return forward(*args, **kwargs)
-        with self._offload.hooks(BlockCall(name, module)):
+        with self._offload.hooks(self._offload.call(name, module)):
             return forward(*args, **kwargs)

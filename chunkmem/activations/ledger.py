@@ -1,21 +1,31 @@
 """``DeviceActivations``: the saved activations of ``ActivationPlacement(auto=...)`` blocks that are
 on the device, in the ledger (``MemoryKind.ACTIVATION``), under the device budget.
 
-What is accounted, and when:
+Every rank places chunks by what the ledger holds (the residency's evictions, prefetches and room
+read it, and their collectives must stay in step), so the ledger holds **rank-agreed figures per
+call**, never a rank's own bytes: ranks may save different bytes (dynamic padding: one rank's
+sequence is shorter). The figures are those the first step measured, the largest over ranks, for
+each call of a forward (``CallBytes``): the bytes the call saves, those of them an offload leaves
+on the device (small storages), and those it copies. A rank's own bytes are only checked against
+them: a call that saves more than its figure (a longer sequence than the first step's) raises on
+that rank.
 
-* **kept** (a call kept, or a tensor an offloaded call keeps because it is small): each storage
-  autograd saves, once however often and through whichever view it is saved, from the save (the
-  pack hook) until autograd lets go of the last handle to it (its backward ran, or the graph was
-  dropped): the handle's finalizer frees it.
-* **offloaded**: a storage from its save until its copy to the host is done (the block call's
-  end), and its device copy from the fetch before the call's backward until the call's last
-  handle is gone.
-* **recomputed**: nothing (between forward and backward the block holds nothing; its
-  recomputation in the backward is the working set of one block that the plan reserves).
+What a call holds (``CallHold``), and when:
+
+* **kept** (the plan keeps the call): its saved bytes from the call's start until autograd lets go
+  of the last tensor the call saved (its backward ran, or the graph was dropped).
+* **offloaded** (as planned): its saved bytes from the call's start until its copies to the host are
+  done (the call's end), then its small storages until the call is gone, and its copied bytes from
+  the fetch before its backward until the call is gone.
+* **measured** (the first step, every call offloaded): nothing during its forward (what it saves
+  then is the working set of one block), then, once its figures are agreed at its end, its small
+  storages and, from the fetch, its copied bytes, until the call is gone.
+* **recomputed**: nothing (its recomputation in the backward is the working set of one block that
+  the plan reserves).
 
 Not accounted: what autograd saves outside those blocks (the embeddings, the head, a loss), a
-block's temporaries, and the block's output (an input of what follows). Parameters, views of them,
-and storages shared with the block's parameters or buffers are model memory, never counted here.
+block's temporaries, and the block's output (an input of what follows). Model memory
+(``counting.is_model_memory``) is never counted here.
 
 Every allocation first asks for room (idle gathered chunks are released when the budget needs
 it); where there is none it raises ``BudgetExceededError`` rather than go over the budget.
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,29 +44,60 @@ from placement.policy import format_bytes
 from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
 
-__all__ = ["DeviceActivations", "is_model_memory"]
+__all__ = ["CallBytes", "CallHold", "DeviceActivations"]
 
 
-def is_model_memory(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
-    """Whether a saved tensor is model memory rather than an activation: a parameter, a view of
-    one, no plain strided tensor (a subclass, a copy the hooks made), or a tensor sharing the
-    storage of the block's parameters or buffers (chunk memory the runtime gathered for the op)."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
-        return True
-    if isinstance(tensor._base, torch.nn.Parameter):
-        return True
-    pointer = tensor.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == pointer for t in (*module.parameters(), *module.buffers()))
+class CallBytes(NamedTuple):
+    """One call's figures (the largest over ranks, or one rank's own)."""
+
+    saved: int
+    """Bytes the call saves apart from model memory, each storage once."""
+    small: int
+    """Of those, what an offload leaves on the device."""
+    copied: int
+    """What an offload copies to the host and back."""
+
+    def most(self, other: CallBytes) -> CallBytes:
+        return CallBytes(*(max(a, b) for a, b in zip(self, other, strict=True)))
 
 
 class _Kept:
-    """What autograd keeps for a kept tensor: the tensor, and the release of its storage's count
-    when autograd lets go of it."""
+    """What autograd keeps for a saved tensor that stays on the device: the tensor, and the call
+    that saved it (whose hold is given back once no such handle and no copy of it is left)."""
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("owner", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, owner: object) -> None:
         self.tensor = tensor
+        self.owner = owner
+
+
+def _give_back(account: DeviceActivations, held: list[int]) -> None:
+    account.remove(held[0])
+    held[0] = 0
+
+
+class CallHold:
+    """The bytes one call holds in the ledger: taken with room made, given back in part by the call
+    (``give``) and what is left once the hold is gone (it lives as long as its call)."""
+
+    def __init__(self, account: DeviceActivations) -> None:
+        self._account = account
+        self._held = [0]
+        weakref.finalize(self, _give_back, account, self._held)
+
+    @property
+    def bytes(self) -> int:
+        return self._held[0]
+
+    def take(self, nbytes: int, what: str) -> None:
+        self._account.add(nbytes, what)
+        self._held[0] += nbytes
+
+    def give(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self._held[0])
+        self._account.remove(nbytes)
+        self._held[0] -= nbytes
 
 
 class DeviceActivations:
@@ -67,9 +108,8 @@ class DeviceActivations:
         self._ledger = ledger
         self._room = room
         self._rank = rank
-        self._kept: dict[int, list[int]] = {}  # storage (_cdata) -> [bytes, handles]
         self.kept_total = 0
-        """Bytes kept since boosting (each storage once per save into a storage not kept yet)."""
+        """Saved bytes kept on the device since boosting (each storage once per call)."""
 
     @property
     def device_bytes(self) -> int:
@@ -86,10 +126,8 @@ class DeviceActivations:
             raise BudgetExceededError(
                 f"rank {self._rank}: {what} needs {format_bytes(nbytes)} on the device but only {format_bytes(free)} "
                 f"of the device budget are free ({format_bytes(ledger.device_bytes)} accounted, of which "
-                f"{format_bytes(self.device_bytes)} saved activations) after releasing every idle chunk. The plan "
-                "made from the first step reserved one block's saved bytes: a step that saves more (a longer "
-                "sequence, a larger micro-batch) than the first does not fit. Run the largest shape first, or "
-                "raise device_budget.",
+                f"{format_bytes(self.device_bytes)} saved activations) after releasing every idle chunk. "
+                "Raise device_budget, or shorten the sequence or the micro-batch.",
                 ledger.device_bytes + nbytes,
             )
         self._ledger.alloc(Location.DEVICE, MemoryKind.ACTIVATION, nbytes)
@@ -98,35 +136,24 @@ class DeviceActivations:
         if nbytes:
             self._ledger.free(Location.DEVICE, MemoryKind.ACTIVATION, nbytes)
 
-    def keep(self, tensor: torch.Tensor, what: str) -> _Kept:
-        """The handle autograd keeps for a saved tensor that stays on the device, accounted."""
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        entry = self._kept.get(key)
-        if entry is None:
-            self.add(storage.nbytes(), what)
-            entry = self._kept[key] = [storage.nbytes(), 0]
-            self.kept_total += storage.nbytes()
-        entry[1] += 1
-        kept = _Kept(tensor)
-        weakref.finalize(kept, self._drop, key)
-        return kept
+    def hold(self) -> CallHold:
+        return CallHold(self)
+
+    def check(self, block: str, what: str, actual: int, agreed: int) -> None:
+        """Refuse a call whose own bytes (``actual``) exceed the figure it is accounted by."""
+        if actual > agreed:
+            raise BudgetExceededError(
+                f"rank {self._rank}: block {block} {what} {format_bytes(actual)}, more than the "
+                f"{format_bytes(agreed)} its plan accounts (the most any rank's call saved in the first step): a step "
+                "that saves more (a longer sequence, a larger micro-batch) than the first does not fit. Run the "
+                "largest shape first, or raise device_budget."
+            )
+
+    def keep(self, tensor: torch.Tensor, owner: object) -> _Kept:
+        """The handle autograd keeps for a saved tensor that stays on the device; ``owner`` (the
+        call) lives as long as it."""
+        return _Kept(tensor, owner)
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Kept) else saved
-
-    def _drop(self, key: int) -> None:
-        entry = self._kept[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._kept[key]
-            self.remove(entry[0])
-
-    def keep_hooks(self, module: torch.nn.Module, what: str) -> Any:
-        """Saved-tensor hooks that keep what a call of ``module`` saves, accounted."""
-
-        def pack(tensor: torch.Tensor) -> Any:
-            return tensor if is_model_memory(module, tensor) else self.keep(tensor, what)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, self.unpack)

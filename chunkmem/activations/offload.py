@@ -16,10 +16,11 @@ block to pinned host memory during the forward and back to the device before its
   fetched at the same time.
 * Host buffers go back to the pool at the next forward, once the fetches that read them are done.
 
-With a ``DeviceActivations`` (the blocks of ``ActivationPlacement(auto=...)``) what stays on the
-device is accounted: small tensors it keeps, each storage until its copy to the host is done (the
-host waits for the call's copies at the call's end, ``settle``), and the device copies from their
-fetch until the call's last handle is gone.
+What a call saves is counted by ``counting.SavedCount`` (the planner's rule too). With a
+``DeviceActivations`` (the blocks of ``ActivationPlacement(auto=...)``) small storages stay on the
+device in the ledger's handle, and a call's ``CallHold`` holds the rank-agreed bytes the ledger
+accounts for it (see ``ledger``): what it gives back when its copies to the host are done
+(``settle``: the host waits for them at the call's end) and what it takes at the fetch.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..device.layer import Event
 from ..tiers.transfers import Direction, HostTransfers
-from .ledger import DeviceActivations, is_model_memory
+from .counting import Saved, SavedCount
+from .ledger import CallBytes, CallHold, DeviceActivations
 
 __all__ = ["ActivationOffload", "BlockCall"]
 
@@ -46,22 +47,24 @@ class _Copy:
     """One storage saved by a block call: its host copy, then its device copy."""
 
     host: torch.Tensor
-    source: Any  # a StorageWeakRef to the storage copied: once it died, its address may be another's
     device: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
 class BlockCall:
-    """What one call of an offloaded block saved, and where it is now."""
+    """What one call of a placed block saved, and where it is now."""
 
     block: str
     module: torch.nn.Module
-    copies: dict[tuple[int, int], _Copy] = field(default_factory=dict)  # (storage, version) -> copy
+    count: SavedCount
+    hold: CallHold | None = None  # its bytes in the ledger (auto calls)
+    agreed: CallBytes | None = None  # the figures it is accounted by (None while measured)
+    drained: int = 0  # what the hold gives back once the copies to the host are done
+    fetch_bytes: int = 0  # what the hold takes when the copies are fetched back
+    copies: dict[tuple[int, int], _Copy] = field(default_factory=dict)  # (storage, version) -> its latest copy
+    made: list[_Copy] = field(default_factory=list)  # every copy, in the order made
     fetched: bool = False
     ready: Event | None = None  # after the fetch, on the fetch stream
-    saved_bytes: int = 0  # what the call saved apart from model memory, each storage once
-    draining: int = 0  # accounted bytes of storages being copied to the host
-    seen: set[int] = field(default_factory=set)  # storages counted in saved_bytes
     host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
 
 
@@ -107,49 +110,56 @@ class ActivationOffload:
         self._pending.append(weakref.ref(call))
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
 
+    def call(self, block: str, module: torch.nn.Module, hold: CallHold | None = None) -> BlockCall:
+        """A new call of a placed block (``hold``: its bytes in the ledger)."""
+        return BlockCall(block, module, SavedCount(module, self._min_bytes), hold)
+
+    @staticmethod
+    def count(call: BlockCall, tensor: torch.Tensor) -> Saved:
+        """Count a tensor the call saves. On the meta device (the planner's run of the runtime,
+        whose figures ``forecast`` makes) nothing is placed: it stays as it is, uncounted."""
+        return Saved.MODEL if tensor.is_meta else call.count.add(tensor)
+
     # --- forward ------------------------------------------------------------------------------
-    def _small(self, tensor: torch.Tensor) -> bool:
-        nbytes = tensor.untyped_storage().nbytes()
-        return nbytes < self._min_bytes or nbytes % tensor.element_size() != 0
-
-    def _count(self, call: BlockCall, storage: Any) -> None:
-        if storage._cdata not in call.seen:
-            call.seen.add(storage._cdata)
-            call.saved_bytes += storage.nbytes()
-
     def _pack(self, call: BlockCall, tensor: torch.Tensor) -> Any:
-        # Chunk memory (a parameter, a view of one, a storage of the block's parameters or buffers:
-        # gathered and released by the runtime) stays as it is, and so do small storages.
-        if is_model_memory(call.module, tensor):
+        verdict = self.count(call, tensor)
+        if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
             return tensor
-        storage = tensor.untyped_storage()
-        self._count(call, storage)
-        if self._small(tensor):
-            return tensor if self._account is None else self._account.keep(tensor, f"block {call.block}")
-        key = (storage._cdata, tensor._version)
-        copy = call.copies.get(key)
-        if copy is None or copy.source.expired():
-            if copy is not None:  # another storage, at the address of one copied and freed since
-                call.copies[(id(copy), -1)] = copy
-            if self._account is not None:
-                self._account.add(storage.nbytes(), f"block {call.block} (a saved tensor on its way to the host)")
-                call.draining += storage.nbytes()
+        if call.agreed is not None and self._account is not None:
+            count, agreed = call.count, call.agreed
+            for what, actual, figure in (
+                ("saved", count.saved_bytes, agreed.saved),
+                ("kept small storages of", count.small_bytes, agreed.small),
+                ("copied", count.copied_bytes, agreed.copied),
+            ):
+                self._account.check(call.block, what, actual, figure)
+        if verdict is Saved.SMALL:
+            return tensor if self._account is None else self._account.keep(tensor, call)
+        key = (tensor.untyped_storage()._cdata, tensor._version)
+        if verdict is Saved.COPY:  # the first save of this storage version in the call
             began = time.perf_counter()
-            copy = call.copies[key] = _Copy(self._to_host(tensor), StorageWeakRef(storage))
+            copy = call.copies[key] = _Copy(self._to_host(tensor))
+            call.made.append(copy)
             call.host_seconds[0] += time.perf_counter() - began
+        else:
+            copy = call.copies[key]
         return _Saved(call, copy, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def settle(self, call: BlockCall) -> None:
         """The call's forward is done: with accounting, the host waits for its copies to the host,
-        and their sources leave the ledger."""
-        if self._account is None or not call.draining:
+        and the call's hold gives back what they drained (also when the wait failed: the call is
+        over either way)."""
+        if self._account is None:
             return
         began = time.perf_counter()
-        for copy in call.copies.values():
-            self._transfers.before_host_read(copy.host)
-        call.host_seconds[0] += time.perf_counter() - began
-        self._account.remove(call.draining)
-        call.draining = 0
+        try:
+            for copy in call.made:
+                self._transfers.before_host_read(copy.host)
+        finally:
+            call.host_seconds[0] += time.perf_counter() - began
+            if call.hold is not None:
+                call.hold.give(call.drained)
+            call.drained = 0
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         numel = tensor.untyped_storage().nbytes() // tensor.element_size()
@@ -195,14 +205,12 @@ class ActivationOffload:
         call.host_seconds[0] += time.perf_counter() - began
 
     def _fetch_now(self, call: BlockCall) -> None:
-        if self._account is not None:
-            nbytes = sum(copy.host.numel() * copy.host.element_size() for copy in call.copies.values())
-            self._account.add(nbytes, f"block {call.block} (its saved tensors fetched for its backward)")
-            weakref.finalize(call, self._account.remove, nbytes)  # once the last handle is gone
-        for copy in call.copies.values():
+        if call.hold is not None:
+            call.hold.take(call.fetch_bytes, f"block {call.block} (its saved tensors fetched for its backward)")
+        for copy in call.made:
             self._transfers.before_host_read(copy.host)  # the copy into it is done
         with self._layer.on_stream(self._fetch_stream):
-            for copy in call.copies.values():
+            for copy in call.made:
                 copy.device = torch.empty(copy.host.numel(), dtype=copy.host.dtype, device=self._device)
                 self._transfers.copy(copy.device, copy.host, Direction.TO_DEVICE)
                 self._fetched_hosts.append(copy.host)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from placement import ActivationPlan, BlockMeasure, CopyRates, choose_activations
+from placement import ActivationPlan, BlockMeasure, BlockPlacement, CopyRates, choose_activations
 from placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast
@@ -128,15 +128,15 @@ class Plan:
     """What the placement of model data needs on the device at least (``placement_need().minimum``):
     the ``model_bytes`` the ``auto`` choice is made with."""
 
-    def _calls(self, how: str) -> list[BlockForecast]:
-        return [c for c in self.activation_calls if c.how == how]
+    def _calls(self, how: BlockPlacement) -> list[BlockForecast]:
+        return [c for c in self.activation_calls if c.how is how]
 
     @property
     def activation_d2h_bytes_per_step(self) -> int:
         """What the ``offload`` blocks copy to the host per step (``Stats.activation_d2h_bytes``);
         ``auto`` calls add their ``offload_bytes`` in the first step (all offloaded while measured),
         afterwards as their choice says (``auto_choice``)."""
-        return self.grad_accum * sum(c.offload_bytes for c in self._calls("offload"))
+        return self.grad_accum * sum(c.offload_bytes for c in self._calls(BlockPlacement.OFFLOAD))
 
     @property
     def activation_h2d_bytes_per_step(self) -> int:
@@ -147,13 +147,13 @@ class Plan:
     @property
     def recomputed_blocks_per_step(self) -> int:
         """Calls of ``recompute`` blocks recomputed per step (``Stats.recomputed_blocks``)."""
-        return self.grad_accum * len(self._calls("recompute"))
+        return self.grad_accum * len(self._calls(BlockPlacement.RECOMPUTE))
 
     @property
     def auto_saved_bytes(self) -> int:
         """The ``auto`` calls' saved bytes of one forward, all kept (what the budget would need beyond
         model data and one call's reserve to keep every call)."""
-        return sum(c.saved_bytes for c in self._calls("auto"))
+        return sum(c.saved_bytes for c in self._calls(BlockPlacement.AUTO))
 
     def auto_choice(self, forward_seconds: Sequence[float], rates: CopyRates) -> ActivationPlan:
         """The choice ``choose_activations`` makes for the ``auto`` calls at ``device_budget``, from
@@ -161,7 +161,7 @@ class Plan:
         (in forward order) and the copy rates, as measured on the device (the first step of a run
         measures them, and the offloads' own host time, taken as 0 here). ``BudgetTooSmallError``
         below ``activation_min_device_budget``."""
-        calls = self._calls("auto")
+        calls = self._calls(BlockPlacement.AUTO)
         if len(forward_seconds) != len(calls):
             raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
         if self.device_budget is None:
@@ -196,6 +196,8 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        for call in out["activation_calls"]:
+            call["how"] = call["how"].value
         out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
         out["disk_seconds_per_step"] = self.disk_seconds_per_step
         for name in (
@@ -268,9 +270,11 @@ class Plan:
         for group in _runs(self.activation_calls):
             first, n = group[0], len(group)
             name = f"block {first.name}" if n == 1 else f"blocks {first.name} .. {group[-1].name} ({n} calls)"
-            copies = f", copies {format_bytes(first.offload_bytes)}" * (first.how != "recompute")
-            rows.append((f"{name}, {first.how}", f"{'each ' * (n > 1)}saves {format_bytes(first.saved_bytes)}{copies}"))
-        if self._calls("offload"):
+            copies = f", copies {format_bytes(first.offload_bytes)}" * (first.how is not BlockPlacement.RECOMPUTE)
+            rows.append(
+                (f"{name}, {first.how.value}", f"{'each ' * (n > 1)}saves {format_bytes(first.saved_bytes)}{copies}")
+            )
+        if self._calls(BlockPlacement.OFFLOAD):
             rows.append(
                 (
                     "activations d2h + h2d per step",
@@ -278,7 +282,7 @@ class Plan:
                     f"{format_bytes(self.activation_h2d_bytes_per_step)}",
                 )
             )
-        if self._calls("recompute"):
+        if self._calls(BlockPlacement.RECOMPUTE):
             rows.append(("recomputed blocks per step", str(self.recomputed_blocks_per_step)))
         if self.activation_min_device_budget is not None:
             rows.append(("minimum budget with auto blocks", format_bytes(self.activation_min_device_budget)))

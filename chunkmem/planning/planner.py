@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from placement.activation_plan import activation_minimum
+from placement.activations import BlockPlacement
 from placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast, forecast
@@ -331,7 +332,7 @@ def _activation_calls(
 
 def _auto_minimum(calls: tuple[BlockForecast, ...], model_need: int) -> int | None:
     """The refusal's minimum with ``auto`` blocks: model data's need and the largest call's saved bytes."""
-    auto = [c.saved_bytes for c in calls if c.how == "auto"]
+    auto = [c.saved_bytes for c in calls if c.how is BlockPlacement.AUTO]
     return activation_minimum(auto, model_need) if auto else None
 
 

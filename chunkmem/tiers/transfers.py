@@ -168,11 +168,14 @@ class HostTransfers:
         with self._staging_lock:
             self._staging.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
-    def settle(self) -> None:
-        """Add the seconds of completed asynchronous copies to the statistics."""
+    def settle(self, wait: bool = False) -> None:
+        """Add the seconds of completed asynchronous copies to the statistics (with ``wait``, of
+        every copy: the host waits for those still running)."""
         pending = []
         for direction, begin, end in self._timings:
-            if self._layer.query(end):
+            if wait:
+                self._layer.synchronize(end)
+            if wait or self._layer.query(end):
                 self._add_seconds(direction, self._layer.elapsed_seconds(begin, end))
             else:
                 pending.append((direction, begin, end))
