@@ -341,8 +341,10 @@ def dcp_save(comm: Communicator, directory: Path, entries: Mapping[str, SaveEntr
     return sorted(writer.written)
 
 
-def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str) -> None:
-    """Fill ``targets`` from ``directory`` (a collective over the model's ranks)."""
+def dcp_load(
+    comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str
+) -> Mapping[str, LoadTarget]:
+    """Fill ``targets`` from ``directory`` (a collective over the model's ranks); returns them."""
     no_dist = _no_dist(comm, what)
     reader = SafeFileSystemReader(directory)
     with _quiet():
@@ -350,3 +352,4 @@ def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarg
     unread = [fqn for fqn, target in targets.items() if isinstance(target, BlobTarget) and not target.loaded]
     if unread:
         raise RuntimeError(f"{directory}: the values of {unread[:5]} were not read")
+    return targets

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,12 +40,12 @@ from .manifest import (
     unverified,
 )
 from .workspace import (
-    KEEP_READING,
+    Pinned,
     Workspace,
     check_only_saver,
     first_line,
     fsync_directory,
-    kept_replacing,
+    read_while_replaced,
     remove_dead_workspaces,
     write_durably,
     write_error,
@@ -166,14 +165,6 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
 
 # --- reading ----------------------------------------------------------------------------------
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _load(target: Path) -> Any:
     try:
         try:
@@ -196,45 +187,30 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
     replaces the file meanwhile is not damage: the file checked is the one loaded (the same inode,
     held open throughout), or the read starts again."""
     target = Path(path)
-    deadline = time.monotonic() + KEEP_READING
-    attempts = 0
-    while time.monotonic() < deadline or attempts == 0:
-        attempts += 1
-        try:
-            held = open(target, "rb")  # noqa: SIM115 (closed below; keeps the inode while it is read)
-        except (FileNotFoundError, IsADirectoryError):
-            held = None
-        if held is None or not target.is_file():
+
+    def attempt(pinned: Pinned) -> tuple[Any, Manifest | None]:
+        if pinned.fd is None or not target.is_file():
             raise CheckpointCorruptedError(
                 f"checkpoint file {target} does not exist or is not a file"
                 + (" (it is a directory)" if target.is_dir() else "")
             )
-        with held:
-            pinned = os.fstat(held.fileno())
-            identity = (pinned.st_dev, pinned.st_ino)
-            manifest = read_manifest(target)
-            if manifest is None:
-                unverified(target, manifest_path(target).name, verify)
-                obj = _load(target)
-                if _identity(target) == identity:
-                    return obj, None
-                continue
-            check_sealed(manifest, manifest_path(target), target, verify)
-            actual = digest_of(held)
-            chosen = manifest
-            if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:
-                chosen = manifest.previous  # a save is between renaming its manifest and its file
-            if actual != chosen.digest and _identity(target) != identity:
-                continue  # replaced while it was read: read the new one
-            check_kind(target, chosen, kind)
-            if chosen.file != target.name:
-                raise CheckpointMismatchError(
-                    f"the manifest beside {target} describes the file '{chosen.file}': the files were renamed or "
-                    "swapped. Rename them back together (a file and its .chunkmem.json keep the same base name)."
-                )
-            assert chosen.digest is not None, "a file's manifest has its digest"
-            check_digest(target, actual, chosen.digest, manifest_path(target), target)
-            obj = _load(target)
-            if _identity(target) == identity:
-                return obj, chosen
-    raise kept_replacing(f"checkpoint file {target}", attempts)
+        manifest = read_manifest(target)
+        if manifest is None:
+            unverified(target, manifest_path(target).name, verify)
+            return _load(target), None
+        check_sealed(manifest, manifest_path(target), target, verify)
+        actual = digest_of(pinned.fd)
+        chosen = manifest
+        if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:
+            chosen = manifest.previous  # a save is between renaming its manifest and its file
+        check_kind(target, chosen, kind)
+        if chosen.file != target.name:
+            raise CheckpointMismatchError(
+                f"the manifest beside {target} describes the file '{chosen.file}': the files were renamed or "
+                "swapped. Rename them back together (a file and its .chunkmem.json keep the same base name)."
+            )
+        assert chosen.digest is not None, "a file's manifest has its digest"
+        check_digest(target, actual, chosen.digest, manifest_path(target), target)
+        return _load(target), chosen
+
+    return read_while_replaced(target, f"checkpoint file {target}", attempt)

@@ -11,9 +11,7 @@ anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
@@ -279,19 +277,16 @@ def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
         )
 
 
-def digest_of(path: Path | io.BufferedReader) -> FileDigest:
-    """Size and SHA-256 of the file at ``path`` (or of an open file, from its start), read through
-    one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer per read)."""
+def digest_of(path: Path | int) -> FileDigest:
+    """Size and SHA-256 of the file at ``path`` (or of an open file descriptor, from its start),
+    read through one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer
+    per read)."""
     digest = hashlib.sha256()
     size = 0
     block = bytearray(_READ_BLOCK)
     view = memoryview(block)
-    with contextlib.ExitStack() as stack:
-        if isinstance(path, io.BufferedReader):
-            f = path.raw
-            f.seek(0)
-        else:
-            f = stack.enter_context(open(path, "rb", buffering=0))
+    with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
+        f.seek(0)
         while count := f.readinto(block):
             digest.update(view[:count])
             size += count

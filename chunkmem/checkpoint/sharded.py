@@ -26,9 +26,6 @@ Loading (a collective):
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +55,7 @@ from .manifest import (
     read_manifest,
     unverified,
 )
-from .workspace import KEEP_READING, Workspace, first_line, interrupted_saves, kept_replacing, write_error
+from .workspace import Pinned, Workspace, first_line, interrupted_saves, read_while_replaced, write_error
 
 __all__ = ["Reading", "load_directory", "save_directory"]
 
@@ -257,74 +254,17 @@ def load_directory(
         return manifest, plan(manifest, metadata)
 
     def read(reading: Reading[T]) -> T | None:
-        def run() -> bool:
-            dcp_load(comm, target, reading.targets, what)
-            return True
+        done = _through_dcp(
+            lambda: dcp_load(comm, target, reading.targets, what), comm.rank, lambda e: _read_error(target, e)
+        )
+        return None if done is None else reading.finish()
 
-        if _through_dcp(run, comm.rank, lambda e: _read_error(target, e)) is None:
-            return None
-        return reading.finish()
-
-    deadline = time.monotonic() + KEEP_READING
-    attempts = 0
-    while True:
-        attempts += 1
-        failure: CheckpointError | None = None
-        with _Pinned(target) as pinned:
-            try:
-                manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
-                staged = agree(
-                    comm, f"{what} (reading)", functools.partial(read, reading), CheckpointCorruptedError, str(target)
-                )
-            except CheckpointError as error:
-                # The agreement raised the same class on every rank, so every rank is here. (A
-                # departure between ranks is another class: it must not wait for a collective.)
-                failure = error
-            replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
-        if replaced and not expired:
-            continue  # a save swapped the directory while it was read: not damage
-        if replaced:
-            raise kept_replacing(f"checkpoint directory {target}", attempts) from None
-        if failure is not None:
-            raise failure
+    def attempt(pinned: Pinned) -> tuple[T, Manifest | None]:
+        manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
+        staged = agree(comm, f"{what} (reading)", lambda: read(reading), CheckpointCorruptedError, str(target))
         assert staged is not None, "a rank that saw another rank fail raised in the agreement"
         return staged, manifest
 
-
-class _Pinned:
-    """Holds the directory at a path open (its inode cannot be reused), to tell afterwards whether
-    the path still names it: a save swaps a new directory in with a rename."""
-
-    def __init__(self, target: Path) -> None:
-        self._target = target
-        self._fd: int | None = None
-
-    def __enter__(self) -> _Pinned:
-        with contextlib.suppress(OSError):
-            self._fd = os.open(self._target, os.O_RDONLY | os.O_DIRECTORY)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def replaced(self) -> bool:
-        try:
-            now = os.stat(self._target)
-        except OSError:
-            return self._fd is not None
-        if self._fd is None:
-            return True
-        held = os.fstat(self._fd)
-        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
-
-
-def _replaced_on_any_rank(comm: Communicator, pinned: _Pinned, deadline: float) -> tuple[bool, bool]:
-    """Whether any rank's directory was replaced since it was pinned, and whether any rank is past
-    ``deadline`` (a collective: the ranks read again together, so no two load different saves)."""
-    mine = (pinned.replaced(), time.monotonic() > deadline)
-    if comm.world_size == 1:
-        return mine
-    everyone = comm.all_gather_object(mine)
-    return any(r for r, _ in everyone), any(e for _, e in everyone)
+    # The agreements raise the same class on every rank, so every rank decides whether to read
+    # again. (A departure between ranks is another class: it must not wait for a collective.)
+    return read_while_replaced(target, f"checkpoint directory {target}", attempt, comm)

@@ -14,36 +14,47 @@ checkpoint there, and the next save or load to the same target puts it back.
 
 A write that fails is named by :func:`write_error`, whatever the format: what could not be written
 and why, the space left on its disk, and that the previous checkpoint at the target is unchanged.
+A load reads again while saves replace what it reads (:func:`read_while_replaced`), whatever the
+format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import secrets
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
 from ..owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
+if TYPE_CHECKING:
+    from ..comm import Communicator
+
 __all__ = [
     "KEEP_READING",
     "PREVIOUS",
+    "Pinned",
     "Workspace",
     "check_only_saver",
     "first_line",
     "fsync_directory",
     "interrupted_saves",
-    "kept_replacing",
+    "read_while_replaced",
     "remove_dead_workspaces",
     "restore_interrupted",
     "write_durably",
     "write_error",
 ]
 
+T = TypeVar("T")
 _INFIX = ".chunkmem-tmp-"
 _MARKER = ".chunkmem-workspace"
 PREVIOUS = "previous"
@@ -177,9 +188,59 @@ KEEP_READING = 120.0
 """Seconds a load reads a checkpoint again while saves keep replacing it, before giving up."""
 
 
-def kept_replacing(what: str, attempts: int) -> CheckpointError:
-    """The error for a load of ``what`` that saves replaced during each of its ``attempts``."""
-    return CheckpointError(
-        f"{what} was replaced by a save during each of {attempts} reads in {KEEP_READING:.0f} s: another process "
-        "keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
-    )
+class Pinned:
+    """Holds what ``path`` names open, a file or a directory (its inode cannot be reused), to tell
+    afterwards whether the path still names it: a save puts a new one in place with a rename."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self.fd: int | None = None
+        with contextlib.suppress(OSError):
+            self.fd = os.open(path, os.O_RDONLY)
+
+    def replaced(self) -> bool:
+        try:
+            now = os.stat(self._path)
+        except OSError:
+            return self.fd is not None
+        if self.fd is None:
+            return True
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_while_replaced(path: Path, what: str, attempt: Callable[[Pinned], T], comm: Communicator | None = None) -> T:
+    """``attempt`` with ``path`` pinned, again while saves replace what ``path`` names during it (a
+    replaced checkpoint is not a damaged one), for up to :data:`KEEP_READING` seconds. With ``comm``
+    the ranks decide together (a collective: no two ranks read different saves), and ``attempt``
+    raises the same ``CheckpointError`` on every rank or on none."""
+    deadline = time.monotonic() + KEEP_READING
+    attempts = 0
+    while True:
+        attempts += 1
+        failure: CheckpointError | None = None
+        pinned = Pinned(path)
+        try:
+            result = attempt(pinned)
+        except CheckpointError as error:
+            failure = error
+        finally:
+            replaced, expired = pinned.replaced(), time.monotonic() > deadline
+            pinned.close()
+        if comm is not None and comm.world_size > 1:
+            everyone = comm.all_gather_object((replaced, expired))
+            replaced, expired = any(r for r, _ in everyone), any(e for _, e in everyone)
+        if not replaced:
+            if failure is not None:
+                raise failure
+            return result
+        if expired:
+            raise CheckpointError(
+                f"{what} was replaced by a save during each of {attempts} reads in {KEEP_READING:.0f} s: another "
+                "process keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
+            )
