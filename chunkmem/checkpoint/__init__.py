@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ..model import ChunkedModel
     from ..model_state import StagedModelLoad
     from ..optim.state_dict import StagedOptimizerState
-    from .dcp_layout import SaveEntry
+    from .dcp_layout import Entry
     from .sharded import Reading
 
 __all__ = [
@@ -86,7 +86,7 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     _check_shard(shard)
     runtime = model.runtime
 
-    def pieces() -> Mapping[str, SaveEntry]:
+    def pieces() -> Mapping[str, Entry]:
         from .sharded_model import model_save_entries
 
         return model_save_entries(model)
@@ -142,7 +142,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     every rank writes the state of its own pieces. A collective."""
     _check_shard(shard)
 
-    def pieces() -> Mapping[str, SaveEntry]:
+    def pieces() -> Mapping[str, Entry]:
         from .sharded_optimizer import optimizer_save_entries
 
         return optimizer_save_entries(optimizer)

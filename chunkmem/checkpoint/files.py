@@ -33,11 +33,10 @@ from .manifest import (
     Record,
     check_digest,
     check_kind,
-    check_sealed,
     digest_of,
+    manifest_for_load,
     manifest_path,
     read_manifest,
-    unverified,
 )
 from .workspace import (
     Pinned,
@@ -194,11 +193,9 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
                 f"checkpoint file {target} does not exist or is not a file"
                 + (" (it is a directory)" if target.is_dir() else "")
             )
-        manifest = read_manifest(target)
+        manifest = manifest_for_load(target, verify)
         if manifest is None:
-            unverified(target, manifest_path(target).name, verify)
             return _load(target), None
-        check_sealed(manifest, manifest_path(target), target, verify)
         actual = digest_of(pinned.fd)
         chosen = manifest
         if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:

@@ -44,13 +44,12 @@ __all__ = [
     "TensorEntry",
     "check_digest",
     "check_kind",
-    "check_sealed",
     "digest_of",
+    "manifest_for_load",
     "manifest_path",
     "plain_name",
     "read_manifest",
     "seal",
-    "unverified",
 ]
 
 log = logging.getLogger("chunkmem")
@@ -233,30 +232,30 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
     return manifest
 
 
-def check_sealed(manifest: Manifest, side: Path, subject: Path, verify: bool) -> None:
-    """Refuse a manifest without a seal (``version: 1``) unless ``verify`` is false, and then log it:
-    an edit to ``version: 1`` must not be a way around the seal."""
-    if manifest.version != 1:
-        return
-    if verify:
+def manifest_for_load(target: Path, verify: bool, directory: bool = False) -> Manifest | None:
+    """The manifest of the checkpoint ``target`` (:func:`read_manifest`) for a load. A checkpoint
+    without one, or whose manifest has no seal (``version: 1``: an edit to say so must not be a way
+    around the seal), is refused unless ``verify`` is false, and then logged as unverified."""
+    manifest = read_manifest(target, directory)
+    side = target / MANIFEST_NAME if directory else manifest_path(target)
+    if manifest is None and verify:
+        raise CheckpointUnverifiedError(
+            f"{target} has no manifest ({side.name}), so chunkmem cannot check that it is intact and saved for "
+            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
+            f"logged as unverified); if chunkmem saved it, copy {side.name} with it."
+        )
+    if manifest is not None and manifest.version == 1 and verify:
         raise CheckpointUnverifiedError(
             f"the manifest {side} has no seal (version 1: written by a chunkmem from before manifests were sealed, or "
             f"edited to say so), so chunkmem cannot check that its step, digests and model were not changed. If it "
-            f"is yours, load {subject} with verify=False (its checksums are still checked; the load is logged as "
+            f"is yours, load {target} with verify=False (its checksums are still checked; the load is logged as "
             "unverified) and save again to write a sealed manifest."
         )
-    log.warning("loading %s with an unsealed (version 1) manifest %s (verify=False)", subject, side)
-
-
-def unverified(target: Path, manifest_name: str, verify: bool) -> None:
-    """A checkpoint without its manifest: refused, or with ``verify=False`` logged as unverified."""
-    if verify:
-        raise CheckpointUnverifiedError(
-            f"{target} has no manifest ({manifest_name}), so chunkmem cannot check that it is intact and saved for "
-            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
-            f"logged as unverified); if chunkmem saved it, copy {manifest_name} with it."
-        )
-    log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
+    if manifest is None:
+        log.warning("loading %s unverified (verify=False): it has no %s", target, side.name)
+    elif manifest.version == 1:
+        log.warning("loading %s with an unsealed (version 1) manifest %s (verify=False)", target, side)
+    return manifest
 
 
 _A_KIND: dict[str, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}

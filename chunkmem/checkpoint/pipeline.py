@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..comm import Communicator
     from ..manager import ChunkManager
     from ..progress import TrainingProgress
-    from .dcp_layout import SaveEntry
+    from .dcp_layout import Entry
     from .sharded import Reading
 
 __all__ = ["load", "save"]
@@ -50,7 +50,7 @@ def save(
     progress: TrainingProgress,
     tensors: list[TensorEntry],
     full_state: Callable[[], Any],
-    pieces: Callable[[], Mapping[str, SaveEntry]] | None = None,
+    pieces: Callable[[], Mapping[str, Entry]] | None = None,
 ) -> None:
     """Save a ``kind`` state of the model ``manager`` holds, at the step ``progress`` is at: the
     file ``target`` of ``full_state()`` (gathered to rank 0, which writes it) or, with ``pieces``,

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..agreement import agree, on_first_rank
 from ..comm import Communicator
 from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
-from .dcp_layout import Blob, LoadTarget, SaveEntry, dcp_load, dcp_save
-from .dcp_reader import read_metadata
+from .dcp_layout import Blob, Entry, dcp_load, dcp_save
+from .dcp_reader import data_files, read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
 from .loadable import check_loadable
 from .manifest import (
@@ -50,10 +50,8 @@ from .manifest import (
     Manifest,
     Record,
     check_kind,
-    check_sealed,
     digest_of,
-    read_manifest,
-    unverified,
+    manifest_for_load,
 )
 from .workspace import Pinned, Workspace, first_line, interrupted_saves, read_while_replaced, write_error
 
@@ -89,9 +87,7 @@ def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseExcept
 
 
 # --- saving -----------------------------------------------------------------------------------
-def save_directory(
-    comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, SaveEntry]]
-) -> None:
+def save_directory(comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, Entry]]) -> None:
     """Save what ``build`` lists on each rank (its pieces, and what it saves once) as the DCP
     checkpoint directory ``target``, atomically. A collective: every rank calls it."""
     what = f"saving a sharded {record.kind} checkpoint"
@@ -110,7 +106,7 @@ def save_directory(
         agree(comm, what, prepare, CheckpointWriteError, subject)
         name = comm.all_gather_object(workspace.path.name if workspace is not None else None)[0]
         shared = target.parent / name / WRITE_INTO
-        entries: dict[str, SaveEntry] = {}
+        entries: dict[str, Entry] = {}
 
         def ready() -> None:
             if not shared.is_dir():
@@ -147,7 +143,7 @@ def save_directory(
                 files.update(digests)
             try:
                 files[DCP_METADATA] = digest_of(shared / DCP_METADATA)
-                referenced = {info.relative_path for info in (read_metadata(shared).storage_data or {}).values()}
+                referenced = data_files(read_metadata(shared))
                 for name in sorted(referenced | set(files)):
                     path = shared / name
                     if name not in files or not path.is_file() or path.stat().st_size != files[name].size:
@@ -188,7 +184,7 @@ class Reading(Generic[T]):
     small values everyone needs), and ``finish``, which checks what was read and returns the
     staged state (raising a ``StateDictMismatchError`` that lists every problem)."""
 
-    targets: Mapping[str, LoadTarget]
+    targets: Mapping[str, Entry]
     finish: Callable[[], T]
 
 
@@ -202,28 +198,17 @@ def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[M
             else ""
         )
         raise CheckpointCorruptedError(f"checkpoint directory {target} does not exist{hint}")
-    manifest = read_manifest(target, directory=True)
-    if manifest is None and not (target / DCP_METADATA).is_file():
+    if not (target / MANIFEST_NAME).exists() and not (target / DCP_METADATA).is_file():
         raise CheckpointCorruptedError(
             f"{target} is not a checkpoint directory: it has neither chunkmem's {MANIFEST_NAME} nor DCP's "
             f"{DCP_METADATA}"
         )
+    manifest = manifest_for_load(target, verify, directory=True)
     if manifest is not None:
-        check_sealed(manifest, target / MANIFEST_NAME, target, verify)
         check_kind(target, manifest, kind)
         verify_files(target, manifest, comm.rank, comm.world_size)
-    else:
-        unverified(target, MANIFEST_NAME, verify)
-    try:
-        metadata = read_metadata(target)
-    except CheckpointCorruptedError:
-        raise
-    except Exception as error:
-        raise CheckpointCorruptedError(
-            f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {first_line(error)}): the directory is not "
-            "a DCP checkpoint or it is damaged. Load an intact copy or an earlier checkpoint."
-        ) from error
-    referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    metadata = read_metadata(target)
+    referenced = data_files(metadata)
     for name in sorted(referenced):
         inside(target, name)  # DCP would open it: nothing outside the directory
     if manifest is not None:

@@ -20,7 +20,7 @@ from ..chunk import Chunk
 from ..chunk_layout import ShardPiece
 from ..model_state import StagedModelLoad, check_model_state
 from ..shard import MASTER_DTYPE
-from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
+from .dcp_layout import Entry, FlatRange, Whole, as_meta, read_whole
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -50,12 +50,12 @@ def _aliases(model: ChunkedModel) -> set[str]:
     }
 
 
-def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
+def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
     """What this rank saves: its piece of each parameter (views of the master shards), and, on
     rank 0, the buffers and any parameter without elements."""
     manager = model.manager
     first = manager.comm.rank == 0
-    entries: dict[str, SaveEntry] = {}
+    entries: dict[str, Entry] = {}
     for chunk in manager.chunks:
         for info in chunk.tensors:
             piece = chunk.piece(info)
@@ -83,7 +83,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     missing, unexpected = check_model_state(
         type(model.module).__name__, expected, saved, strict, str(source), not_unexpected=aliases
     )
-    targets: dict[str, LoadTarget] = {}
+    targets: dict[str, Entry] = {}
     pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
     for info in manager.infos:
         chunk = manager.chunk(info.chunk_id)
@@ -94,10 +94,8 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
             pieces.append((chunk, piece, staging))
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor, _ in _buffers(model):
-        value = saved.get(name)
-        if isinstance(value, torch.Tensor):
-            staging = torch.empty(value.shape, dtype=value.dtype)
-            targets[name] = WholeTarget(staging)
-            buffers.append((tensor, staging))
+        if isinstance(saved.get(name), torch.Tensor):
+            targets[name] = read_whole(saved[name])
+            buffers.append((tensor, targets[name].value))
     staged = StagedModelLoad(pieces, buffers, missing, unexpected)
     return Reading(targets, lambda: staged)
