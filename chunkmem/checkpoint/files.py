@@ -6,11 +6,8 @@ A save writes the file and its manifest (``<file>.chunkmem.json``, see
 flushes both to disk, then renames the manifest into place, then the file. The new manifest also
 describes the file it replaces (``previous``), so a reader between the two renames, or a save
 killed between them, finds the old file verified; before them the old pair is untouched, after
-them the new pair is whole. A failed write removes its workspace; a killed save's is removed by
-the next save to the same target, and nothing else beside the target is ever touched.
-
-The file itself stays a plain ``torch.save`` file that plain PyTorch loads. Reads use
-``torch.load(weights_only=True)`` and check the same inode they load.
+them the new pair is whole. The file itself stays a plain ``torch.save`` file that plain PyTorch
+loads. Reads use ``torch.load(weights_only=True)`` and check the same inode they load.
 """
 
 from __future__ import annotations
@@ -41,11 +38,10 @@ from .manifest import (
 from .workspace import (
     Pinned,
     Workspace,
-    check_only_saver,
     first_line,
     fsync_directory,
+    open_workspace,
     read_while_replaced,
-    remove_dead_workspaces,
     write_durably,
     write_error,
 )
@@ -104,10 +100,7 @@ def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path
     rename in that order and flush the directory. Failures name ``target``; the workspace goes."""
     workspace: Workspace | None = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_workspaces(target)
-        workspace = Workspace(target)
-        check_only_saver(workspace)
+        workspace = open_workspace(target)
         for source, destination in fill(workspace):
             os.replace(source, destination)
         fsync_directory(target.parent)
@@ -138,10 +131,8 @@ def _current_manifest(target: Path) -> Manifest | None:
     try:
         manifest = read_manifest(target)
     except CheckpointCorruptedError:
-        return None
-    if manifest is None:
-        return None
-    return manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
+        manifest = None
+    return None if manifest is None else manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
 
 
 def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> Manifest:

@@ -6,7 +6,8 @@ checkpoint holds, the size and SHA-256 of its file (or of every other file of th
 step it was saved at and a fingerprint of the model, sealed by a checksum over all of it. The
 checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
 manifest is what lets a load refuse a corrupted, truncated, swapped or mismatched checkpoint before
-anything is written.
+anything is written. What a checkpoint was saved for (the model's fingerprint, the tensors it lists)
+is checked here too, with a readable account of how two tensor lists differ.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -32,6 +33,11 @@ from pydantic import (
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointUnverifiedError
 
+if TYPE_CHECKING:
+    from ..manager import ChunkManager
+    from ..model import ChunkedModel
+    from ..optim import ChunkOptimizer
+
 __all__ = [
     "DCP_LAYOUT",
     "DIRECTORY_FORMAT",
@@ -44,9 +50,15 @@ __all__ = [
     "TensorEntry",
     "check_digest",
     "check_kind",
+    "check_saved_for_model",
+    "check_saved_for_optimizer",
+    "describe_difference",
     "digest_of",
     "manifest_for_load",
     "manifest_path",
+    "model_fingerprint",
+    "model_tensors",
+    "optimizer_tensors",
     "plain_name",
     "read_manifest",
     "seal",
@@ -182,14 +194,14 @@ class Record:
         return seal(Manifest(kind=self.kind, tensors=tensors, **fields, **storage))
 
 
-def _canonical(manifest: Manifest) -> bytes:
+def _checksum(manifest: Manifest) -> str:
     fields = manifest.model_dump(mode="json", exclude={"checksum"})
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def seal(manifest: Manifest) -> Manifest:
     """``manifest`` with its ``checksum`` over every other field."""
-    return manifest.model_copy(update={"checksum": hashlib.sha256(_canonical(manifest)).hexdigest()})
+    return manifest.model_copy(update={"checksum": _checksum(manifest)})
 
 
 def manifest_path(path: str | os.PathLike[str]) -> Path:
@@ -224,7 +236,7 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
             f"the manifest {side} of {what} is damaged ({problem}). Restore it from the same checkpoint, or delete it "
             f"and load {target} with verify=False."
         )
-    if manifest.version != 1 and manifest.checksum != hashlib.sha256(_canonical(manifest)).hexdigest():
+    if manifest.version != 1 and manifest.checksum != _checksum(manifest):
         raise CheckpointCorruptedError(
             f"the manifest {side} of {what} was changed after it was written: its checksum does not match its "
             "fields (step, digests, model). Restore it from the same checkpoint, or load an earlier checkpoint."
@@ -306,4 +318,67 @@ def check_digest(path: Path, actual: FileDigest, expected: FileDigest, side: Pat
             f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
             f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
             f"you replaced it on purpose, delete {side} and load {subject} with verify=False."
+        )
+
+
+# --- what a checkpoint was saved for -----------------------------------------------------------
+def model_fingerprint(manager: ChunkManager) -> str:
+    """Hash of the model's parameters (names, shapes, fp32) in registration order: equal for the
+    same model structure."""
+    entries = [[info.name, list(info.shape), "torch.float32"] for info in manager.infos]
+    text = json.dumps(entries, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_tensors(model: ChunkedModel) -> list[TensorEntry]:
+    """Every ``state_dict`` entry of the model (parameters as fp32 masters, buffers in their
+    original dtype), in its order."""
+    return [(name, shape, str(dtype)) for name, (shape, dtype) in model.state_shapes().items()]
+
+
+def optimizer_tensors(optimizer: ChunkOptimizer) -> list[TensorEntry]:
+    """The optimizer's parameters in param group order (what a PyTorch-format state counts)."""
+    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
+
+
+def describe_difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
+    """How the tensors a checkpoint lists differ from this model's (names only on one side, other
+    shapes or dtypes, or another order)."""
+    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
+    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
+    only_saved = [n for n in saved_map if n not in here_map]
+    only_here = [n for n in here_map if n not in saved_map]
+    changed = [
+        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
+        for n in saved_map
+        if n in here_map and saved_map[n] != here_map[n]
+    ]
+    parts = []
+    if only_saved:
+        parts.append(f"only in the checkpoint: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
+    if only_here:
+        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
+    if changed:
+        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
+    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
+        parts.append("the same tensors in another order")
+    return "; ".join(parts) or "the same tensors"
+
+
+def check_saved_for_model(manifest: Manifest, model: ChunkedModel, target: Path) -> None:
+    """Refuse a model checkpoint of another model."""
+    if manifest.model_fingerprint != model_fingerprint(model.manager):
+        raise CheckpointMismatchError(
+            f"{target} was saved for another model ({describe_difference(manifest.tensors, model_tensors(model))}). "
+            "Load a checkpoint of this model, or boost the model the checkpoint was saved from."
+        )
+
+
+def check_saved_for_optimizer(manifest: Manifest, optimizer: ChunkOptimizer, target: Path) -> None:
+    """Refuse an optimizer checkpoint of another model, or over other parameters."""
+    here = optimizer_tensors(optimizer)
+    if manifest.model_fingerprint != model_fingerprint(optimizer.manager) or manifest.tensors != here:
+        raise CheckpointMismatchError(
+            f"optimizer checkpoint {target} was saved for an optimizer over other parameters "
+            f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this model."
         )

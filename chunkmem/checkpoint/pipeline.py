@@ -21,10 +21,9 @@ from ..agreement import agree, on_first_rank
 from ..errors import CheckpointError, CheckpointWriteError
 from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
-from .identity import model_fingerprint
 from .kept import check_pairing, drop_kept
 from .loadable import check_loadable
-from .manifest import Kind, Manifest, Record, TensorEntry
+from .manifest import Kind, Manifest, Record, TensorEntry, model_fingerprint
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

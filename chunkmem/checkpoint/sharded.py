@@ -159,22 +159,17 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
         workspace = None
     except ChunkmemError:
         # Raised on every rank at the same step: rank 0 removes what was written, and no rank
-        # returns before it has (a caller may look at the directory at once).
+        # returns before it has (a caller may look at the directory at once). A rank that cannot
+        # be reached any more has failed already, and the original error is what matters.
         if workspace is not None:
             workspace.remove()
             workspace = None
-        _settle(comm)
+        with contextlib.suppress(Exception):
+            comm.barrier()
         raise
     finally:
         if workspace is not None:
             workspace.remove()
-
-
-def _settle(comm: Communicator) -> None:
-    """Wait for every rank, after a failure every rank raises; a rank that cannot be reached any
-    more has failed already, and the original error is what matters."""
-    with contextlib.suppress(Exception):
-        comm.barrier()
 
 
 # --- loading ----------------------------------------------------------------------------------

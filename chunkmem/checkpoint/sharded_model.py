@@ -29,25 +29,18 @@ if TYPE_CHECKING:
 __all__ = ["model_save_entries", "plan_model_load"]
 
 
-def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]:
-    """Each state-dict buffer (name, the tensor, its original dtype)."""
-    manager = model.manager
-    shapes = model.state_shapes()
-    return [
-        (name, tensor, shapes[name][1])
-        for name, tensor in model.module.state_dict(keep_vars=True).items()
-        if not manager.manages(tensor)
-    ]
-
-
-def _aliases(model: ChunkedModel) -> set[str]:
-    """State-dict names of parameters saved under another (their first) name."""
-    manager = model.manager
-    return {
-        name
-        for name, tensor in model.module.state_dict(keep_vars=True).items()
-        if manager.manages(tensor) and manager.info(tensor).name != name
-    }
+def _state(model: ChunkedModel) -> tuple[list[tuple[str, torch.Tensor, torch.dtype]], set[str]]:
+    """Each state-dict buffer (name, the tensor, its original dtype), and the state-dict names of
+    parameters saved under another (their first) name."""
+    manager, shapes = model.manager, model.state_shapes()
+    buffers: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    aliases: set[str] = set()
+    for name, tensor in model.module.state_dict(keep_vars=True).items():
+        if not manager.manages(tensor):
+            buffers.append((name, tensor, shapes[name][1]))
+        elif manager.info(tensor).name != name:
+            aliases.add(name)
+    return buffers, aliases
 
 
 def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
@@ -65,7 +58,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
             elif info.numel == 0 and first:
                 entries[info.name] = Whole(torch.zeros(info.shape, dtype=MASTER_DTYPE))
     if first:
-        for name, tensor, dtype in _buffers(model):
+        for name, tensor, dtype in _state(model)[0]:
             entries[name] = Whole(tensor.detach().to("cpu", dtype))
     return entries
 
@@ -74,7 +67,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     """What this rank reads of a directory (``metadata``, DCP's): every key, shape and dtype
     checked against the model (every problem listed), then this rank's pieces and the buffers."""
     manager = model.manager
-    aliases = _aliases(model)
+    model_buffers, aliases = _state(model)
     expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
     saved = {
         name: as_meta(entry) if isinstance(entry, TensorStorageMetadata) else "is not a tensor in the checkpoint"
@@ -93,7 +86,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
             targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)
             pieces.append((chunk, piece, staging))
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, tensor, _ in _buffers(model):
+    for name, tensor, _ in model_buffers:
         if isinstance(saved.get(name), torch.Tensor):
             targets[name] = read_whole(saved[name])
             buffers.append((tensor, targets[name].value))

@@ -70,9 +70,7 @@ class _Layout:
     """The entries of a saved optimizer state, sorted by what they hold."""
 
     def __init__(self, optimizer: ChunkOptimizer, metadata: Metadata, source: Path) -> None:
-        self.infos: dict[str, tuple[int, TensorInfo]] = {
-            info.name: (position, info) for position, infos in enumerate(optimizer.group_infos) for info in infos
-        }
+        self.infos: dict[str, TensorInfo] = {info.name: info for infos in optimizer.group_infos for info in infos}
         self.groups: dict[int, dict[str, Any]] = {}
         self.state: dict[str, dict[str, Any]] = {}
         self.scaler: dict[str, Any] = {}
@@ -119,7 +117,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
     ``finish`` checks the values read (parameters of each group, settings, state keys, loss scale)."""
     layout = _Layout(optimizer, metadata, source)
     saved = [
-        (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
+        (layout.infos[name], f"parameter '{name}' (shape {tuple(layout.infos[name].shape)})", state)
         for name, state in layout.state.items()
     ]
     problems, dropped = check_state_shapes(optimizer, saved)
@@ -165,7 +163,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
         for piece, key, name in staged_keys:
             states.setdefault(piece.tensor, {})[key] = targets[name].value
         # Which parameters have state is read from the checkpoint's layout, the same on every rank.
-        stateful = [layout.infos[parameter][1] for parameter in layout.state if parameter not in dropped]
+        stateful = [layout.infos[parameter] for parameter in layout.state if parameter not in dropped]
         return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
 
     return Reading(targets, finish)

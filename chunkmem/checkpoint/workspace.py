@@ -43,13 +43,11 @@ __all__ = [
     "PREVIOUS",
     "Pinned",
     "Workspace",
-    "check_only_saver",
     "first_line",
     "fsync_directory",
     "interrupted_saves",
+    "open_workspace",
     "read_while_replaced",
-    "remove_dead_workspaces",
-    "restore_interrupted",
     "write_durably",
     "write_error",
 ]
@@ -95,7 +93,7 @@ def _marker_of(candidate: Path, target: Path) -> bytes:
     return _marker_text(target.name, candidate.name.rsplit(_INFIX, 1)[1])
 
 
-def check_only_saver(workspace: Workspace) -> None:
+def _check_only_saver(workspace: Workspace) -> None:
     """Refuse a save while another save to the same target runs (another job saving to the same
     path): their renames would interleave, mixing one's manifest with the other's file. Checked
     once this save's workspace exists and is locked, so of two saves starting together at least
@@ -119,23 +117,30 @@ def interrupted_saves(target: Path) -> list[Path]:
     return [w / PREVIOUS for w in _workspaces(target) if (w / PREVIOUS).exists() and not (w / PREVIOUS).is_symlink()]
 
 
-def restore_interrupted(target: Path) -> None:
+def _remove_dead_workspaces(target: Path) -> list[Path]:
     """Where ``target`` is missing because a save was killed between moving the previous checkpoint
-    into its workspace and the new one into place, move the previous one back."""
-    if target.exists() or target.is_symlink():
-        return
-    for workspace in _workspaces(target):
-        with if_dead(workspace, _MARKER, _marker_of(workspace, target)) as dead:
-            previous = workspace / PREVIOUS
-            if dead and (previous.exists() and not previous.is_symlink()) and not target.exists():
+    into its workspace and the new one into place, move the previous one back; then delete the
+    workspaces of ``target`` whose saves are gone. Returns what was deleted."""
+    for previous in [] if target.exists() or target.is_symlink() else interrupted_saves(target):
+        with if_dead(previous.parent, _MARKER, _marker_of(previous.parent, target)) as dead:
+            if dead and previous.exists() and not target.exists():
                 os.rename(previous, target)
-
-
-def remove_dead_workspaces(target: Path) -> list[Path]:
-    """Put back an interrupted save's previous checkpoint, then delete the workspaces of ``target``
-    whose saves are gone. Returns what was deleted."""
-    restore_interrupted(target)
     return [w for w in _workspaces(target) if remove_if_dead(w, _MARKER, _marker_of(w, target))]
+
+
+def open_workspace(target: Path, check: Callable[[], None] = lambda: None) -> Workspace:
+    """A new workspace for a save to ``target``, once killed saves to it are cleaned up after and
+    ``check`` passed; refused while another save to ``target`` runs (:func:`_check_only_saver`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_workspaces(target)
+    check()
+    workspace = Workspace(target)
+    try:
+        _check_only_saver(workspace)
+    except BaseException:
+        workspace.remove()
+        raise
+    return workspace
 
 
 def fsync_directory(directory: Path) -> None:
