@@ -101,13 +101,7 @@ def check_replaceable(target: Path, kind: Kind) -> Manifest | None:
 def make_workspace(target: Path, kind: Kind) -> Workspace:
     """On the first rank: clean up after killed saves to ``target``, check that it may be replaced
     by a ``kind`` checkpoint, and create the workspace whose ``checkpoint/`` the ranks write into."""
-    workspace = open_workspace(target, lambda: check_replaceable(target, kind))
-    try:
-        (workspace / WRITE_INTO).mkdir()
-    except BaseException:
-        workspace.remove()
-        raise
-    return workspace
+    return open_workspace(target, lambda: check_replaceable(target, kind), WRITE_INTO)
 
 
 def _exchange(first: Path, second: Path) -> bool:

@@ -128,15 +128,18 @@ def _remove_dead_workspaces(target: Path) -> list[Path]:
     return [w for w in _workspaces(target) if remove_if_dead(w, _MARKER, _marker_of(w, target))]
 
 
-def open_workspace(target: Path, check: Callable[[], None] = lambda: None) -> Workspace:
-    """A new workspace for a save to ``target``, once killed saves to it are cleaned up after and
-    ``check`` passed; refused while another save to ``target`` runs (:func:`_check_only_saver`)."""
+def open_workspace(target: Path, check: Callable[[], None] = lambda: None, entry: str | None = None) -> Workspace:
+    """A new workspace for a save to ``target`` (with the empty directory ``entry`` in it, if
+    named), once killed saves to it are cleaned up after and ``check`` passed; refused while another
+    save to ``target`` runs (:func:`_check_only_saver`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_workspaces(target)
     check()
     workspace = Workspace(target)
     try:
         _check_only_saver(workspace)
+        if entry is not None:
+            (workspace / entry).mkdir()
     except BaseException:
         workspace.remove()
         raise
