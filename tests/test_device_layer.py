@@ -27,7 +27,7 @@ FORBIDDEN = re.compile(
 # Lines that match the pattern without touching the accelerator, each with why.
 NOT_THE_ACCELERATOR = {
     # a field of DCP's saved description of a tensor, rebuilt from a checkpoint; nothing is pinned
-    ("chunkmem/checkpoint/dcp_metadata.py", 'pin_memory=self._typed(pin_memory, bool, "pin_memory"),'),
+    ("chunkmem/checkpoint/dcp_reader.py", 'pin_memory=self._typed(pin_memory, bool, "pin_memory"),'),
 }
 
 

@@ -22,6 +22,7 @@ import placement as placement_pkg
 from placement import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, PlacementPolicy, choose_activations
 
 from ..errors import BudgetTooSmallError
+from ..ranks.comm import Communicator
 from ..usage.stats import Stats
 from .counting import Saved
 from .ledger import CallBytes, CallHold, DeviceActivations

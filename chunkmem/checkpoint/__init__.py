@@ -35,14 +35,16 @@ from ..execution.gather import Destination
 from ..optim import ChunkOptimizer
 from ..optim.state_dict import full_optimizer_state, stage_optimizer_state
 from .files import atomic_save
-from .identity import (
+from .manifest import (
+    Manifest,
     check_saved_for_model,
     check_saved_for_optimizer,
+    manifest_path,
     model_fingerprint,
     model_tensors,
     optimizer_tensors,
+    read_manifest,
 )
-from .manifest import Manifest, manifest_path, read_manifest
 from .pipeline import load, save
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from ..boosted.model import ChunkedModel
     from ..boosted.model_state import StagedModelLoad
     from ..optim.state_dict import StagedOptimizerState
-    from .dcp_layout import SaveEntry
+    from .dcp_layout import Entry
     from .sharded import Reading
 
 __all__ = [
@@ -84,16 +86,15 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     chunk and written there, with its manifest; with ``shard=True``, a directory to which every
     rank writes its own pieces (nothing is gathered). A collective: every rank calls it."""
     _check_shard(shard)
-    runtime = model.runtime
 
-    def pieces() -> Mapping[str, SaveEntry]:
+    def pieces() -> Mapping[str, Entry]:
         from .sharded_model import model_save_entries
 
         return model_save_entries(model)
 
     if shard:
-        runtime.enter_state_access("saving a sharded model checkpoint")
-        runtime.finish_backward()
+        model.runtime.enter_state_access("saving a sharded model checkpoint")
+        model.runtime.finish_backward()
     save(
         "model",
         Path(path),
@@ -142,7 +143,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
     every rank writes the state of its own pieces. A collective."""
     _check_shard(shard)
 
-    def pieces() -> Mapping[str, SaveEntry]:
+    def pieces() -> Mapping[str, Entry]:
         from .sharded_optimizer import optimizer_save_entries
 
         return optimizer_save_entries(optimizer)

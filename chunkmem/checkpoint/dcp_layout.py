@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
@@ -73,15 +74,17 @@ from .dcp_reader import SafeFileSystemReader
 __all__ = [
     "Blob",
     "Box",
+    "Entry",
     "FlatRange",
     "PieceLoadPlanner",
     "PieceSavePlanner",
     "Whole",
-    "WholeTarget",
     "as_meta",
     "boxes",
     "dcp_load",
     "dcp_save",
+    "read_whole",
+    "whole",
 ]
 
 Shape = tuple[int, ...]
@@ -135,49 +138,74 @@ def _exact_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape)
 
 
-# --- what a rank saves ------------------------------------------------------------------------
+# --- what a rank saves and reads -------------------------------------------------------------
 @dataclass(frozen=True)
 class FlatRange:
-    """This rank's elements ``[start, start + values.numel())`` of a tensor of ``shape`` (flattened);
-    ``values`` is 1-D and contiguous. Saved as boxes; at load, ``values`` is filled."""
+    """This rank's elements ``[start, start + value.numel())`` of a tensor of ``shape`` (flattened);
+    ``value`` is 1-D and contiguous. Saved as boxes; a load fills ``value``."""
 
-    values: torch.Tensor
+    value: torch.Tensor
     shape: Shape
     start: int
 
     def __post_init__(self) -> None:
-        if self.values.dim() != 1 or not self.values.is_contiguous():
+        if self.value.dim() != 1 or not self.value.is_contiguous():
             raise ValueError("FlatRange values must be a contiguous 1-D tensor")
 
-    def boxes(self) -> list[Box]:
-        return boxes(self.shape, self.start, self.start + self.values.numel())
-
-    def box_view(self, box: Box) -> torch.Tensor:
-        begin = box.flat_start - self.start
-        return self.values[begin : begin + box.numel].view(box.sizes)
+    def parts(self) -> list[tuple[Box, torch.Tensor]]:
+        """Its boxes, each with the view of ``value`` that holds it."""
+        parts = []
+        for box in boxes(self.shape, self.start, self.start + self.value.numel()):
+            begin = box.flat_start - self.start
+            parts.append((box, self.value[begin : begin + box.numel].view(box.sizes)))
+        return parts
 
 
 @dataclass(frozen=True)
 class Whole:
-    """A tensor saved whole by this rank (a buffer, a step count); the others do not save it."""
+    """A tensor saved whole by one rank (a buffer, a step count; the others do not save it), or
+    read whole into ``value`` (the saved shape; any dtype it converts to)."""
 
     value: torch.Tensor
 
+    @property
+    def shape(self) -> Shape:
+        return tuple(self.value.shape)
 
-@dataclass(frozen=True)
+    def parts(self) -> list[tuple[Box, torch.Tensor]]:
+        return [(Box((0,) * self.value.dim(), self.shape, 0), self.value)]
+
+
+@dataclass
 class Blob:
-    """A small Python object (a hyperparameter) saved whole by this rank, with ``torch.save``."""
+    """A small Python object (a hyperparameter) saved whole by one rank with ``torch.save``, or read
+    into ``value`` by a load (``torch.load`` with ``weights_only``; ``loaded`` once it was)."""
 
-    value: Any
+    value: Any = None
+    loaded: bool = False
 
 
-SaveEntry = FlatRange | Whole | Blob
+Entry = FlatRange | Whole | Blob
+"""What a rank saves, or reads, under one name of the checkpoint."""
+
+
+def whole(value: Any) -> Whole | Blob:
+    """``value`` saved whole: a tensor as one, anything else with ``torch.save``."""
+    return Whole(value.detach()) if isinstance(value, torch.Tensor) else Blob(value)
+
+
+def read_whole(saved: Any) -> Whole | Blob:
+    """Where a load reads a value saved whole (``saved``: its metadata, as :func:`as_meta` gives it)."""
+    if isinstance(saved, torch.Tensor):
+        return Whole(torch.empty(saved.shape, dtype=saved.dtype))
+    assert isinstance(saved, BytesStorageMetadata), f"DCP stores tensors and bytes, not {type(saved).__name__}"
+    return Blob()
 
 
 class PieceSavePlanner(DefaultSavePlanner):
-    """Saves a flat mapping of names to :data:`SaveEntry`: pieces as chunks of whole tensors."""
+    """Saves a flat mapping of names to :data:`Entry`: pieces as chunks of whole tensors."""
 
-    def __init__(self, entries: Mapping[str, SaveEntry]) -> None:
+    def __init__(self, entries: Mapping[str, Entry]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._entries = dict(entries)
         self._data: dict[tuple[str, Shape | None], Any] = {}
@@ -189,27 +217,16 @@ class PieceSavePlanner(DefaultSavePlanner):
                 items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
                 self._data[(fqn, None)] = entry.value
                 continue
-            if isinstance(entry, Whole):
-                value = entry.value.detach().contiguous()
-                parts = [(Box((0,) * value.dim(), tuple(value.shape), 0), value)]
-                shape: Shape = tuple(value.shape)
-                kind = WriteItemType.TENSOR
-            else:
-                value = entry.values.detach()
-                parts = [(box, entry.box_view(box)) for box in entry.boxes()]
-                shape = entry.shape
-                kind = WriteItemType.SHARD
-            properties = TensorProperties.create_from_tensor(value)
-            for box, data in parts:
+            whole = isinstance(entry, Whole)
+            if whole:
+                entry = Whole(entry.value.detach().contiguous())
+            properties = TensorProperties.create_from_tensor(entry.value)
+            for box, data in entry.parts():
                 index = MetadataIndex(fqn, torch.Size(box.offsets))
-                items.append(
-                    WriteItem(
-                        index=index,
-                        type=kind,
-                        tensor_data=TensorWriteData(chunk=box.chunk(), properties=properties, size=torch.Size(shape)),
-                    )
-                )
-                self._data[(fqn, box.offsets)] = _exact_storage(data)
+                written = TensorWriteData(chunk=box.chunk(), properties=properties, size=torch.Size(entry.shape))
+                kind = WriteItemType.TENSOR if whole else WriteItemType.SHARD
+                items.append(WriteItem(index=index, type=kind, tensor_data=written))
+                self._data[(fqn, box.offsets)] = _exact_storage(data.detach())
         self.plan = SavePlan(items)
         return self.plan
 
@@ -218,29 +235,10 @@ class PieceSavePlanner(DefaultSavePlanner):
         return self._data[(index.fqn, offsets)]
 
 
-# --- what a rank loads ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WholeTarget:
-    """A whole saved tensor, read into ``values`` (the saved shape; any dtype it converts to)."""
-
-    values: torch.Tensor
-
-
-@dataclass
-class BlobTarget:
-    """A saved Python object; ``value`` is set by the load (``torch.load`` with ``weights_only``)."""
-
-    value: Any = None
-    loaded: bool = False
-
-
-LoadTarget = FlatRange | WholeTarget | BlobTarget
-
-
 class PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads the overlap of the saved chunks with each :data:`LoadTarget` into it."""
+    """Reads the overlap of the saved chunks with each :data:`Entry` into it."""
 
-    def __init__(self, targets: Mapping[str, LoadTarget]) -> None:
+    def __init__(self, targets: Mapping[str, Entry]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._targets = dict(targets)
         self._views: dict[tuple[str, Shape], torch.Tensor] = {}
@@ -250,26 +248,15 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         requests: list[ReadItem] = []
         for fqn, target in self._targets.items():
             saved = self.metadata.state_dict_metadata[fqn]
-            if isinstance(target, BlobTarget):
-                requests.append(
-                    ReadItem(
-                        type=LoadItemType.BYTE_IO,
-                        dest_index=MetadataIndex(fqn),
-                        dest_offsets=torch.Size((0,)),
-                        storage_index=MetadataIndex(fqn),
-                        storage_offsets=torch.Size((0,)),
-                        lengths=torch.Size((0,)),
-                    )
-                )
+            if isinstance(target, Blob):
+                index, origin = MetadataIndex(fqn), torch.Size((0,))  # the whole object, from its start
+                requests.append(ReadItem(LoadItemType.BYTE_IO, index, origin, index, origin, lengths=origin))
                 continue
             assert isinstance(saved, TensorStorageMetadata), f"{fqn}: checked to be a tensor before loading"
-            if isinstance(target, WholeTarget):
-                local = [(Box((0,) * target.values.dim(), tuple(target.values.shape), 0), target.values)]
-            else:
-                local = [(box, target.box_view(box)) for box in target.boxes()]
-            for box, view in local:
+            parts = target.parts()
+            for box, view in parts:
                 self._views[(fqn, box.offsets)] = view
-            requests += create_read_items_for_chunk_list(fqn, saved, [box.chunk() for box, _ in local])
+            requests += create_read_items_for_chunk_list(fqn, saved, [box.chunk() for box, _ in parts])
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -277,7 +264,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         target = self._targets[read_item.dest_index.fqn]
-        assert isinstance(target, BlobTarget), f"{read_item.dest_index.fqn}: bytes read into a tensor target"
+        assert isinstance(target, Blob), f"{read_item.dest_index.fqn}: bytes read into a tensor target"
         target.value = torch.load(value, weights_only=True)
         target.loaded = True
 
@@ -331,7 +318,7 @@ class _RecordingWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner).then(record)
 
 
-def dcp_save(comm: Communicator, directory: Path, entries: Mapping[str, SaveEntry], what: str) -> list[str]:
+def dcp_save(comm: Communicator, directory: Path, entries: Mapping[str, Entry], what: str) -> list[str]:
     """Write ``entries`` (this rank's) into ``directory`` (a collective over the model's ranks).
     Returns the names of the files this rank wrote."""
     no_dist = _no_dist(comm, what)
@@ -341,12 +328,13 @@ def dcp_save(comm: Communicator, directory: Path, entries: Mapping[str, SaveEntr
     return sorted(writer.written)
 
 
-def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, LoadTarget], what: str) -> None:
-    """Fill ``targets`` from ``directory`` (a collective over the model's ranks)."""
+def dcp_load(comm: Communicator, directory: Path, targets: Mapping[str, Entry], what: str) -> Mapping[str, Entry]:
+    """Fill ``targets`` from ``directory`` (a collective over the model's ranks); returns them."""
     no_dist = _no_dist(comm, what)
     reader = SafeFileSystemReader(directory)
     with _quiet():
         dcp.load({}, storage_reader=reader, planner=PieceLoadPlanner(targets), no_dist=no_dist)
-    unread = [fqn for fqn, target in targets.items() if isinstance(target, BlobTarget) and not target.loaded]
+    unread = [fqn for fqn, target in targets.items() if isinstance(target, Blob) and not target.loaded]
     if unread:
         raise RuntimeError(f"{directory}: the values of {unread[:5]} were not read")
+    return targets

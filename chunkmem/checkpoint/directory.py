@@ -12,11 +12,10 @@ marker, a lock held while it lives), rank 0 writes the manifest last, then swaps
 into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; the previous checkpoint comes out inside
 the workspace, which is deleted). Where the filesystem cannot exchange, the previous directory is
 first moved into the workspace, then the new one into place; a save killed between the two renames
-leaves the previous checkpoint there, and the next save to the target moves it back.
-Workspaces of killed saves are removed by the next save to the same target; nothing else beside
-the target is touched. Only an empty directory or a chunkmem checkpoint of the same kind holding
-nothing but its own files is ever replaced: another kind's checkpoint, or a directory holding
-anything else, is refused, never deleted.
+leaves the previous checkpoint there, and the next save to the target moves it back. Only an
+empty directory or a chunkmem checkpoint of the same kind holding nothing but its own files is
+ever replaced: another kind's checkpoint, or a directory holding anything else, is refused, never
+deleted.
 """
 
 from __future__ import annotations
@@ -30,15 +29,7 @@ from pathlib import Path
 from ..errors import CheckpointCorruptedError, CheckpointWriteError
 from .kept import check_keepable, keep_directory
 from .manifest import MANIFEST_NAME, Kind, Manifest, a_kind, check_digest, digest_of, plain_name, read_manifest
-from .workspace import (
-    PREVIOUS,
-    Workspace,
-    check_only_saver,
-    fsync_directory,
-    interrupted_saves,
-    remove_dead_workspaces,
-    write_durably,
-)
+from .workspace import PREVIOUS, Workspace, fsync_directory, interrupted_saves, open_workspace, write_durably
 
 __all__ = [
     "DCP_METADATA",
@@ -65,12 +56,13 @@ def is_sharded(target: Path) -> bool:
     return not target.exists() and bool(interrupted_saves(target))
 
 
-def check_replaceable(target: Path, kind: Kind) -> None:
+def check_replaceable(target: Path, kind: Kind) -> Manifest | None:
     """Refuse a target that is a file, or a directory that is not empty and not exactly a chunkmem
     checkpoint of the same kind (a save replaces the whole directory, so it never deletes what an
-    earlier save of this kind did not write: another kind's checkpoint, files put there since)."""
+    earlier save of this kind did not write: another kind's checkpoint, files put there since).
+    Returns the manifest of the checkpoint it would replace, if any."""
     if not target.exists():
-        return
+        return None
     if not target.is_dir() or target.is_symlink():
         raise CheckpointWriteError(
             f"cannot write a sharded checkpoint at {target}: a file is there (a sharded checkpoint is a directory). "
@@ -78,7 +70,7 @@ def check_replaceable(target: Path, kind: Kind) -> None:
         )
     present = {entry.name for entry in target.iterdir()}
     if not present:
-        return
+        return None
     if MANIFEST_NAME not in present:
         raise CheckpointWriteError(
             f"cannot write a sharded checkpoint at {target}: the directory holds files that are not a chunkmem "
@@ -103,22 +95,13 @@ def check_replaceable(target: Path, kind: Kind) -> None:
             f"cannot replace the checkpoint at {target}: it also holds {extra[:3]}, which the checkpoint does not list "
             "and saving would delete. Move them elsewhere, or save to another path."
         )
+    return manifest
 
 
 def make_workspace(target: Path, kind: Kind) -> Workspace:
     """On the first rank: clean up after killed saves to ``target``, check that it may be replaced
     by a ``kind`` checkpoint, and create the workspace whose ``checkpoint/`` the ranks write into."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_workspaces(target)
-    check_replaceable(target, kind)
-    workspace = Workspace(target)
-    try:
-        check_only_saver(workspace)
-        (workspace / WRITE_INTO).mkdir()
-    except BaseException:
-        workspace.remove()
-        raise
-    return workspace
+    return open_workspace(target, lambda: check_replaceable(target, kind), WRITE_INTO)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -143,8 +126,7 @@ def install(workspace: Workspace, target: Path, manifest: Manifest) -> None:
     """On the first rank: write the manifest into the new directory (durably), then put it in
     place of ``target`` atomically; the previous checkpoint is kept (:mod:`.kept`) when it holds
     another step, else deleted with the workspace."""
-    check_replaceable(target, manifest.kind)
-    replaced = read_manifest(target, directory=True) if target.exists() else None
+    replaced = check_replaceable(target, manifest.kind)
     if replaced is not None and replaced.step != manifest.step:
         check_keepable(target)
     new = workspace / WRITE_INTO

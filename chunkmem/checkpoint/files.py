@@ -6,11 +6,8 @@ A save writes the file and its manifest (``<file>.chunkmem.json``, see
 flushes both to disk, then renames the manifest into place, then the file. The new manifest also
 describes the file it replaces (``previous``), so a reader between the two renames, or a save
 killed between them, finds the old file verified; before them the old pair is untouched, after
-them the new pair is whole. A failed write removes its workspace; a killed save's is removed by
-the next save to the same target, and nothing else beside the target is ever touched.
-
-The file itself stays a plain ``torch.save`` file that plain PyTorch loads. Reads use
-``torch.load(weights_only=True)`` and check the same inode they load.
+them the new pair is whole. The file itself stays a plain ``torch.save`` file that plain PyTorch
+loads. Reads use ``torch.load(weights_only=True)`` and check the same inode they load.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,20 +30,18 @@ from .manifest import (
     Record,
     check_digest,
     check_kind,
-    check_sealed,
     digest_of,
+    manifest_for_load,
     manifest_path,
     read_manifest,
-    unverified,
 )
 from .workspace import (
-    KEEP_READING,
+    Pinned,
     Workspace,
-    check_only_saver,
     first_line,
     fsync_directory,
-    kept_replacing,
-    remove_dead_workspaces,
+    open_workspace,
+    read_while_replaced,
     write_durably,
     write_error,
 )
@@ -106,10 +100,7 @@ def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path
     rename in that order and flush the directory. Failures name ``target``; the workspace goes."""
     workspace: Workspace | None = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_workspaces(target)
-        workspace = Workspace(target)
-        check_only_saver(workspace)
+        workspace = open_workspace(target)
         for source, destination in fill(workspace):
             os.replace(source, destination)
         fsync_directory(target.parent)
@@ -140,10 +131,8 @@ def _current_manifest(target: Path) -> Manifest | None:
     try:
         manifest = read_manifest(target)
     except CheckpointCorruptedError:
-        return None
-    if manifest is None:
-        return None
-    return manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
+        manifest = None
+    return None if manifest is None else manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
 
 
 def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> Manifest:
@@ -166,14 +155,6 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
 
 # --- reading ----------------------------------------------------------------------------------
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _load(target: Path) -> Any:
     try:
         try:
@@ -196,45 +177,28 @@ def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = Tru
     replaces the file meanwhile is not damage: the file checked is the one loaded (the same inode,
     held open throughout), or the read starts again."""
     target = Path(path)
-    deadline = time.monotonic() + KEEP_READING
-    attempts = 0
-    while time.monotonic() < deadline or attempts == 0:
-        attempts += 1
-        try:
-            held = open(target, "rb")  # noqa: SIM115 (closed below; keeps the inode while it is read)
-        except (FileNotFoundError, IsADirectoryError):
-            held = None
-        if held is None or not target.is_file():
+
+    def attempt(pinned: Pinned) -> tuple[Any, Manifest | None]:
+        if pinned.fd is None or not target.is_file():
             raise CheckpointCorruptedError(
                 f"checkpoint file {target} does not exist or is not a file"
                 + (" (it is a directory)" if target.is_dir() else "")
             )
-        with held:
-            pinned = os.fstat(held.fileno())
-            identity = (pinned.st_dev, pinned.st_ino)
-            manifest = read_manifest(target)
-            if manifest is None:
-                unverified(target, manifest_path(target).name, verify)
-                obj = _load(target)
-                if _identity(target) == identity:
-                    return obj, None
-                continue
-            check_sealed(manifest, manifest_path(target), target, verify)
-            actual = digest_of(held)
-            chosen = manifest
-            if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:
-                chosen = manifest.previous  # a save is between renaming its manifest and its file
-            if actual != chosen.digest and _identity(target) != identity:
-                continue  # replaced while it was read: read the new one
-            check_kind(target, chosen, kind)
-            if chosen.file != target.name:
-                raise CheckpointMismatchError(
-                    f"the manifest beside {target} describes the file '{chosen.file}': the files were renamed or "
-                    "swapped. Rename them back together (a file and its .chunkmem.json keep the same base name)."
-                )
-            assert chosen.digest is not None, "a file's manifest has its digest"
-            check_digest(target, actual, chosen.digest, manifest_path(target), target)
-            obj = _load(target)
-            if _identity(target) == identity:
-                return obj, chosen
-    raise kept_replacing(f"checkpoint file {target}", attempts)
+        manifest = manifest_for_load(target, verify)
+        if manifest is None:
+            return _load(target), None
+        actual = digest_of(pinned.fd)
+        chosen = manifest
+        if actual != manifest.digest and manifest.previous is not None and actual == manifest.previous.digest:
+            chosen = manifest.previous  # a save is between renaming its manifest and its file
+        check_kind(target, chosen, kind)
+        if chosen.file != target.name:
+            raise CheckpointMismatchError(
+                f"the manifest beside {target} describes the file '{chosen.file}': the files were renamed or "
+                "swapped. Rename them back together (a file and its .chunkmem.json keep the same base name)."
+            )
+        assert chosen.digest is not None, "a file's manifest has its digest"
+        check_digest(target, actual, chosen.digest, manifest_path(target), target)
+        return _load(target), chosen
+
+    return read_while_replaced(target, f"checkpoint file {target}", attempt)

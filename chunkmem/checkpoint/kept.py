@@ -43,12 +43,11 @@ def _marker_text(target: Path) -> str:
 
 
 def _owned(target: Path) -> bool:
-    directory = _kept_dir(target)
-    marker = directory / _MARKER
+    """Whether the kept directory of ``target`` is chunkmem's (its marker says so; no links)."""
+    marker = _kept_dir(target) / _MARKER
     try:
         return (
-            not directory.is_symlink()
-            and directory.is_dir()
+            not _kept_dir(target).is_symlink()
             and not marker.is_symlink()
             and marker.read_text() == _marker_text(target)
         )
@@ -107,15 +106,13 @@ def keep_file(target: Path, step: int) -> None:
     fsync_directory(directory)
 
 
-def keep_directory(target: Path, old: Path, replaced: Manifest | None, step: int) -> bool:
+def keep_directory(target: Path, old: Path, replaced: Manifest | None, step: int) -> None:
     """After a save of ``step`` swapped the directory ``target`` in, the previous one being at
-    ``old`` (described by ``replaced``): keep it when it holds another step. Whether it was kept."""
-    if replaced is None or replaced.step == step:
-        return False
-    directory = _fresh(target)
-    os.rename(old, directory / target.name)
-    fsync_directory(directory)
-    return True
+    ``old`` (described by ``replaced``): keep it when it holds another step."""
+    if replaced is not None and replaced.step != step:
+        directory = _fresh(target)
+        os.rename(old, directory / target.name)
+        fsync_directory(directory)
 
 
 def _kept_step(path: Path) -> int | None:

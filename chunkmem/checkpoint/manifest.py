@@ -6,20 +6,19 @@ checkpoint holds, the size and SHA-256 of its file (or of every other file of th
 step it was saved at and a fingerprint of the model, sealed by a checksum over all of it. The
 checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
 manifest is what lets a load refuse a corrupted, truncated, swapped or mismatched checkpoint before
-anything is written.
+anything is written. What a checkpoint was saved for (the model's fingerprint, the tensors it lists)
+is checked here too, with a readable account of how two tensor lists differ.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -34,6 +33,11 @@ from pydantic import (
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError, CheckpointUnverifiedError
 
+if TYPE_CHECKING:
+    from ..boosted.model import ChunkedModel
+    from ..chunks.manager import ChunkManager
+    from ..optim import ChunkOptimizer
+
 __all__ = [
     "DCP_LAYOUT",
     "DIRECTORY_FORMAT",
@@ -46,13 +50,18 @@ __all__ = [
     "TensorEntry",
     "check_digest",
     "check_kind",
-    "check_sealed",
+    "check_saved_for_model",
+    "check_saved_for_optimizer",
+    "describe_difference",
     "digest_of",
+    "manifest_for_load",
     "manifest_path",
+    "model_fingerprint",
+    "model_tensors",
+    "optimizer_tensors",
     "plain_name",
     "read_manifest",
     "seal",
-    "unverified",
 ]
 
 log = logging.getLogger("chunkmem")
@@ -185,14 +194,14 @@ class Record:
         return seal(Manifest(kind=self.kind, tensors=tensors, **fields, **storage))
 
 
-def _canonical(manifest: Manifest) -> bytes:
+def _checksum(manifest: Manifest) -> str:
     fields = manifest.model_dump(mode="json", exclude={"checksum"})
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def seal(manifest: Manifest) -> Manifest:
     """``manifest`` with its ``checksum`` over every other field."""
-    return manifest.model_copy(update={"checksum": hashlib.sha256(_canonical(manifest)).hexdigest()})
+    return manifest.model_copy(update={"checksum": _checksum(manifest)})
 
 
 def manifest_path(path: str | os.PathLike[str]) -> Path:
@@ -227,7 +236,7 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
             f"the manifest {side} of {what} is damaged ({problem}). Restore it from the same checkpoint, or delete it "
             f"and load {target} with verify=False."
         )
-    if manifest.version != 1 and manifest.checksum != hashlib.sha256(_canonical(manifest)).hexdigest():
+    if manifest.version != 1 and manifest.checksum != _checksum(manifest):
         raise CheckpointCorruptedError(
             f"the manifest {side} of {what} was changed after it was written: its checksum does not match its "
             "fields (step, digests, model). Restore it from the same checkpoint, or load an earlier checkpoint."
@@ -235,30 +244,30 @@ def read_manifest(path: str | os.PathLike[str], directory: bool = False) -> Mani
     return manifest
 
 
-def check_sealed(manifest: Manifest, side: Path, subject: Path, verify: bool) -> None:
-    """Refuse a manifest without a seal (``version: 1``) unless ``verify`` is false, and then log it:
-    an edit to ``version: 1`` must not be a way around the seal."""
-    if manifest.version != 1:
-        return
-    if verify:
+def manifest_for_load(target: Path, verify: bool, directory: bool = False) -> Manifest | None:
+    """The manifest of the checkpoint ``target`` (:func:`read_manifest`) for a load. A checkpoint
+    without one, or whose manifest has no seal (``version: 1``: an edit to say so must not be a way
+    around the seal), is refused unless ``verify`` is false, and then logged as unverified."""
+    manifest = read_manifest(target, directory)
+    side = target / MANIFEST_NAME if directory else manifest_path(target)
+    if manifest is None and verify:
+        raise CheckpointUnverifiedError(
+            f"{target} has no manifest ({side.name}), so chunkmem cannot check that it is intact and saved for "
+            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
+            f"logged as unverified); if chunkmem saved it, copy {side.name} with it."
+        )
+    if manifest is not None and manifest.version == 1 and verify:
         raise CheckpointUnverifiedError(
             f"the manifest {side} has no seal (version 1: written by a chunkmem from before manifests were sealed, or "
             f"edited to say so), so chunkmem cannot check that its step, digests and model were not changed. If it "
-            f"is yours, load {subject} with verify=False (its checksums are still checked; the load is logged as "
+            f"is yours, load {target} with verify=False (its checksums are still checked; the load is logged as "
             "unverified) and save again to write a sealed manifest."
         )
-    log.warning("loading %s with an unsealed (version 1) manifest %s (verify=False)", subject, side)
-
-
-def unverified(target: Path, manifest_name: str, verify: bool) -> None:
-    """A checkpoint without its manifest: refused, or with ``verify=False`` logged as unverified."""
-    if verify:
-        raise CheckpointUnverifiedError(
-            f"{target} has no manifest ({manifest_name}), so chunkmem cannot check that it is intact and saved for "
-            "this model. If it comes from plain PyTorch or another tool, load it with verify=False (it is then "
-            f"logged as unverified); if chunkmem saved it, copy {manifest_name} with it."
-        )
-    log.warning("loading %s unverified (verify=False): it has no %s", target, manifest_name)
+    if manifest is None:
+        log.warning("loading %s unverified (verify=False): it has no %s", target, side.name)
+    elif manifest.version == 1:
+        log.warning("loading %s with an unsealed (version 1) manifest %s (verify=False)", target, side)
+    return manifest
 
 
 _A_KIND: dict[str, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
@@ -279,19 +288,16 @@ def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
         )
 
 
-def digest_of(path: Path | io.BufferedReader) -> FileDigest:
-    """Size and SHA-256 of the file at ``path`` (or of an open file, from its start), read through
-    one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer per read)."""
+def digest_of(path: Path | int) -> FileDigest:
+    """Size and SHA-256 of the file at ``path`` (or of an open file descriptor, from its start),
+    read through one reused block (hashing a large checkpoint holds a megabyte, not a fresh buffer
+    per read)."""
     digest = hashlib.sha256()
     size = 0
     block = bytearray(_READ_BLOCK)
     view = memoryview(block)
-    with contextlib.ExitStack() as stack:
-        if isinstance(path, io.BufferedReader):
-            f = path.raw
-            f.seek(0)
-        else:
-            f = stack.enter_context(open(path, "rb", buffering=0))
+    with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
+        f.seek(0)
         while count := f.readinto(block):
             digest.update(view[:count])
             size += count
@@ -312,4 +318,67 @@ def check_digest(path: Path, actual: FileDigest, expected: FileDigest, side: Pat
             f"checkpoint file {path} is corrupted: its SHA-256 {actual.sha256[:16]}... differs from the "
             f"{expected.sha256[:16]}... recorded when it was saved. Load an intact copy or an earlier checkpoint; if "
             f"you replaced it on purpose, delete {side} and load {subject} with verify=False."
+        )
+
+
+# --- what a checkpoint was saved for -----------------------------------------------------------
+def model_fingerprint(manager: ChunkManager) -> str:
+    """Hash of the model's parameters (names, shapes, fp32) in registration order: equal for the
+    same model structure."""
+    entries = [[info.name, list(info.shape), "torch.float32"] for info in manager.infos]
+    text = json.dumps(entries, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_tensors(model: ChunkedModel) -> list[TensorEntry]:
+    """Every ``state_dict`` entry of the model (parameters as fp32 masters, buffers in their
+    original dtype), in its order."""
+    return [(name, shape, str(dtype)) for name, (shape, dtype) in model.state_shapes().items()]
+
+
+def optimizer_tensors(optimizer: ChunkOptimizer) -> list[TensorEntry]:
+    """The optimizer's parameters in param group order (what a PyTorch-format state counts)."""
+    return [(info.name, tuple(info.shape), "torch.float32") for infos in optimizer.group_infos for info in infos]
+
+
+def describe_difference(saved: list[TensorEntry], here: list[TensorEntry]) -> str:
+    """How the tensors a checkpoint lists differ from this model's (names only on one side, other
+    shapes or dtypes, or another order)."""
+    saved_map = {name: (tuple(shape), dtype) for name, shape, dtype in saved}
+    here_map = {name: (tuple(shape), dtype) for name, shape, dtype in here}
+    only_saved = [n for n in saved_map if n not in here_map]
+    only_here = [n for n in here_map if n not in saved_map]
+    changed = [
+        f"'{n}' {saved_map[n]} there, {here_map[n]} here"
+        for n in saved_map
+        if n in here_map and saved_map[n] != here_map[n]
+    ]
+    parts = []
+    if only_saved:
+        parts.append(f"only in the checkpoint: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}")
+    if only_here:
+        parts.append(f"only in this model: {only_here[:5]}{' ...' if len(only_here) > 5 else ''}")
+    if changed:
+        parts.append(f"different: {'; '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
+    if not parts and [n for n, _, _ in saved] != [n for n, _, _ in here]:
+        parts.append("the same tensors in another order")
+    return "; ".join(parts) or "the same tensors"
+
+
+def check_saved_for_model(manifest: Manifest, model: ChunkedModel, target: Path) -> None:
+    """Refuse a model checkpoint of another model."""
+    if manifest.model_fingerprint != model_fingerprint(model.manager):
+        raise CheckpointMismatchError(
+            f"{target} was saved for another model ({describe_difference(manifest.tensors, model_tensors(model))}). "
+            "Load a checkpoint of this model, or boost the model the checkpoint was saved from."
+        )
+
+
+def check_saved_for_optimizer(manifest: Manifest, optimizer: ChunkOptimizer, target: Path) -> None:
+    """Refuse an optimizer checkpoint of another model, or over other parameters."""
+    here = optimizer_tensors(optimizer)
+    if manifest.model_fingerprint != model_fingerprint(optimizer.manager) or manifest.tensors != here:
+        raise CheckpointMismatchError(
+            f"optimizer checkpoint {target} was saved for an optimizer over other parameters "
+            f"({describe_difference(manifest.tensors, here)}). Load the optimizer checkpoint saved with this model."
         )

@@ -21,10 +21,9 @@ from ..errors import CheckpointError, CheckpointWriteError
 from ..ranks.agreement import agree, on_first_rank
 from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
-from .identity import model_fingerprint
 from .kept import check_pairing, drop_kept
 from .loadable import check_loadable
-from .manifest import Kind, Manifest, Record, TensorEntry
+from .manifest import Kind, Manifest, Record, TensorEntry, model_fingerprint
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
     from ..boosted.progress import TrainingProgress
     from ..chunks.manager import ChunkManager
     from ..ranks.comm import Communicator
-    from .dcp_layout import SaveEntry
+    from .dcp_layout import Entry
     from .sharded import Reading
 
 __all__ = ["load", "save"]
@@ -50,7 +49,7 @@ def save(
     progress: TrainingProgress,
     tensors: list[TensorEntry],
     full_state: Callable[[], Any],
-    pieces: Callable[[], Mapping[str, SaveEntry]] | None = None,
+    pieces: Callable[[], Mapping[str, Entry]] | None = None,
 ) -> None:
     """Save a ``kind`` state of the model ``manager`` holds, at the step ``progress`` is at: the
     file ``target`` of ``full_state()`` (gathered to rank 0, which writes it) or, with ``pieces``,

@@ -26,9 +26,6 @@ Loading (a collective):
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +37,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
 from ..ranks.agreement import agree, on_first_rank
 from ..ranks.comm import Communicator
-from .dcp_layout import Blob, LoadTarget, SaveEntry, dcp_load, dcp_save
-from .dcp_reader import read_metadata
+from .dcp_layout import Blob, Entry, dcp_load, dcp_save
+from .dcp_reader import data_files, read_metadata
 from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
 from .loadable import check_loadable
 from .manifest import (
@@ -53,12 +50,10 @@ from .manifest import (
     Manifest,
     Record,
     check_kind,
-    check_sealed,
     digest_of,
-    read_manifest,
-    unverified,
+    manifest_for_load,
 )
-from .workspace import KEEP_READING, Workspace, first_line, interrupted_saves, kept_replacing, write_error
+from .workspace import Pinned, Workspace, first_line, interrupted_saves, read_while_replaced, write_error
 
 __all__ = ["Reading", "load_directory", "save_directory"]
 
@@ -92,9 +87,7 @@ def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseExcept
 
 
 # --- saving -----------------------------------------------------------------------------------
-def save_directory(
-    comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, SaveEntry]]
-) -> None:
+def save_directory(comm: Communicator, target: Path, record: Record, build: Callable[[], Mapping[str, Entry]]) -> None:
     """Save what ``build`` lists on each rank (its pieces, and what it saves once) as the DCP
     checkpoint directory ``target``, atomically. A collective: every rank calls it."""
     what = f"saving a sharded {record.kind} checkpoint"
@@ -113,7 +106,7 @@ def save_directory(
         agree(comm, what, prepare, CheckpointWriteError, subject)
         name = comm.all_gather_object(workspace.path.name if workspace is not None else None)[0]
         shared = target.parent / name / WRITE_INTO
-        entries: dict[str, SaveEntry] = {}
+        entries: dict[str, Entry] = {}
 
         def ready() -> None:
             if not shared.is_dir():
@@ -150,7 +143,7 @@ def save_directory(
                 files.update(digests)
             try:
                 files[DCP_METADATA] = digest_of(shared / DCP_METADATA)
-                referenced = {info.relative_path for info in (read_metadata(shared).storage_data or {}).values()}
+                referenced = data_files(read_metadata(shared))
                 for name in sorted(referenced | set(files)):
                     path = shared / name
                     if name not in files or not path.is_file() or path.stat().st_size != files[name].size:
@@ -166,22 +159,17 @@ def save_directory(
         workspace = None
     except ChunkmemError:
         # Raised on every rank at the same step: rank 0 removes what was written, and no rank
-        # returns before it has (a caller may look at the directory at once).
+        # returns before it has (a caller may look at the directory at once). A rank that cannot
+        # be reached any more has failed already, and the original error is what matters.
         if workspace is not None:
             workspace.remove()
             workspace = None
-        _settle(comm)
+        with contextlib.suppress(Exception):
+            comm.barrier()
         raise
     finally:
         if workspace is not None:
             workspace.remove()
-
-
-def _settle(comm: Communicator) -> None:
-    """Wait for every rank, after a failure every rank raises; a rank that cannot be reached any
-    more has failed already, and the original error is what matters."""
-    with contextlib.suppress(Exception):
-        comm.barrier()
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -191,7 +179,7 @@ class Reading(Generic[T]):
     small values everyone needs), and ``finish``, which checks what was read and returns the
     staged state (raising a ``StateDictMismatchError`` that lists every problem)."""
 
-    targets: Mapping[str, LoadTarget]
+    targets: Mapping[str, Entry]
     finish: Callable[[], T]
 
 
@@ -205,28 +193,17 @@ def _open(comm: Communicator, target: Path, kind: Kind, verify: bool) -> tuple[M
             else ""
         )
         raise CheckpointCorruptedError(f"checkpoint directory {target} does not exist{hint}")
-    manifest = read_manifest(target, directory=True)
-    if manifest is None and not (target / DCP_METADATA).is_file():
+    if not (target / MANIFEST_NAME).exists() and not (target / DCP_METADATA).is_file():
         raise CheckpointCorruptedError(
             f"{target} is not a checkpoint directory: it has neither chunkmem's {MANIFEST_NAME} nor DCP's "
             f"{DCP_METADATA}"
         )
+    manifest = manifest_for_load(target, verify, directory=True)
     if manifest is not None:
-        check_sealed(manifest, target / MANIFEST_NAME, target, verify)
         check_kind(target, manifest, kind)
         verify_files(target, manifest, comm.rank, comm.world_size)
-    else:
-        unverified(target, MANIFEST_NAME, verify)
-    try:
-        metadata = read_metadata(target)
-    except CheckpointCorruptedError:
-        raise
-    except Exception as error:
-        raise CheckpointCorruptedError(
-            f"cannot read {target / DCP_METADATA} ({type(error).__name__}: {first_line(error)}): the directory is not "
-            "a DCP checkpoint or it is damaged. Load an intact copy or an earlier checkpoint."
-        ) from error
-    referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    metadata = read_metadata(target)
+    referenced = data_files(metadata)
     for name in sorted(referenced):
         inside(target, name)  # DCP would open it: nothing outside the directory
     if manifest is not None:
@@ -257,74 +234,17 @@ def load_directory(
         return manifest, plan(manifest, metadata)
 
     def read(reading: Reading[T]) -> T | None:
-        def run() -> bool:
-            dcp_load(comm, target, reading.targets, what)
-            return True
+        done = _through_dcp(
+            lambda: dcp_load(comm, target, reading.targets, what), comm.rank, lambda e: _read_error(target, e)
+        )
+        return None if done is None else reading.finish()
 
-        if _through_dcp(run, comm.rank, lambda e: _read_error(target, e)) is None:
-            return None
-        return reading.finish()
-
-    deadline = time.monotonic() + KEEP_READING
-    attempts = 0
-    while True:
-        attempts += 1
-        failure: CheckpointError | None = None
-        with _Pinned(target) as pinned:
-            try:
-                manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
-                staged = agree(
-                    comm, f"{what} (reading)", functools.partial(read, reading), CheckpointCorruptedError, str(target)
-                )
-            except CheckpointError as error:
-                # The agreement raised the same class on every rank, so every rank is here. (A
-                # departure between ranks is another class: it must not wait for a collective.)
-                failure = error
-            replaced, expired = _replaced_on_any_rank(comm, pinned, deadline)
-        if replaced and not expired:
-            continue  # a save swapped the directory while it was read: not damage
-        if replaced:
-            raise kept_replacing(f"checkpoint directory {target}", attempts) from None
-        if failure is not None:
-            raise failure
+    def attempt(pinned: Pinned) -> tuple[T, Manifest | None]:
+        manifest, reading = agree(comm, what, open_and_plan, CheckpointError, str(target))
+        staged = agree(comm, f"{what} (reading)", lambda: read(reading), CheckpointCorruptedError, str(target))
         assert staged is not None, "a rank that saw another rank fail raised in the agreement"
         return staged, manifest
 
-
-class _Pinned:
-    """Holds the directory at a path open (its inode cannot be reused), to tell afterwards whether
-    the path still names it: a save swaps a new directory in with a rename."""
-
-    def __init__(self, target: Path) -> None:
-        self._target = target
-        self._fd: int | None = None
-
-    def __enter__(self) -> _Pinned:
-        with contextlib.suppress(OSError):
-            self._fd = os.open(self._target, os.O_RDONLY | os.O_DIRECTORY)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def replaced(self) -> bool:
-        try:
-            now = os.stat(self._target)
-        except OSError:
-            return self._fd is not None
-        if self._fd is None:
-            return True
-        held = os.fstat(self._fd)
-        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
-
-
-def _replaced_on_any_rank(comm: Communicator, pinned: _Pinned, deadline: float) -> tuple[bool, bool]:
-    """Whether any rank's directory was replaced since it was pinned, and whether any rank is past
-    ``deadline`` (a collective: the ranks read again together, so no two load different saves)."""
-    mine = (pinned.replaced(), time.monotonic() > deadline)
-    if comm.world_size == 1:
-        return mine
-    everyone = comm.all_gather_object(mine)
-    return any(r for r, _ in everyone), any(e for _, e in everyone)
+    # The agreements raise the same class on every rank, so every rank decides whether to read
+    # again. (A departure between ranks is another class: it must not wait for a collective.)
+    return read_while_replaced(target, f"checkpoint directory {target}", attempt, comm)

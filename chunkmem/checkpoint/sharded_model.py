@@ -20,7 +20,7 @@ from ..boosted.model_state import StagedModelLoad, check_model_state
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.shard import MASTER_DTYPE
-from .dcp_layout import FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
+from .dcp_layout import Entry, FlatRange, Whole, as_meta, read_whole
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -29,33 +29,26 @@ if TYPE_CHECKING:
 __all__ = ["model_save_entries", "plan_model_load"]
 
 
-def _buffers(model: ChunkedModel) -> list[tuple[str, torch.Tensor, torch.dtype]]:
-    """Each state-dict buffer (name, the tensor, its original dtype)."""
-    manager = model.manager
-    shapes = model.state_shapes()
-    return [
-        (name, tensor, shapes[name][1])
-        for name, tensor in model.module.state_dict(keep_vars=True).items()
-        if not manager.manages(tensor)
-    ]
+def _state(model: ChunkedModel) -> tuple[list[tuple[str, torch.Tensor, torch.dtype]], set[str]]:
+    """Each state-dict buffer (name, the tensor, its original dtype), and the state-dict names of
+    parameters saved under another (their first) name."""
+    manager, shapes = model.manager, model.state_shapes()
+    buffers: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    aliases: set[str] = set()
+    for name, tensor in model.module.state_dict(keep_vars=True).items():
+        if not manager.manages(tensor):
+            buffers.append((name, tensor, shapes[name][1]))
+        elif manager.info(tensor).name != name:
+            aliases.add(name)
+    return buffers, aliases
 
 
-def _aliases(model: ChunkedModel) -> set[str]:
-    """State-dict names of parameters saved under another (their first) name."""
-    manager = model.manager
-    return {
-        name
-        for name, tensor in model.module.state_dict(keep_vars=True).items()
-        if manager.manages(tensor) and manager.info(tensor).name != name
-    }
-
-
-def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
+def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
     """What this rank saves: its piece of each parameter (views of the master shards), and, on
     rank 0, the buffers and any parameter without elements."""
     manager = model.manager
     first = manager.comm.rank == 0
-    entries: dict[str, SaveEntry] = {}
+    entries: dict[str, Entry] = {}
     for chunk in manager.chunks:
         for info in chunk.tensors:
             piece = chunk.piece(info)
@@ -65,7 +58,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, SaveEntry]:
             elif info.numel == 0 and first:
                 entries[info.name] = Whole(torch.zeros(info.shape, dtype=MASTER_DTYPE))
     if first:
-        for name, tensor, dtype in _buffers(model):
+        for name, tensor, dtype in _state(model)[0]:
             entries[name] = Whole(tensor.detach().to("cpu", dtype))
     return entries
 
@@ -74,7 +67,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     """What this rank reads of a directory (``metadata``, DCP's): every key, shape and dtype
     checked against the model (every problem listed), then this rank's pieces and the buffers."""
     manager = model.manager
-    aliases = _aliases(model)
+    model_buffers, aliases = _state(model)
     expected = {name: shape for name, shape in model.state_shapes().items() if name not in aliases}
     saved = {
         name: as_meta(entry) if isinstance(entry, TensorStorageMetadata) else "is not a tensor in the checkpoint"
@@ -83,7 +76,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     missing, unexpected = check_model_state(
         type(model.module).__name__, expected, saved, strict, str(source), not_unexpected=aliases
     )
-    targets: dict[str, LoadTarget] = {}
+    targets: dict[str, Entry] = {}
     pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
     for info in manager.infos:
         chunk = manager.chunk(info.chunk_id)
@@ -93,11 +86,9 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
             targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)
             pieces.append((chunk, piece, staging))
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, tensor, _ in _buffers(model):
-        value = saved.get(name)
-        if isinstance(value, torch.Tensor):
-            staging = torch.empty(value.shape, dtype=value.dtype)
-            targets[name] = WholeTarget(staging)
-            buffers.append((tensor, staging))
+    for name, tensor, _ in model_buffers:
+        if isinstance(saved.get(name), torch.Tensor):
+            targets[name] = read_whole(saved[name])
+            buffers.append((tensor, targets[name].value))
     staged = StagedModelLoad(pieces, buffers, missing, unexpected)
     return Reading(targets, lambda: staged)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import StateDictMismatchError
 from ..optim.state_dict import (
@@ -33,7 +33,7 @@ from ..optim.state_dict import (
     refusal,
     saved_elementwise,
 )
-from .dcp_layout import Blob, BlobTarget, FlatRange, LoadTarget, SaveEntry, Whole, WholeTarget, as_meta
+from .dcp_layout import Blob, Entry, FlatRange, as_meta, read_whole, whole
 from .sharded import Reading
 
 if TYPE_CHECKING:
@@ -43,26 +43,22 @@ if TYPE_CHECKING:
 __all__ = ["optimizer_save_entries", "plan_optimizer_load"]
 
 
-def _value_entry(value: Any) -> SaveEntry:
-    return Whole(value.detach()) if isinstance(value, torch.Tensor) else Blob(value)
-
-
-def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, SaveEntry]:
+def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, Entry]:
     """What this rank saves: the elementwise state of its pieces, the other state of the
     parameters whose first element it holds, and, on rank 0, the param groups and loss scale."""
-    entries: dict[str, SaveEntry] = {}
+    entries: dict[str, Entry] = {}
     for piece in optimizer.pieces:
         for key, value in optimizer.piece_state(piece).items():
             name = f"state.{piece.info.name}.{key}"
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.tensor.shape:
                 entries[name] = FlatRange(value.detach().contiguous(), tuple(piece.info.shape), piece.param_slice.start)
             elif piece.param_slice.start == 0:
-                entries[name] = _value_entry(value)
+                entries[name] = whole(value)
     if optimizer.communicator.rank == 0:
         for position, (group, infos) in enumerate(zip(optimizer.param_groups, optimizer.group_infos, strict=True)):
             for setting, value in group.items():
                 if setting != "params":
-                    entries[f"param_groups.{position}.{setting}"] = _value_entry(value)
+                    entries[f"param_groups.{position}.{setting}"] = whole(value)
             entries[f"param_groups.{position}.params"] = Blob([info.name for info in infos])
         if optimizer.loss_scaler is not None:
             for key, value in optimizer.loss_scaler.state_dict().items():
@@ -70,26 +66,11 @@ def optimizer_save_entries(optimizer: ChunkOptimizer) -> dict[str, SaveEntry]:
     return entries
 
 
-def _target(saved: Any) -> LoadTarget:
-    if isinstance(saved, torch.Tensor):
-        return WholeTarget(torch.empty(saved.shape, dtype=saved.dtype))
-    assert isinstance(saved, BytesStorageMetadata), f"DCP stores tensors and bytes, not {type(saved).__name__}"
-    return BlobTarget()
-
-
-def _read(target: LoadTarget) -> Any:
-    if isinstance(target, BlobTarget):
-        return target.value
-    return target.values
-
-
 class _Layout:
     """The entries of a saved optimizer state, sorted by what they hold."""
 
     def __init__(self, optimizer: ChunkOptimizer, metadata: Metadata, source: Path) -> None:
-        self.infos: dict[str, tuple[int, TensorInfo]] = {
-            info.name: (position, info) for position, infos in enumerate(optimizer.group_infos) for info in infos
-        }
+        self.infos: dict[str, TensorInfo] = {info.name: info for infos in optimizer.group_infos for info in infos}
         self.groups: dict[int, dict[str, Any]] = {}
         self.state: dict[str, dict[str, Any]] = {}
         self.scaler: dict[str, Any] = {}
@@ -136,19 +117,19 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
     ``finish`` checks the values read (parameters of each group, settings, state keys, loss scale)."""
     layout = _Layout(optimizer, metadata, source)
     saved = [
-        (layout.infos[name][1], f"parameter '{name}' (shape {tuple(layout.infos[name][1].shape)})", state)
+        (layout.infos[name], f"parameter '{name}' (shape {tuple(layout.infos[name].shape)})", state)
         for name, state in layout.state.items()
     ]
     problems, dropped = check_state_shapes(optimizer, saved)
     if layout.problems or problems:
         raise refusal(optimizer, str(source), layout.problems + problems)
 
-    targets: dict[str, LoadTarget] = {}
+    targets: dict[str, Entry] = {}
     for position, settings in layout.groups.items():
         for setting, value in settings.items():
-            targets[f"param_groups.{position}.{setting}"] = _target(value)
+            targets[f"param_groups.{position}.{setting}"] = read_whole(value)
     for key, value in layout.scaler.items():
-        targets[f"loss_scaler.{key}"] = _target(value)
+        targets[f"loss_scaler.{key}"] = read_whole(value)
     staged_keys: list[tuple[Piece, str, str]] = []
     for piece in optimizer.pieces:
         parameter = piece.info.name
@@ -158,7 +139,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
                 staging = optimizer.state_staging(piece.chunk, piece.part.numel, value.dtype)
                 targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
             else:
-                targets[name] = _target(value)
+                targets[name] = read_whole(value)
             staged_keys.append((piece, key, name))
 
     def finish() -> StagedOptimizerState:
@@ -166,7 +147,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
         hyperparameters: list[dict[str, Any]] = []
         for position, infos in enumerate(optimizer.group_infos):
             settings = {
-                setting: _read(targets[f"param_groups.{position}.{setting}"]) for setting in layout.groups[position]
+                setting: targets[f"param_groups.{position}.{setting}"].value for setting in layout.groups[position]
             }
             names = settings.pop("params")
             if list(names) != [info.name for info in infos]:
@@ -175,14 +156,14 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
                     f"{[info.name for info in infos][:4]}... here: it was saved for other param groups"
                 )
             hyperparameters.append(settings)
-        scaler_state = {key: _read(targets[f"loss_scaler.{key}"]) for key in layout.scaler} or None
+        scaler_state = {key: targets[f"loss_scaler.{key}"].value for key in layout.scaler} or None
         problems += check_settings(optimizer, hyperparameters, saved, scaler_state)
         accept(optimizer, str(source), problems, dropped, scaler_state)
         states: dict[torch.Tensor, dict[str, Any]] = {}
         for piece, key, name in staged_keys:
-            states.setdefault(piece.tensor, {})[key] = _read(targets[name])
+            states.setdefault(piece.tensor, {})[key] = targets[name].value
         # Which parameters have state is read from the checkpoint's layout, the same on every rank.
-        stateful = [layout.infos[parameter][1] for parameter in layout.state if parameter not in dropped]
+        stateful = [layout.infos[parameter] for parameter in layout.state if parameter not in dropped]
         return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
 
     return Reading(targets, finish)

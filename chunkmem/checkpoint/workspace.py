@@ -14,36 +14,45 @@ checkpoint there, and the next save or load to the same target puts it back.
 
 A write that fails is named by :func:`write_error`, whatever the format: what could not be written
 and why, the space left on its disk, and that the previous checkpoint at the target is unchanged.
+A load reads again while saves replace what it reads (:func:`read_while_replaced`), whatever the
+format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import secrets
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
 from ..tiers.owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
+if TYPE_CHECKING:
+    from ..ranks.comm import Communicator
+
 __all__ = [
     "KEEP_READING",
     "PREVIOUS",
+    "Pinned",
     "Workspace",
-    "check_only_saver",
     "first_line",
     "fsync_directory",
     "interrupted_saves",
-    "kept_replacing",
-    "remove_dead_workspaces",
-    "restore_interrupted",
+    "open_workspace",
+    "read_while_replaced",
     "write_durably",
     "write_error",
 ]
 
+T = TypeVar("T")
 _INFIX = ".chunkmem-tmp-"
 _MARKER = ".chunkmem-workspace"
 PREVIOUS = "previous"
@@ -84,7 +93,7 @@ def _marker_of(candidate: Path, target: Path) -> bytes:
     return _marker_text(target.name, candidate.name.rsplit(_INFIX, 1)[1])
 
 
-def check_only_saver(workspace: Workspace) -> None:
+def _check_only_saver(workspace: Workspace) -> None:
     """Refuse a save while another save to the same target runs (another job saving to the same
     path): their renames would interleave, mixing one's manifest with the other's file. Checked
     once this save's workspace exists and is locked, so of two saves starting together at least
@@ -108,23 +117,33 @@ def interrupted_saves(target: Path) -> list[Path]:
     return [w / PREVIOUS for w in _workspaces(target) if (w / PREVIOUS).exists() and not (w / PREVIOUS).is_symlink()]
 
 
-def restore_interrupted(target: Path) -> None:
+def _remove_dead_workspaces(target: Path) -> list[Path]:
     """Where ``target`` is missing because a save was killed between moving the previous checkpoint
-    into its workspace and the new one into place, move the previous one back."""
-    if target.exists() or target.is_symlink():
-        return
-    for workspace in _workspaces(target):
-        with if_dead(workspace, _MARKER, _marker_of(workspace, target)) as dead:
-            previous = workspace / PREVIOUS
-            if dead and (previous.exists() and not previous.is_symlink()) and not target.exists():
+    into its workspace and the new one into place, move the previous one back; then delete the
+    workspaces of ``target`` whose saves are gone. Returns what was deleted."""
+    for previous in [] if target.exists() or target.is_symlink() else interrupted_saves(target):
+        with if_dead(previous.parent, _MARKER, _marker_of(previous.parent, target)) as dead:
+            if dead and previous.exists() and not target.exists():
                 os.rename(previous, target)
-
-
-def remove_dead_workspaces(target: Path) -> list[Path]:
-    """Put back an interrupted save's previous checkpoint, then delete the workspaces of ``target``
-    whose saves are gone. Returns what was deleted."""
-    restore_interrupted(target)
     return [w for w in _workspaces(target) if remove_if_dead(w, _MARKER, _marker_of(w, target))]
+
+
+def open_workspace(target: Path, check: Callable[[], None] = lambda: None, entry: str | None = None) -> Workspace:
+    """A new workspace for a save to ``target`` (with the empty directory ``entry`` in it, if
+    named), once killed saves to it are cleaned up after and ``check`` passed; refused while another
+    save to ``target`` runs (:func:`_check_only_saver`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_workspaces(target)
+    check()
+    workspace = Workspace(target)
+    try:
+        _check_only_saver(workspace)
+        if entry is not None:
+            (workspace / entry).mkdir()
+    except BaseException:
+        workspace.remove()
+        raise
+    return workspace
 
 
 def fsync_directory(directory: Path) -> None:
@@ -177,9 +196,59 @@ KEEP_READING = 120.0
 """Seconds a load reads a checkpoint again while saves keep replacing it, before giving up."""
 
 
-def kept_replacing(what: str, attempts: int) -> CheckpointError:
-    """The error for a load of ``what`` that saves replaced during each of its ``attempts``."""
-    return CheckpointError(
-        f"{what} was replaced by a save during each of {attempts} reads in {KEEP_READING:.0f} s: another process "
-        "keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
-    )
+class Pinned:
+    """Holds what ``path`` names open, a file or a directory (its inode cannot be reused), to tell
+    afterwards whether the path still names it: a save puts a new one in place with a rename."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self.fd: int | None = None
+        with contextlib.suppress(OSError):
+            self.fd = os.open(path, os.O_RDONLY)
+
+    def replaced(self) -> bool:
+        try:
+            now = os.stat(self._path)
+        except OSError:
+            return self.fd is not None
+        if self.fd is None:
+            return True
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def read_while_replaced(path: Path, what: str, attempt: Callable[[Pinned], T], comm: Communicator | None = None) -> T:
+    """``attempt`` with ``path`` pinned, again while saves replace what ``path`` names during it (a
+    replaced checkpoint is not a damaged one), for up to :data:`KEEP_READING` seconds. With ``comm``
+    the ranks decide together (a collective: no two ranks read different saves), and ``attempt``
+    raises the same ``CheckpointError`` on every rank or on none."""
+    deadline = time.monotonic() + KEEP_READING
+    attempts = 0
+    while True:
+        attempts += 1
+        failure: CheckpointError | None = None
+        pinned = Pinned(path)
+        try:
+            result = attempt(pinned)
+        except CheckpointError as error:
+            failure = error
+        finally:
+            replaced, expired = pinned.replaced(), time.monotonic() > deadline
+            pinned.close()
+        if comm is not None and comm.world_size > 1:
+            everyone = comm.all_gather_object((replaced, expired))
+            replaced, expired = any(r for r, _ in everyone), any(e for _, e in everyone)
+        if not replaced:
+            if failure is not None:
+                raise failure
+            return result
+        if expired:
+            raise CheckpointError(
+                f"{what} was replaced by a save during each of {attempts} reads in {KEEP_READING:.0f} s: another "
+                "process keeps saving to it. Nothing was loaded; load it when those saves stop, or load a copy."
+            )
