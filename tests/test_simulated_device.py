@@ -136,6 +136,8 @@ NOT_DATA = {
     "be under the allocator's",
     "activations/auto.py: _measure: layer.synchronize(layer.record_event())": "timing only: the host waits for "
     "the compute stream around a measured block call so that the wall clock measures its forward",
+    "tiers/transfers.py: settle: self._layer.synchronize(end)": "timing only: the auto policy's copy rates are "
+    "read once every measured copy's end event has completed (settle(wait=True)); no data is read after it",
 }
 
 
