@@ -10,7 +10,8 @@ A chunk is three concerns, each its own class, tied together here:
   (``GradState``, with its transition table);
 
 plus the per-parameter states (``TensorState``) that say when a chunk may be released (no op uses
-it) and when its gradients are complete. Its shard data lives in a :class:`ShardStore`. Every verb
+it). When its gradients are complete is the placement's rule (``placement.DeviceResidency``), read
+from the ops of the trace, not from its parameters. Its shard data lives in a :class:`ShardStore`. Every verb
 checks its precondition and names the chunk, the rank and the state when it is violated.
 """
 
@@ -60,7 +61,6 @@ class Chunk:
         self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where, self._transfers)
         self._store: ShardStore | None = None
         self._computing = 0
-        self._ready = 0
 
     # --- identity and layout ----------------------------------------------------------------
     @property
@@ -133,10 +133,6 @@ class Chunk:
     def in_use(self) -> bool:
         """Some op is using one of its parameters."""
         return self._computing > 0
-
-    @property
-    def all_ready_for_reduce(self) -> bool:
-        return self.trainable and self._ready == len(self.layout.tensors)
 
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
@@ -231,7 +227,6 @@ class Chunk:
     def _set_state(self, info: TensorInfo, target: TensorState) -> None:
         before = info.state
         info.transition(target, self._comm.rank)
-        self._ready += (target is TensorState.READY_FOR_REDUCE) - (before is TensorState.READY_FOR_REDUCE)
         self._computing += (target is TensorState.COMPUTE) - (before is TensorState.COMPUTE)
 
     def enter_compute(self, info: TensorInfo) -> None:

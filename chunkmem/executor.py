@@ -202,11 +202,12 @@ class PlanExecutor:
         phase: Phase,
         in_backward: bool,
         trace: ComputeTrace | None,
+        op: int,
     ) -> None:
-        """The op is done with its parameters; release what the policy says."""
+        """The op at ``op`` is done with its parameters; release what the policy says."""
         for info in infos:
             self._manager.chunk(info.chunk_id).leave_compute(info, target)
-        self._carry(self._residency.after_op(position, phase, chunk_ids, in_backward, trace))
+        self._carry(self._residency.after_op(position, phase, chunk_ids, in_backward, trace, op))
 
     # --- gradients --------------------------------------------------------------------------------
     def on_start(self, listener: Callable[[Chunk], None] | None) -> None:
@@ -223,15 +224,18 @@ class PlanExecutor:
         self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor, position: int, trace: ComputeTrace | None
     ) -> None:
         """Add a parameter's gradient into its chunk's buffer (making room for one first if the
-        chunk has none); start the chunk's reduction once all its gradients are in."""
+        chunk has none). The residency says when the buffer's reduction starts (its one rule for
+        complete gradients, the same in a replay)."""
         self._carry(self._residency.gradient_arrives(chunk.chunk_id, position, trace))
         chunk.accumulate_grad(info, grad)
-        if chunk.all_ready_for_reduce:
-            self._carry(self._residency.gradients_complete(chunk.chunk_id))
 
     def finish_reduction(self, chunk: Chunk) -> None:
         """Wait for ``chunk``'s reduction in flight (its gradient shard is read now)."""
         self._carry(self._residency.finish_reduction(chunk.chunk_id))
+
+    def end_backward(self) -> None:
+        """``loss.backward()`` returned: land gathers, and outside ``no_sync`` reduce everything."""
+        self._carry(self._residency.end_backward())
 
     def reduce_all(self) -> None:
         """Reduce every buffer still accepting, then wait for every reduction."""

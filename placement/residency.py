@@ -172,6 +172,9 @@ class DeviceResidency:
         # Chunks that got a gradient buffer inside no_sync, not reduced since: their sum over the
         # micro-batches is reduced once, whole (see ``_reducible``).
         self._carried: set[int] = set()
+        # Chunks whose gradients the trace says are complete, waiting for the next op (or the end
+        # of the backward) to start their reduction; see ``_complete``.
+        self._complete: dict[int, None] = {}
         self._last_use: dict[int, int] = {}
         self._awaited: list[tuple[int, int]] = []  # heap: (next use in the pass, chunk) of evicted chunks
         self._position = -1
@@ -362,6 +365,7 @@ class DeviceResidency:
 
     def begin_iteration(self) -> None:
         """Positions restart: forget when chunks were last used and which evicted ones are awaited."""
+        self._complete.clear()
         self._last_use.clear()
         self._awaited.clear()
         self._position = -1
@@ -373,6 +377,7 @@ class DeviceResidency:
         """Make the op's chunks resident (with gradient buffers for a backward op) and start the
         plan's prefetches; the op then holds its chunks until ``after_op``. Raises
         ``NoRoomError`` when the op cannot fit under the budget."""
+        yield from self._start_complete(trace is not None)
         for c in chunk_ids:
             if c in self._prefetched:
                 self._prefetched.discard(c)
@@ -403,9 +408,22 @@ class DeviceResidency:
             self._holds[c] += 1
 
     def after_op(
-        self, position: int, phase: Phase, chunk_ids: tuple[int, ...], in_backward: bool, trace: ComputeTrace | None
+        self,
+        position: int,
+        phase: Phase,
+        chunk_ids: tuple[int, ...],
+        in_backward: bool,
+        trace: ComputeTrace | None,
+        op: int | None = None,
     ) -> Iterator[Action]:
-        """The op let go of its chunks: release what the policy says of those no op holds now."""
+        """The op at ``op`` (default ``position``; it is earlier when ops ran inside it) let go of
+        its chunks at ``position``: release what the policy says of those no op holds now, and note
+        the chunks whose gradients this op completes (see ``_complete``)."""
+        if phase is Phase.BACKWARD and trace is not None:
+            done = trace.gradients_complete_after(position if op is None else op)
+            for c in chunk_ids:
+                if c in done and self._trainable[c]:
+                    self._complete[c] = None
         finished = []
         for c in chunk_ids:
             self._require(self._holds[c] > 0, c, "let go of", "no op holds it")
@@ -488,11 +506,36 @@ class DeviceResidency:
             yield from self._plan(position, Phase.BACKWARD, (chunk_id,), needed, trace)
             self._require_room(needed, (chunk_id,), position)
 
-    def gradients_complete(self, chunk_id: int) -> Iterator[Action]:
-        """Every parameter of the chunk has its gradient of this backward: reduce now, unless
-        inside ``no_sync`` (then the buffer keeps accumulating)."""
+    def _start_complete(self, following: bool) -> Iterator[Action]:
+        """The one rule for "a chunk's gradients are complete", for the run and its replay alike:
+        after the last backward op of the pass that uses the chunk in the trace the iteration
+        follows, once autograd has accumulated what that op produced (it does so before the next
+        op starts, or the backward ends: that is when this runs), reduce its buffer, unless inside
+        ``no_sync`` (then it keeps accumulating). Without a trace (the first iteration) or once the
+        iteration has departed from it (``following`` is false: the trace said nothing of what
+        runs now), gradients are complete at the end of the backward (``reduce_all``). What a
+        parameter's ops leave out (a layer never called, a branch not taken, frozen parameters)
+        changes nothing: the rule reads ops, not parameters. A gradient that arrives after all
+        (an op the hooks do not see) finds the buffer reducing: ``gradient_arrives`` waits for
+        that reduction and gives the chunk a fresh buffer, reduced at the end and added to the
+        shard, so nothing is lost or counted twice."""
+        complete, self._complete = self._complete, {}
+        if not (following and self.can_reduce):
+            return
+        for c in complete:
+            if self._grad[c] is GradBuffer.ACCEPTING:
+                yield from self._start(c, Verb.START_REDUCE)
+
+    def end_backward(self) -> Iterator[Action]:
+        """``loss.backward()`` returned: land the gathers in flight; outside ``no_sync`` reduce
+        every gradient (``reduce_all``); inside it, the chunks the last op completed go on
+        accumulating with the others (what it completed then is forgotten: their sum over the
+        micro-batches is reduced once, at the end of a backward outside ``no_sync``)."""
+        yield from self.wait_all()
         if self.can_reduce:
-            yield from self._start(chunk_id, Verb.START_REDUCE)
+            yield from self.reduce_all()
+        else:
+            self._complete.clear()
 
     def finish_reduction(self, chunk_id: int) -> Iterator[Action]:
         """Wait for the chunk's reduction in flight (its gradient shard is read now)."""
@@ -507,7 +550,9 @@ class DeviceResidency:
     def reduce_all(self) -> Iterator[Action]:
         """Reduce every buffer still accepting and every chunk with gradients on the host (in
         chunk order, the same on every rank; a chunk whose gradients are only on the host gets a
-        buffer for its reduction first), then wait for every reduction."""
+        buffer for its reduction first), then wait for every reduction. Chunks the last op
+        completed start first (see ``_start_complete``)."""
+        yield from self._start_complete(True)
         for c in sorted({*self._accepting, *self._spilled}):
             if self._grad[c] is GradBuffer.NONE and c in self._spilled:
                 yield from self._room_for_grad(c, self._position, None)
@@ -525,6 +570,7 @@ class DeviceResidency:
         self._accepting.clear()
         self._spilled.clear()
         self._carried.clear()
+        self._complete.clear()
         for c in range(len(self._grad)):
             yield Action(Verb.ZERO_GRAD, c)
 
