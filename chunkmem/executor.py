@@ -22,8 +22,9 @@ from typing import Protocol
 import torch
 
 from placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
+from placement.actions import Action, Verb
 from placement.policy import format_bytes
-from placement.residency import Action, DeviceResidency, Held, NoRoomError, Verb
+from placement.residency import DeviceResidency, Held, NoRoomError
 
 from .accounting import Location, MemoryKind
 from .chunk import Chunk

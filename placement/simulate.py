@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .actions import Action, Verb
 from .policy import PlacementPolicy
-from .residency import Action, DeviceResidency, NoRoomError, Verb
+from .residency import DeviceResidency, NoRoomError
 from .snapshot import ChunkSpec, WorkingSet
 from .trace import ComputeTrace
 
