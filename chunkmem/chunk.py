@@ -60,7 +60,6 @@ class Chunk:
         self._residency = ChunkResidency(self.layout, comm, ledger, stats, self._where)
         self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where, self._transfers)
         self._store: ShardStore | None = None
-        self._computing = 0
 
     # --- identity and layout ----------------------------------------------------------------
     @property
@@ -128,11 +127,6 @@ class Chunk:
         if self._store is None:
             raise RuntimeError(f"{self._where()}: has no shard yet; close() it first")
         return self._store
-
-    @property
-    def in_use(self) -> bool:
-        """Some op is using one of its parameters."""
-        return self._computing > 0
 
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
@@ -203,11 +197,9 @@ class Chunk:
         self._residency.refresh()
 
     def release(self) -> None:
-        """Drop the full buffer; keep only the local shard. Not while an op uses it."""
-        self._residency.require("release")
-        if self._computing:
-            busy = [t.name for t in self.layout.tensors if t.state is TensorState.COMPUTE]
-            raise RuntimeError(f"{self._where()}: cannot release while ops use {busy}")
+        """Drop the full buffer; keep only the local shard. Whether an op still uses it is the
+        device residency's to know (``placement.DeviceResidency`` counts the ops holding each chunk
+        and refuses to release one they hold), not a second count here."""
         self._residency.release()
 
     def move_master(self, location: Location) -> None:
@@ -225,9 +217,7 @@ class Chunk:
 
     # --- tensor states ----------------------------------------------------------------------
     def _set_state(self, info: TensorInfo, target: TensorState) -> None:
-        before = info.state
         info.transition(target, self._comm.rank)
-        self._computing += (target is TensorState.COMPUTE) - (before is TensorState.COMPUTE)
 
     def enter_compute(self, info: TensorInfo) -> None:
         """An op starts using the parameter (ops may overlap in backward; they are counted)."""
