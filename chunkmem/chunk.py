@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .accounting import Location, MemoryLedger
-from .chunk_grads import ChunkGrads, GradState, HostGrads
+from .chunk_grads import ChunkGrads, GradState
 from .chunk_layout import ChunkLayout, ShardPiece
 from .chunk_residency import ChunkResidency, ChunkState
 from .comm import Communicator, PendingGather
@@ -35,7 +35,7 @@ from .transfers import HostTransfers
 if TYPE_CHECKING:
     from .disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState", "GradState", "HostGrads"]
+__all__ = ["Chunk", "ChunkState", "GradState"]
 
 
 class Chunk:
@@ -247,9 +247,10 @@ class Chunk:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return self._grads.buffer_bytes
 
-    def prepare_grad(self) -> None:
-        """Make the flat fp32 gradient buffer ready to receive gradients."""
-        self._grads.prepare()
+    def prepare_grad(self, from_host: bool = False) -> None:
+        """Make the flat fp32 gradient buffer ready to receive gradients; ``from_host``: it starts
+        from the gradients an earlier buffer moved to the host (the residency knows which)."""
+        self._grads.prepare(from_host)
 
     def accumulate_grad(self, info: TensorInfo, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its slice of the flat buffer and mark it ready."""

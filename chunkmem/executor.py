@@ -129,7 +129,7 @@ class PlanExecutor:
                 elif verb is Verb.REFRESH:
                     chunk.refresh()
                 elif verb is Verb.ALLOCATE_GRAD:
-                    chunk.prepare_grad()
+                    chunk.prepare_grad(from_host=self._residency.grads_on_host(action.chunk))
                 elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
                     chunk.start_reduce()
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY

@@ -201,6 +201,11 @@ class GradientBuffers:
         on every rank)."""
         return sorted({*self._accepting, *self._spilled})
 
+    def on_host(self, chunk_id: int) -> bool:
+        """The chunk's gradients not reduced yet were moved to the host: a buffer allocated for it
+        now starts from them (and goes on adding to their sum)."""
+        return chunk_id in self._spilled
+
     def on_host_only(self, chunk_id: int) -> bool:
         """The chunk's gradients are on the host, with no buffer to reduce them from."""
         return self._state[chunk_id] is GradBuffer.NONE and chunk_id in self._spilled

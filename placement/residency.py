@@ -161,6 +161,10 @@ class DeviceResidency:
     def held(self, chunk_id: int) -> Held:
         return self._held[chunk_id]
 
+    def grads_on_host(self, chunk_id: int) -> bool:
+        """The chunk's unreduced gradients were moved to the host (a new buffer starts from them)."""
+        return self._grads.on_host(chunk_id)
+
     def gather_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gathered buffer allocates (0 when a resident shard serves)."""
         return self._gather_bytes[chunk_id]
