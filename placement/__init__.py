@@ -3,13 +3,15 @@
 Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
+from .actions import Action, Verb
 from .activation_plan import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, choose_activations
 from .activations import ActivationPlacement, BlockClass, BlockPlacement, block_class_name, matches_block
 from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .factory import make_policy
+from .gradients import GradBuffer
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
-from .residency import Action, DeviceResidency, GradBuffer, Held, NoRoomError, PlanObserver, Verb
+from .residency import DeviceResidency, Held, NoRoomError, PlanObserver
 from .simulate import SimulationResult, simulate
 from .snapshot import (
     BufferKind,

@@ -2,8 +2,9 @@
 
 For every chunk it keeps whether its full buffer is released, being gathered (in flight) or
 gathered; whether a prefetch brought it and no op has claimed it yet; when an op last used it; which
-evicted chunks an op ahead in the pass still needs; which ops hold it now; and whether its gradient
-buffer accepts gradients or is being reduced. It accounts the device bytes of those buffers, and
+evicted chunks an op ahead in the pass still needs; which ops hold it now; and, through its
+:class:`~placement.gradients.GradientBuffers`, whether its gradient buffer accepts gradients or is
+being reduced and when its gradients are complete. It accounts the device bytes of those buffers, and
 takes the bytes that stay on the device between uses (shards, masters, optimizer states, transient
 buffers) from whoever knows them (``base_bytes``).
 
@@ -20,64 +21,19 @@ positions and these states), so every rank yields the same actions, hence the sa
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
+from .actions import Action, Verb
+from .gradients import GradBuffer, GradientBuffers
 from .policy import PlacementPolicy
 from .snapshot import BufferKind, ChunkSpec, FetchPlan, OpSnapshot, ReleaseSnapshot, ResidentChunk
 from .trace import ComputeTrace, Phase
 
 __all__ = ["Action", "DeviceResidency", "GradBuffer", "Held", "NoRoomError", "PlanObserver", "Verb"]
-
-
-class Verb(enum.Enum):
-    """What an action does to a chunk."""
-
-    KEEP = "keep"
-    """Gather once and for all: the chunk stays gathered (a placement that keeps it gathered, or a
-    resident shard that serves as the chunk at world size 1, so gathering allocates nothing)."""
-    GATHER = "gather"
-    """Gather now: an op needs the chunk (a demand fetch)."""
-    PREFETCH = "prefetch"
-    """Start an asynchronous gather ahead of use."""
-    CLAIM = "claim"
-    """An op takes a chunk a prefetch brought (a prefetch hit); a WAIT follows if it is in flight."""
-    WAIT = "wait"
-    """Land an asynchronous gather."""
-    RELEASE = "release"
-    """The policy releases a chunk an op has finished with."""
-    EVICT = "evict"
-    """The policy releases a chunk to make room."""
-    DROP = "drop"
-    """Release between uses without a policy decision (after a step, before a transient buffer)."""
-    REFRESH = "refresh"
-    """Fill a gathered buffer again: the master changed (a step, a load)."""
-    ALLOCATE_GRAD = "allocate_grad"
-    """Give the chunk a gradient buffer."""
-    START_REDUCE = "start_reduce"
-    """Start reducing a gradient buffer whose gradients are complete (asynchronous)."""
-    REDUCE_EARLY = "reduce_early"
-    """Start reducing a gradient buffer before all its gradients arrived, to make room."""
-    SPILL_GRAD = "spill_grad"
-    """Move what a gradient buffer holds to the host and free it, to make room, where it may not
-    be reduced yet (inside ``no_sync``, or before the gradients of a chunk that accumulated there
-    are complete); the chunk's next buffer starts from it."""
-    FINISH_REDUCE = "finish_reduce"
-    """Wait for a reduction and free its buffer."""
-    ZERO_GRAD = "zero_grad"
-    """Forget the chunk's gradients (buffer and reduced shard)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One move of one chunk."""
-
-    verb: Verb
-    chunk: int
 
 
 class Held(enum.Enum):
@@ -87,16 +43,6 @@ class Held(enum.Enum):
     FETCHING = "fetching"
     """An asynchronous gather into it is in flight."""
     GATHERED = "gathered"
-
-
-class GradBuffer(enum.Enum):
-    """A chunk's gradient buffer."""
-
-    NONE = "none"
-    ACCEPTING = "accepting"
-    """Gradients are added into it."""
-    REDUCING = "reducing"
-    """Its reduction is in flight; it is still allocated."""
 
 
 class NoRoomError(Exception):
@@ -153,37 +99,28 @@ class DeviceResidency:
         self._budget = policy.budget
         self._base = base_bytes
         self._observer = observer
-        self._alone = world_size == 1
         n = len(specs)
         self._labels = [s.label for s in specs]
-        self._trainable = [s.trainable for s in specs]
         self._keep = [layout[i].keep_gathered for i in range(n)]
         # Device bytes a gathered buffer allocates (0: a resident shard serves as the chunk).
         self._gather_bytes = [layout[i].fetch_bytes(s, ignore_keep=True) for i, s in enumerate(specs)]
-        self._grad_bytes = [layout[i].grad_buffer_bytes(s) if s.trainable else 0 for i, s in enumerate(specs)]
+        grad_bytes = [layout[i].grad_buffer_bytes(s) if s.trainable else 0 for i, s in enumerate(specs)]
+        self._grads = GradientBuffers([s.trainable for s in specs], grad_bytes, world_size, self._require)
         self._held = [Held.RELEASED] * n
-        self._grad = [GradBuffer.NONE] * n
         self._holds = [0] * n  # running ops using the chunk
         self._buffers: dict[int, None] = {}  # gathered chunks the policy may release, in gather order
         self._prefetched: set[int] = set()
-        self._accepting: dict[int, None] = {}
-        self._reducing: dict[int, None] = {}  # in start order
-        self._spilled: set[int] = set()  # chunks with gradients on the host, not reduced yet
-        # Chunks that got a gradient buffer inside no_sync, not reduced since: their sum over the
-        # micro-batches is reduced once, whole (see ``_reducible``).
-        self._carried: set[int] = set()
         self._last_use: dict[int, int] = {}
         self._awaited: list[tuple[int, int]] = []  # heap: (next use in the pass, chunk) of evicted chunks
         self._position = -1
-        self._bytes = 0
-        self._sync = True
+        self._bytes = 0  # of gathered buffers
 
     # --- what the policy sees (placement.Residency) ------------------------------------------------
     def is_gathered(self, chunk_id: int) -> bool:
         return chunk_id in self._buffers
 
     def has_grad_buffer(self, chunk_id: int) -> bool:
-        return self._grad[chunk_id] is GradBuffer.ACCEPTING
+        return self._grads.state(chunk_id) is GradBuffer.ACCEPTING
 
     def buffers(self) -> Sequence[ResidentChunk]:
         out = [
@@ -197,19 +134,20 @@ class DeviceResidency:
             )
             for c in self._buffers
         ]
-        out += [ResidentChunk(c, BufferKind.REDUCING, self._grad_bytes[c], False, False, -1) for c in self._reducing]
+        grads = self._grads
+        out += [ResidentChunk(c, BufferKind.REDUCING, grads.buffer_bytes(c), False, False, -1) for c in grads.reducing]
         # Flushing a gradient buffer reduces it early, or where it may not be reduced moves it to the host.
         out += [
             ResidentChunk(
                 c,
-                BufferKind.GRAD if self._reducible(c) else BufferKind.SPILL,
-                self._grad_bytes[c],
+                BufferKind.GRAD if grads.reducible(c) else BufferKind.SPILL,
+                grads.buffer_bytes(c),
                 self._holds[c] > 0,
                 False,
                 self._last_use.get(c, -1),
             )
-            for c in self._accepting
-            if self._grad_bytes[c] > 0
+            for c in grads.accepting
+            if grads.buffer_bytes(c) > 0
         ]
         return out
 
@@ -223,57 +161,47 @@ class DeviceResidency:
     def held(self, chunk_id: int) -> Held:
         return self._held[chunk_id]
 
+    def grads_on_host(self, chunk_id: int) -> bool:
+        """The chunk's unreduced gradients were moved to the host (a new buffer starts from them)."""
+        return self._grads.on_host(chunk_id)
+
     def gather_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gathered buffer allocates (0 when a resident shard serves)."""
         return self._gather_bytes[chunk_id]
 
     def grad_buffer_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gradient buffer allocates (0 when it is the gradient shard)."""
-        return self._grad_bytes[chunk_id]
+        return self._grads.buffer_bytes(chunk_id)
 
     @property
     def buffer_bytes(self) -> int:
         """Device bytes of the gathered and gradient buffers accounted here."""
-        return self._bytes
+        return self._bytes + self._grads.nbytes
 
     @property
     def device_bytes(self) -> int:
         """Everything accounted on the device: what stays between uses, and the buffers here."""
-        return self._base() + self._bytes
+        return self._base() + self.buffer_bytes
 
     @property
     def unreduced(self) -> bool:
         """Gradients wait for a reduction (in a buffer, in flight, or on the host)."""
-        return bool(self._accepting or self._reducing or self._spilled)
+        return self._grads.unreduced
 
     @property
     def can_reduce(self) -> bool:
-        """A reduction may run now: always at world size 1 (nothing to communicate), else only
-        outside ``no_sync``."""
-        return self._sync or self._alone
+        """A reduction may run now: always at world size 1, else only outside ``no_sync``."""
+        return self._grads.can_reduce
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradients accumulate locally; no gradient collective until the block exits."""
-        previous = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _reducible(self, chunk_id: int) -> bool:
-        """Whether the chunk's buffer may be reduced before its gradients are complete. Not inside
-        ``no_sync`` at world size > 1, and not a buffer that accumulated there: plain PyTorch
-        reduces each parameter's sum over the micro-batches once, and reducing part of a chunk now
-        and the rest later would add the ranks' partial sums in another order."""
-        return self.can_reduce and chunk_id not in self._carried
+        return self._grads.no_sync()
 
     def _require(self, ok: bool, chunk_id: int, verb: str, fix: str) -> None:
         if not ok:
             raise RuntimeError(
                 f"DeviceResidency: cannot {verb} chunk {chunk_id} ('{self._labels[chunk_id]}'; buffer "
-                f"{self._held[chunk_id].value}, gradient buffer {self._grad[chunk_id].value}): {fix}"
+                f"{self._held[chunk_id].value}, gradient buffer {self._grads.state(chunk_id).value}): {fix}"
             )
 
     # --- the gathered buffer -------------------------------------------------------------------------
@@ -302,50 +230,6 @@ class DeviceResidency:
         self._prefetched.discard(chunk_id)
         yield Action(verb, chunk_id)
 
-    # --- the gradient buffer -------------------------------------------------------------------------
-    def _allocate_grad(self, chunk_id: int) -> Iterator[Action]:
-        if self._grad[chunk_id] is GradBuffer.REDUCING:
-            yield from self._finish(chunk_id)
-        self._require(self._grad[chunk_id] is GradBuffer.NONE, chunk_id, "allocate a gradient buffer for", "it has one")
-        self._grad[chunk_id] = GradBuffer.ACCEPTING
-        self._accepting[chunk_id] = None
-        if not self.can_reduce:
-            self._carried.add(chunk_id)
-        self._bytes += self._grad_bytes[chunk_id]
-        yield Action(Verb.ALLOCATE_GRAD, chunk_id)
-
-    def _start(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
-        self._require(self._grad[chunk_id] is GradBuffer.ACCEPTING, chunk_id, "reduce", "it has no gradient buffer")
-        self._grad[chunk_id] = GradBuffer.REDUCING
-        del self._accepting[chunk_id]
-        self._reducing[chunk_id] = None
-        self._spilled.discard(chunk_id)
-        self._carried.discard(chunk_id)
-        yield Action(verb, chunk_id)
-
-    def _finish(self, chunk_id: int) -> Iterator[Action]:
-        self._require(self._grad[chunk_id] is GradBuffer.REDUCING, chunk_id, "finish reducing", "none is in flight")
-        self._grad[chunk_id] = GradBuffer.NONE
-        del self._reducing[chunk_id]
-        self._bytes -= self._grad_bytes[chunk_id]
-        yield Action(Verb.FINISH_REDUCE, chunk_id)
-
-    def _flush(self, chunk_id: int) -> Iterator[Action]:
-        """Free a gradient buffer now: reduce it early, or where it may not be reduced yet move it
-        to the host (later gradients go to a fresh one either way), or finish its reduction in
-        flight."""
-        if self._grad[chunk_id] is GradBuffer.ACCEPTING and not self._reducible(chunk_id):
-            self._grad[chunk_id] = GradBuffer.NONE
-            del self._accepting[chunk_id]
-            self._bytes -= self._grad_bytes[chunk_id]
-            self._spilled.add(chunk_id)
-            yield Action(Verb.SPILL_GRAD, chunk_id)
-            return
-        if self._grad[chunk_id] is GradBuffer.ACCEPTING:
-            yield from self._start(chunk_id, Verb.REDUCE_EARLY)
-        if self._grad[chunk_id] is GradBuffer.REDUCING:  # (a listener of the start may have finished it)
-            yield from self._finish(chunk_id)
-
     # --- iterations ----------------------------------------------------------------------------------
     def start(self) -> Iterator[Action]:
         """Gather the chunks the placement keeps gathered."""
@@ -362,6 +246,7 @@ class DeviceResidency:
 
     def begin_iteration(self) -> None:
         """Positions restart: forget when chunks were last used and which evicted ones are awaited."""
+        self._grads.forget_complete()
         self._last_use.clear()
         self._awaited.clear()
         self._position = -1
@@ -373,15 +258,16 @@ class DeviceResidency:
         """Make the op's chunks resident (with gradient buffers for a backward op) and start the
         plan's prefetches; the op then holds its chunks until ``after_op``. Raises
         ``NoRoomError`` when the op cannot fit under the budget."""
+        yield from self._grads.start_complete(trace is not None)
         for c in chunk_ids:
             if c in self._prefetched:
                 self._prefetched.discard(c)
                 yield Action(Verb.CLAIM, c)
             yield from self._land(c)
-        backward = phase is Phase.BACKWARD
+        backward, grads = phase is Phase.BACKWARD, self._grads
         needed = sum(
             (self._gather_bytes[c] if self._held[c] is Held.RELEASED else 0)
-            + (self._grad_bytes[c] if backward and self._trainable[c] and c not in self._accepting else 0)
+            + (grads.buffer_bytes(c) if backward and grads.needs_buffer(c) else 0)
             for c in chunk_ids
         )
         plan = yield from self._plan(position, phase, chunk_ids, needed, trace)
@@ -393,8 +279,8 @@ class DeviceResidency:
         for c in chunk_ids:
             if self._held[c] is Held.RELEASED:
                 yield from self._gather(c, Verb.GATHER)
-            if backward and self._trainable[c] and c not in self._accepting:
-                yield from self._allocate_grad(c)
+            if backward and grads.needs_buffer(c):
+                yield from grads.allocate(c)
             self._last_use[c] = position
         for c in plan.prefetch:
             if self._held[c] is Held.RELEASED:
@@ -403,9 +289,18 @@ class DeviceResidency:
             self._holds[c] += 1
 
     def after_op(
-        self, position: int, phase: Phase, chunk_ids: tuple[int, ...], in_backward: bool, trace: ComputeTrace | None
+        self,
+        position: int,
+        phase: Phase,
+        chunk_ids: tuple[int, ...],
+        in_backward: bool,
+        trace: ComputeTrace | None,
+        op: int | None = None,
     ) -> Iterator[Action]:
-        """The op let go of its chunks: release what the policy says of those no op holds now."""
+        """The op at ``op`` (default ``position``; it is earlier when ops ran inside it) let go of
+        its chunks at ``position``: release what the policy says of those no op holds now, and note
+        the chunks whose gradients this op completes (``GradientBuffers.start_complete``)."""
+        self._grads.op_done(position if op is None else op, phase, chunk_ids, trace)
         finished = []
         for c in chunk_ids:
             self._require(self._holds[c] > 0, c, "let go of", "no op holds it")
@@ -449,7 +344,7 @@ class DeviceResidency:
             if trace is not None and trace.used_again_in_pass(c, position):
                 heapq.heappush(self._awaited, (trace.next_use(c, position) or -1, c))
         for c in plan.flush:
-            yield from self._flush(c)
+            yield from self._grads.flush(c)
         return plan
 
     def _over(self, needed: int) -> bool:
@@ -474,59 +369,59 @@ class DeviceResidency:
     # --- gradients -----------------------------------------------------------------------------------
     def gradient_arrives(self, chunk_id: int, position: int, trace: ComputeTrace | None) -> Iterator[Action]:
         """A gradient arrived for a chunk without a buffer (flushed to make room after the op's
-        backward, or reduced before a later gradient of a shared parameter): make room, allocate."""
-        if self._grad[chunk_id] is GradBuffer.ACCEPTING:
+        backward, or reduced before a later gradient arrived): make room, allocate."""
+        grads = self._grads
+        if grads.state(chunk_id) is GradBuffer.ACCEPTING:
             return
-        if self._grad[chunk_id] is GradBuffer.REDUCING:
-            yield from self._finish(chunk_id)
+        if grads.state(chunk_id) is GradBuffer.REDUCING:
+            yield from grads.finish(chunk_id)
         yield from self._room_for_grad(chunk_id, position, trace)
-        yield from self._allocate_grad(chunk_id)
+        yield from grads.allocate(chunk_id)
 
     def _room_for_grad(self, chunk_id: int, position: int, trace: ComputeTrace | None) -> Iterator[Action]:
-        needed = self._grad_bytes[chunk_id]
+        needed = self._grads.buffer_bytes(chunk_id)
         if needed:  # else the buffer is the gradient shard (world size 1): there is no room to make
             yield from self._plan(position, Phase.BACKWARD, (chunk_id,), needed, trace)
             self._require_room(needed, (chunk_id,), position)
 
-    def gradients_complete(self, chunk_id: int) -> Iterator[Action]:
-        """Every parameter of the chunk has its gradient of this backward: reduce now, unless
-        inside ``no_sync`` (then the buffer keeps accumulating)."""
+    def end_backward(self) -> Iterator[Action]:
+        """``loss.backward()`` returned: land the gathers in flight; outside ``no_sync`` reduce
+        every gradient (``reduce_all``); inside it, the chunks the last op completed go on
+        accumulating with the others (their sum over the micro-batches is reduced once, at the end
+        of a backward outside ``no_sync``)."""
+        yield from self.wait_all()
         if self.can_reduce:
-            yield from self._start(chunk_id, Verb.START_REDUCE)
+            yield from self.reduce_all()
+        else:
+            self._grads.forget_complete()
 
     def finish_reduction(self, chunk_id: int) -> Iterator[Action]:
         """Wait for the chunk's reduction in flight (its gradient shard is read now)."""
-        if self._grad[chunk_id] is GradBuffer.REDUCING:
-            yield from self._finish(chunk_id)
+        if self._grads.state(chunk_id) is GradBuffer.REDUCING:
+            yield from self._grads.finish(chunk_id)
 
     def finish_reductions(self) -> Iterator[Action]:
         """Wait for every reduction in flight (in the order they started)."""
-        for c in list(self._reducing):
-            yield from self.finish_reduction(c)
+        yield from self._grads.finish_all()
 
     def reduce_all(self) -> Iterator[Action]:
         """Reduce every buffer still accepting and every chunk with gradients on the host (in
         chunk order, the same on every rank; a chunk whose gradients are only on the host gets a
-        buffer for its reduction first), then wait for every reduction."""
-        for c in sorted({*self._accepting, *self._spilled}):
-            if self._grad[c] is GradBuffer.NONE and c in self._spilled:
+        buffer for its reduction first), then wait for every reduction. Chunks the last op
+        completed start first (``GradientBuffers.start_complete``)."""
+        grads = self._grads
+        yield from grads.start_complete(True)
+        for c in grads.to_reduce():
+            if grads.on_host_only(c):
                 yield from self._room_for_grad(c, self._position, None)
-                yield from self._allocate_grad(c)
-            if self._grad[c] is GradBuffer.ACCEPTING:
-                yield from self._start(c, Verb.START_REDUCE)
-        yield from self.finish_reductions()
+                yield from grads.allocate(c)
+            if grads.state(c) is GradBuffer.ACCEPTING:
+                yield from grads.start(c, Verb.START_REDUCE)
+        yield from grads.finish_all()
 
     def zero_grads(self) -> Iterator[Action]:
         """Drop all gradients (reductions in flight are waited for first: their buffers are in use)."""
-        yield from self.finish_reductions()
-        for c in list(self._accepting):
-            self._grad[c] = GradBuffer.NONE
-            self._bytes -= self._grad_bytes[c]
-        self._accepting.clear()
-        self._spilled.clear()
-        self._carried.clear()
-        for c in range(len(self._grad)):
-            yield Action(Verb.ZERO_GRAD, c)
+        yield from self._grads.zero()
 
     # --- between ops ---------------------------------------------------------------------------------
     def wait_all(self) -> Iterator[Action]:

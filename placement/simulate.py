@@ -2,8 +2,9 @@
 bytes for a model that is not run (or checks a policy against an independent optimum).
 
 The replay is the runtime's own :class:`DeviceResidency`, driven the way the runtime drives it (an
-op's chunks made resident and let go, a chunk's gradients complete after its last backward op, the
-end of the backward, the optimizer step), with nothing behind its actions: what it predicts is what a run does.
+op's chunks made resident and let go, which completes gradients by the residency's one rule, the
+end of each backward pass, the optimizer step), with nothing behind its actions: what it predicts
+is what a run does.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .actions import Action, Verb
 from .policy import PlacementPolicy
-from .residency import Action, DeviceResidency, NoRoomError, Verb
+from .residency import DeviceResidency, NoRoomError
 from .snapshot import ChunkSpec, WorkingSet
-from .trace import ComputeTrace, Phase
+from .trace import ComputeTrace
 
 __all__ = ["SimulationResult", "simulate"]
 
@@ -76,9 +78,10 @@ def simulate(
 ) -> SimulationResult:
     """Run ``iterations`` training iterations of ``trace`` through ``policy`` (whose layout is
     decided here) as the runtime runs them: each op's chunks made resident and its prefetches
-    started, a chunk's gradients complete after its last backward op in the iteration, then the end
-    of the backward (everything reduced), the optimizer step (everything released or refreshed)
-    and ``zero_grad``. An op that cannot fit under the budget ends the replay (``over_budget``)."""
+    started, a chunk's gradients complete after its last backward op in the pass (the residency's
+    rule), the end of each backward pass (everything reduced: no ``no_sync``), the optimizer step
+    (everything released or refreshed) and ``zero_grad``. An op that cannot fit under the budget
+    ends the replay (``over_budget``)."""
     specs = tuple(specs)
     layout = policy.layout(specs, working_sets or [WorkingSet(s.label, (s.chunk_id,)) for s in specs])
     kept = sum(
@@ -86,34 +89,28 @@ def simulate(
     )
     resting = layout.at_rest_bytes(specs) - kept  # kept gathered buffers are the residency's own
     residency = DeviceResidency(policy, specs, world_size, lambda: resting)
-    last_backward: dict[int, int] = {}
-    for position, step in enumerate(trace.steps):
-        if step.phase is Phase.BACKWARD:
-            for c in step.chunks:
-                last_backward[c] = position
     tally = _Tally(residency, specs, policy.budget)
     per_iteration: list[tuple[Action, ...]] = []
+    steps = trace.steps
     try:
         tally.run(residency.start())
         for _ in range(iterations):
             begin = len(tally.actions)
             residency.begin_iteration()
             open_ops: list[int] = []
-            for position, step in enumerate(trace.steps):
+            for position, step in enumerate(steps):
                 tally.run(residency.before_op(position, step.phase, step.chunks, trace))
                 open_ops.append(position)
                 # Ops let go of their chunks innermost first, where the trace says they did.
                 while open_ops and trace.closes[open_ops[-1]] == position:
                     op = open_ops.pop()
-                    done = trace.steps[op]
-                    tally.run(residency.after_op(position, done.phase, done.chunks, done.in_backward_pass, trace))
-                    # Autograd accumulates a parameter's gradient after the op's backward returned.
-                    for c in done.chunks:
-                        if specs[c].trainable and last_backward.get(c) == op:
-                            tally.run(residency.gradients_complete(c))
-            tally.run(residency.wait_all())  # the end of the backward
-            tally.run(residency.reduce_all())
-            tally.run(residency.release_idle())  # the optimizer step
+                    done = steps[op]
+                    tally.run(residency.after_op(position, done.phase, done.chunks, done.in_backward_pass, trace, op))
+                if step.in_backward_pass and (position + 1 == len(steps) or not steps[position + 1].in_backward_pass):
+                    tally.run(residency.end_backward())  # loss.backward() returns
+            if residency.unreduced:  # the optimizer step (as the runtime prepares it)
+                tally.run(residency.reduce_all())
+            tally.run(residency.release_idle())
             tally.run(residency.after_step())
             tally.run(residency.zero_grads())
             per_iteration.append(tuple(tally.actions[begin:]))

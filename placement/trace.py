@@ -76,6 +76,7 @@ class ComputeTrace:
         entries: list[tuple[int, int]] = []
         entry_rank: dict[tuple[int, int], int] = {}
         grad_entries: list[tuple[int, int]] = []
+        last_backward: dict[tuple[int, int], int] = {}  # (pass, chunk) -> its last backward op there
         seen: set[int] = set()
         seen_backward: set[int] = set()
         current, backward = -1, None
@@ -92,9 +93,11 @@ class ComputeTrace:
                     entry_rank[(index, chunk_id)] = len(seen)
                     seen.add(chunk_id)
                     entries.append((index, chunk_id))
-                if step.phase is Phase.BACKWARD and chunk_id not in seen_backward:
-                    seen_backward.add(chunk_id)
-                    grad_entries.append((index, chunk_id))
+                if step.phase is Phase.BACKWARD:
+                    last_backward[(current, chunk_id)] = index
+                    if chunk_id not in seen_backward:
+                        seen_backward.add(chunk_id)
+                        grad_entries.append((index, chunk_id))
         self._positions = {key: tuple(p) for key, p in positions.items()}
         self._passes = tuple(passes)
         self._entries = tuple(entries)
@@ -102,6 +105,10 @@ class ComputeTrace:
         self._entry_positions = tuple(p for p, _ in entries)
         self._grad_entries = tuple(grad_entries)
         self._grad_entry_positions = tuple(p for p, _ in grad_entries)
+        grad_exits: dict[int, list[int]] = {}
+        for (_, chunk_id), index in last_backward.items():
+            grad_exits.setdefault(index, []).append(chunk_id)
+        self._grad_exits = {index: tuple(chunks) for index, chunks in grad_exits.items()}
         h = hashlib.blake2b(digest_size=8)
         for step in self._steps:
             h.update(step_digest(step))
@@ -169,6 +176,13 @@ class ComputeTrace:
         start = bisect.bisect_right(self._grad_entry_positions, after)
         stop = bisect.bisect_right(self._grad_entry_positions, until)
         return iter(self._grad_entries[start:stop])
+
+    def gradients_complete_after(self, position: int) -> tuple[int, ...]:
+        """The chunks whose last backward-phase use in their pass is the op at ``position``: once
+        that op's backward has run and autograd has accumulated what it produced, no op of the pass
+        adds to their gradients (parameters of theirs that no op used, or that are frozen, get
+        none)."""
+        return self._grad_exits.get(position, ())
 
 
 @dataclass(frozen=True, slots=True)

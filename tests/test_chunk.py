@@ -1,5 +1,5 @@
-"""``Chunk`` built directly: layout, sharding, gather/release, master and shard moves, gradient
-reduction and the state machines, at world size 1 (in process) and 2 (gloo ranks).
+"""``Chunk`` built directly at world size 1 (in process): layout, sharding, gather/release, master and
+shard moves, gradient reduction and the state machines (two ranks: ``test_chunk_ranks.py``).
 
 Every expected value is computed here from tensors saved before the chunk took the parameters.
 """
@@ -11,7 +11,19 @@ import weakref
 
 import pytest
 import torch
-from distributed import run_ranks
+from chunk_helpers import (
+    CPU,
+    DEV,
+    HOST,
+    USED,
+    assert_placeholders,
+    assert_values,
+    backward_grad,
+    build,
+    flat_padded,
+    grads_for,
+    make_params,
+)
 from tier import slow_cases
 
 from chunkmem import (
@@ -28,72 +40,6 @@ from chunkmem import (
     TensorInfo,
     TensorState,
 )
-
-CPU = torch.device("cpu")
-DEV, HOST = Location.DEVICE, Location.HOST
-# 6 + 11 + 5 = 22 elements: no capacity below is a multiple of these sizes.
-SHAPES = ((2, 3), (11,), (5,))
-USED = 22
-
-
-# --- helpers -------------------------------------------------------------------------------------
-def make_params(shapes=SHAPES, seed: int = 0, trainable: bool = True) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g), requires_grad=trainable) for s in shapes]
-
-
-def build(
-    comm: Communicator,
-    capacity: int,
-    params: list[torch.nn.Parameter],
-    dtype: torch.dtype = torch.float32,
-    trainable: bool = True,
-    ledger: MemoryLedger | None = None,
-    stats: Stats | None = None,
-    chunk_id: int = 0,
-) -> tuple[Chunk, list[TensorInfo], MemoryLedger, Stats]:
-    ledger = ledger if ledger is not None else MemoryLedger()
-    stats = stats if stats is not None else Stats()
-    chunk = Chunk(chunk_id, capacity, dtype, trainable, comm, ledger, stats)
-    infos = []
-    offset = 0
-    for index, p in enumerate(params):
-        info = TensorInfo(f"p{index}", p, chunk_id, index, offset, p.numel(), p.shape, trainable)
-        chunk.append(info)
-        infos.append(info)
-        offset += p.numel()
-    return chunk, infos, ledger, stats
-
-
-def flat_padded(tensors: list[torch.Tensor], capacity: int) -> torch.Tensor:
-    """The reference chunk content: tensors flattened back to back, zero padding to ``capacity``."""
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    return torch.cat([flat, torch.zeros(capacity - flat.numel())])
-
-
-def assert_placeholders(params: list[torch.nn.Parameter], shapes=SHAPES) -> None:
-    for p, shape in zip(params, shapes, strict=True):
-        assert p.shape == torch.Size(shape)
-        assert torch.isnan(p.data.float()).all(), "a released parameter must point at a NaN placeholder"
-
-
-def assert_values(params: list[torch.nn.Parameter], expected: list[torch.Tensor], dtype=torch.float32) -> None:
-    for i, (p, e) in enumerate(zip(params, expected, strict=True)):
-        assert p.dtype == dtype, f"p{i}: dtype {p.dtype}"
-        assert p.shape == e.shape, f"p{i}: shape {p.shape}"
-        assert torch.equal(p.data, e.to(dtype)), f"p{i}: values differ from the originals"
-
-
-def backward_grad(chunk: Chunk, info: TensorInfo, grad: torch.Tensor) -> None:
-    """What the runtime does for one parameter: the op's backward uses it, then its gradient lands."""
-    chunk.enter_compute(info)
-    chunk.leave_compute(info, TensorState.HOLD_AFTER_BWD)
-    chunk.accumulate_grad(info, grad)
-
-
-def grads_for(rank: int, shapes=SHAPES) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(s, generator=g) for s in shapes]
 
 
 # --- ledger and tensor states --------------------------------------------------------------------
@@ -314,10 +260,8 @@ def test_gradients_accumulate_and_reduce_w1(master: Location) -> None:
     assert chunk.grad_state is GradState.ACCUMULATING
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == buffer_bytes
     for info, g in zip(infos, g1, strict=True):
-        assert not chunk.all_ready_for_reduce
         backward_grad(chunk, info, g)
         assert info.state is TensorState.READY_FOR_REDUCE
-    assert chunk.all_ready_for_reduce
     chunk.reduce_grad()
     assert chunk.grad_state is GradState.REDUCED
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == 0
@@ -389,15 +333,12 @@ def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
 
     chunk.enter_compute(infos[2])
     chunk.enter_compute(infos[2])  # overlapping ops share it
-    assert chunk.in_use
-    with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot release while ops use \['p2'\]"):
-        chunk.release()
     with pytest.raises(RuntimeError, match=r"'p2' .*still in use"):
         chunk.reset_states()
     chunk.leave_compute(infos[2], TensorState.HOLD_AFTER_FWD)
-    assert chunk.in_use and infos[2].state is TensorState.COMPUTE
+    assert infos[2].state is TensorState.COMPUTE
     chunk.leave_compute(infos[2], TensorState.HOLD_AFTER_FWD)
-    assert not chunk.in_use and infos[2].state is TensorState.HOLD_AFTER_FWD
+    assert infos[2].state is TensorState.HOLD_AFTER_FWD
     chunk.zero_grad()
     chunk.reset_states()
     assert all(info.state is TensorState.HOLD for info in infos)
@@ -417,7 +358,6 @@ def test_frozen_chunk_has_no_gradients_w1() -> None:
         chunk.prepare_grad()
     with pytest.raises(RuntimeError, match="no gradient shard"):
         _ = chunk.store.grad
-    assert not chunk.all_ready_for_reduce
     chunk.zero_grad()  # a no-op, not an error
     chunk.release()
 
@@ -456,161 +396,3 @@ def test_dropped_resident_shard_is_freed_w1(move: str) -> None:
         assert ledger.bytes(DEV, MemoryKind.MASTER) == 0
     gc.collect()
     assert dropped() is None, "the ledger freed the device buffer but the chunk keeps it alive"
-
-
-# --- world size 2 --------------------------------------------------------------------------------
-def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
-    """Many checks in one process start. Asserts here fail the test with this rank's traceback."""
-    comm = Communicator(None, CPU)
-    assert comm.world_size == world_size == 2 and comm.rank == rank
-    capacity = 26  # 22 elements used: shard 13 each; p1 straddles the shards; rank 1's shard ends in padding
-    shard = capacity // 2
-    begin, end = rank * shard, (rank + 1) * shard
-    out: dict[str, object] = {}
-
-    with pytest.raises(ValueError, match="multiple of the world size 2"):
-        Chunk(9, 25, torch.float32, True, comm, MemoryLedger(), Stats())
-
-    # fp32, master on the device: shard content, gather sync and async, release.
-    params = make_params()
-    originals = [p.detach().clone() for p in params]
-    reference = flat_padded(originals, capacity)
-    chunk, infos, ledger, stats = build(comm, capacity, params)
-    assert chunk.shard_numel == shard and chunk.shard_range == (begin, end)
-    chunk.close(DEV, DEV)
-    assert_placeholders(params)
-    torch.testing.assert_close(chunk.store.master, reference[begin:end], rtol=0, atol=0)
-    out["master_shard"] = chunk.store.master.tolist()  # plain lists: tensors do not outlive the rank
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == shard * 4
-    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == shard * 4  # reserved; allocated when reduced into
-
-    chunk.gather(async_op=False)
-    assert_values(params, originals)
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 4
-    assert stats.allgather_bytes == capacity * 4
-    chunk.release()
-    assert_placeholders(params)
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
-
-    pending = chunk.gather(async_op=True)
-    assert isinstance(pending, PendingGather)
-    assert chunk.state is ChunkState.GATHERING
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 4  # allocated when the gather starts
-    chunk.wait()
-    assert chunk.state is ChunkState.GATHERED
-    assert_values(params, originals)
-
-    # Illegal verbs name the chunk and this rank.
-    with pytest.raises(RuntimeError, match=rf"chunk 0 \(rank {rank}, state gathered\): cannot gather"):
-        chunk.gather(async_op=False)
-    with pytest.raises(RuntimeError, match=rf"chunk 0 \(rank {rank}, .*\): cannot reduce gradients"):
-        chunk.reduce_grad()
-    with pytest.raises(IllegalTransition, match=rf"'p1' \(chunk 0, rank {rank}\)"):
-        infos[1].transition(TensorState.HOLD_AFTER_BWD, rank)
-
-    # Gradients: each rank accumulates its own; the shard holds this rank's slice of the mean.
-    g0, g1 = grads_for(0), grads_for(1)
-    mine = (g0, g1)[rank]
-    chunk.prepare_grad()
-    assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == capacity * 4
-    for info, g in zip(infos, mine, strict=True):
-        backward_grad(chunk, info, g)
-    chunk.reduce_grad()
-    assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == 0
-    assert stats.reduce_scatter_bytes == capacity * 4
-    mean = (flat_padded(g0, capacity) + flat_padded(g1, capacity)) / 2
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
-    out["grad_shard"] = chunk.grad_shard.tolist()
-    # A second backward before zero_grad: its reduced mean adds to the shard.
-    h0, h1 = grads_for(10), grads_for(11)
-    chunk.prepare_grad()
-    for info, g in zip(infos, (h0, h1)[rank], strict=True):
-        backward_grad(chunk, info, g)
-    chunk.reduce_grad()
-    mean2 = (flat_padded(h0, capacity) + flat_padded(h1, capacity)) / 2
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end] + mean2[begin:end])
-    chunk.zero_grad()
-    chunk.release()
-
-    # Master to the host and back; values survive a re-gather each time.
-    chunk.move_master(HOST)
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == 0
-    assert ledger.bytes(HOST, MemoryKind.MASTER) == shard * 4
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    chunk.gather(async_op=False)
-    assert_values(params, originals)
-    chunk.release()
-    # Host master: the gradient buffer is reduced into the host shard.
-    chunk.prepare_grad()
-    chunk.gather(async_op=False)
-    for info, g in zip(infos, mine, strict=True):
-        backward_grad(chunk, info, g)
-    chunk.reduce_grad()
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    assert chunk.grad_shard.device.type == "cpu"
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
-    chunk.zero_grad()
-    chunk.release()
-    chunk.move_master(DEV)
-    assert ledger.bytes(HOST) == 0
-    chunk.gather(async_op=True)
-    chunk.wait()
-    assert_values(params, originals)
-    chunk.release()
-
-    # bf16 compute: the gather casts the fp32 master.
-    bf_params = make_params(seed=1)
-    bf_originals = [p.detach().clone() for p in bf_params]
-    bf, _, bf_ledger, _ = build(comm, capacity, bf_params, dtype=torch.bfloat16)
-    bf.close(DEV, DEV)
-    torch.testing.assert_close(bf.store.master, flat_padded(bf_originals, capacity)[begin:end], rtol=0, atol=0)
-    bf.gather(async_op=False)
-    assert_values(bf_params, bf_originals, torch.bfloat16)
-    assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
-    bf.release()
-    assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == 0
-
-    # Host master and host shard, then the shard moved to the device and back.
-    bf.move_master(HOST)
-    assert bf.store.shard_location is DEV
-    bf.move_shard(HOST)
-    assert bf_ledger.bytes(DEV) == 0
-    bf.gather(async_op=True)
-    bf.wait()
-    assert_values(bf_params, bf_originals, torch.bfloat16)
-    bf.release()
-    bf.move_shard(DEV)
-    assert bf_ledger.bytes(DEV, MemoryKind.SHARD_COPY) == shard * 2
-    bf.gather(async_op=False)
-    assert_values(bf_params, bf_originals, torch.bfloat16)
-    assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
-    bf.release()
-    bf.move_shard(HOST)
-    assert bf_ledger.bytes(DEV) == 0
-
-    # A frozen chunk refuses gradients, naming the chunk, parameter and rank.
-    frozen_params = make_params(trainable=False, seed=2)
-    frozen, frozen_infos, frozen_ledger, _ = build(comm, capacity, frozen_params, trainable=False, chunk_id=4)
-    frozen.close(DEV, DEV)
-    assert frozen_ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
-    frozen.gather(async_op=False)
-    with pytest.raises(RuntimeError, match=rf"chunk 4 \(rank {rank}, .*cannot accumulate 'p0'; .*do not require grad"):
-        frozen.accumulate_grad(frozen_infos[0], torch.zeros(2, 3))
-    frozen.release()
-    with pytest.raises(RuntimeError, match=rf"chunk 4 \(rank {rank}, state released\): cannot release"):
-        frozen.release()
-    return out
-
-
-@pytest.mark.multirank
-@pytest.mark.fast_tier
-def test_two_ranks() -> None:
-    results = run_ranks(_two_ranks, world_size=2)
-    capacity = 26
-    params = make_params()
-    # The two shards partition the chunk: together they are the originals plus padding.
-    whole = torch.tensor([x for r in results for x in r["master_shard"]])
-    torch.testing.assert_close(whole, flat_padded(params, capacity), rtol=0, atol=0)
-    g0, g1 = grads_for(0), grads_for(1)
-    grads = torch.tensor([x for r in results for x in r["grad_shard"]])
-    torch.testing.assert_close(grads, (flat_padded(g0, capacity) + flat_padded(g1, capacity)) / 2)

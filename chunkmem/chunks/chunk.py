@@ -10,7 +10,8 @@ A chunk is three concerns, each its own class, tied together here:
   (``GradState``, with its transition table);
 
 plus the per-parameter states (``TensorState``) that say when a chunk may be released (no op uses
-it) and when its gradients are complete. Its shard data lives in a :class:`ShardStore`. Every verb
+it). When its gradients are complete is the placement's rule (``placement.DeviceResidency``), read
+from the ops of the trace, not from its parameters. Its shard data lives in a :class:`ShardStore`. Every verb
 checks its precondition and names the chunk, the rank and the state when it is violated.
 """
 
@@ -24,7 +25,7 @@ from ..ranks.comm import Communicator, PendingGather
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.stats import Stats
-from .chunk_grads import ChunkGrads, GradState, HostGrads
+from .chunk_grads import ChunkGrads, GradState
 from .chunk_layout import ChunkLayout, ShardPiece
 from .chunk_residency import ChunkResidency, ChunkState
 from .param_values import LiveValues, ParamValues
@@ -34,7 +35,7 @@ from .tensor_state import TensorInfo, TensorState
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState", "GradState", "HostGrads"]
+__all__ = ["Chunk", "ChunkState", "GradState"]
 
 
 class Chunk:
@@ -59,8 +60,6 @@ class Chunk:
         self._residency = ChunkResidency(self.layout, comm, ledger, stats, self._where)
         self._grads = ChunkGrads(self.layout, comm, ledger, stats, self._where, self._transfers)
         self._store: ShardStore | None = None
-        self._computing = 0
-        self._ready = 0
 
     # --- identity and layout ----------------------------------------------------------------
     @property
@@ -128,15 +127,6 @@ class Chunk:
         if self._store is None:
             raise RuntimeError(f"{self._where()}: has no shard yet; close() it first")
         return self._store
-
-    @property
-    def in_use(self) -> bool:
-        """Some op is using one of its parameters."""
-        return self._computing > 0
-
-    @property
-    def all_ready_for_reduce(self) -> bool:
-        return self.trainable and self._ready == len(self.layout.tensors)
 
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
@@ -207,11 +197,9 @@ class Chunk:
         self._residency.refresh()
 
     def release(self) -> None:
-        """Drop the full buffer; keep only the local shard. Not while an op uses it."""
-        self._residency.require("release")
-        if self._computing:
-            busy = [t.name for t in self.layout.tensors if t.state is TensorState.COMPUTE]
-            raise RuntimeError(f"{self._where()}: cannot release while ops use {busy}")
+        """Drop the full buffer; keep only the local shard. Whether an op still uses it is the
+        device residency's to know (``placement.DeviceResidency`` counts the ops holding each chunk
+        and refuses to release one they hold), not a second count here."""
         self._residency.release()
 
     def move_master(self, location: Location) -> None:
@@ -229,10 +217,7 @@ class Chunk:
 
     # --- tensor states ----------------------------------------------------------------------
     def _set_state(self, info: TensorInfo, target: TensorState) -> None:
-        before = info.state
         info.transition(target, self._comm.rank)
-        self._ready += (target is TensorState.READY_FOR_REDUCE) - (before is TensorState.READY_FOR_REDUCE)
-        self._computing += (target is TensorState.COMPUTE) - (before is TensorState.COMPUTE)
 
     def enter_compute(self, info: TensorInfo) -> None:
         """An op starts using the parameter (ops may overlap in backward; they are counted)."""
@@ -262,9 +247,10 @@ class Chunk:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return self._grads.buffer_bytes
 
-    def prepare_grad(self) -> None:
-        """Make the flat fp32 gradient buffer ready to receive gradients."""
-        self._grads.prepare()
+    def prepare_grad(self, from_host: bool = False) -> None:
+        """Make the flat fp32 gradient buffer ready to receive gradients; ``from_host``: it starts
+        from the gradients an earlier buffer moved to the host (the residency knows which)."""
+        self._grads.prepare(from_host)
 
     def accumulate_grad(self, info: TensorInfo, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its slice of the flat buffer and mark it ready."""

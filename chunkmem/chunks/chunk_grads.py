@@ -15,10 +15,11 @@ States (``GradState``), changed only through the transition table below:
 
 Inside ``no_sync`` at world size > 1 a buffer cannot be reduced, and when the device needs its room
 it is **moved to the host** instead (``spill``): the buffer is copied, in fp32, into a host buffer
-of the whole chunk (``HostGrads.HOLDS``) and freed (back to ``NONE``, or to ``REDUCED`` on top of a
-reduced shard); so is a buffer of such a chunk in the backward after ``no_sync`` until its
-gradients are complete, so that its sum is reduced once. The chunk's next device buffer starts as
-a copy of the host one (``HostGrads.LOADED``: the host buffer is kept for the next move), so the
+of the whole chunk and freed (back to ``NONE``, or to ``REDUCED`` on top of a reduced shard); so is
+a buffer of such a chunk in the backward after ``no_sync`` until its gradients are complete, so
+that its sum is reduced once. The chunk's next device buffer starts as a copy of the host one
+(``prepare(from_host=True)``: which chunks have gradients on the host is the device residency's
+to know, ``placement.DeviceResidency``; the host buffer is kept for the next move), so the
 running sum of the chunk's gradients is in one buffer at a time and every gradient autograd
 accumulates is added to it, in arrival order: the same additions, in the same order, as plain
 PyTorch's ``.grad += new`` per parameter (bit-exact; adding a buffer that held several
@@ -45,7 +46,7 @@ from .shard import MASTER_DTYPE, ShardStore
 from .state_machine import StateMachine, Transition
 from .tensor_state import TensorInfo
 
-__all__ = ["ChunkGrads", "GradState", "HostGrads"]
+__all__ = ["ChunkGrads", "GradState"]
 
 
 class GradState(enum.Enum):
@@ -95,19 +96,6 @@ _ACCEPTING = frozenset({GradState.ACCUMULATING, GradState.REDUCED_ACCUMULATING})
 _REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
 
 
-class HostGrads(enum.Enum):
-    """A chunk's gradients moved to host memory under ``no_sync`` (see the module docstring)."""
-
-    EMPTY = "empty"
-    """No host buffer."""
-    HOLDS = "holds"
-    """The host buffer holds the chunk's gradients not reduced yet (there is no device buffer);
-    the next device buffer starts from them."""
-    LOADED = "loaded"
-    """They were copied back into the device buffer, which goes on accumulating; the host buffer
-    is kept for the next move and given back at the reduction."""
-
-
 class ChunkGrads:
     """The gradient side of one trainable chunk; see the module docstring."""
 
@@ -127,8 +115,7 @@ class ChunkGrads:
         self._owner = owner
         self._transfers = transfers
         self._machine = StateMachine(GradState.NONE, _TABLE, owner, kind="gradient state")
-        self._host_state = HostGrads.EMPTY
-        self._host: torch.Tensor | None = None  # the host buffer while HOLDS or LOADED
+        self._host: torch.Tensor | None = None  # the host buffer, from the first move until the reduction
         self._store: ShardStore | None = None
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
@@ -182,14 +169,16 @@ class ChunkGrads:
         return 0 if not self._layout.trainable or self.buffer_is_shard else self._layout.grad_bytes
 
     # --- verbs ----------------------------------------------------------------------------------
-    def prepare(self) -> None:
+    def prepare(self, from_host: bool = False) -> None:
         """Make the flat buffer ready to receive gradients. Nothing is zeroed here: each
         parameter's first gradient is copied into its slice, and slices that got none are zeroed
-        when the buffer is reduced. Gradients moved to the host are copied back into it first:
-        later gradients are added to their sum, as plain PyTorch adds them to ``.grad``."""
+        when the buffer is reduced. ``from_host``: the gradients moved to the host are copied back
+        into it first: later gradients are added to their sum, as plain PyTorch adds them to
+        ``.grad``."""
         self._require_trainable("allocate a gradient buffer")
         self._machine.require("allocate a gradient buffer")
         if self.buffer_is_shard:
+            assert not from_host, f"{self._owner()}: a gradient shard that serves as the buffer never moves to the host"
             # On top of a reduced shard, slices holding earlier gradients keep accumulating.
             reduced = self._machine.state is GradState.REDUCED
             self._buffer = self._shard.grad if reduced else self._shard.allocate_grad()
@@ -197,10 +186,9 @@ class ChunkGrads:
         else:
             self._ledger.alloc(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
             self._buffer = torch.empty(self._layout.capacity, dtype=MASTER_DTYPE, device=self._comm.device)
-            loaded = self._host_state is HostGrads.HOLDS
-            if loaded:
+            if from_host:
                 self._load_host(self._buffer)
-            self._filled = [loaded] * len(self._filled)
+            self._filled = [from_host] * len(self._filled)
         self._machine.move("allocate a gradient buffer")
 
     def accumulate(self, info: TensorInfo, grad: torch.Tensor) -> None:
@@ -245,7 +233,6 @@ class ChunkGrads:
         # No wait for the copy that loaded the last device buffer from ``host``: it ran on the
         # compute stream, which the copy stream waits for before this copy writes (``copy``'s rule).
         transfers.copy(host, buffer, Direction.TO_HOST)
-        self._host_state = HostGrads.HOLDS
         self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._machine.move("move its gradients to the host")
@@ -256,7 +243,6 @@ class ChunkGrads:
         assert host is not None, f"{self._owner()}: host gradients without a host buffer"
         self._transfers.before_host_read(host)  # the copy of the last move may still be writing it
         self._transfers.copy(buffer, host, Direction.TO_DEVICE)
-        self._host_state = HostGrads.LOADED
 
     def _drop_host(self) -> None:
         if self._host is not None:
@@ -264,7 +250,6 @@ class ChunkGrads:
             self._transfers.give_back(self._host)
             self._ledger.free(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._host = None
-        self._host_state = HostGrads.EMPTY
 
     def start_reduce(self) -> None:
         """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it). The
@@ -274,7 +259,6 @@ class ChunkGrads:
         buffer = self._buffer
         assert buffer is not None, f"{self._owner()}: reducing without a buffer"
         self._zero_unfilled(buffer)
-        assert self._host_state is not HostGrads.HOLDS, f"{self._owner()}: reducing without the host's gradients"
         accumulate = self._machine.state is GradState.REDUCED_ACCUMULATING
         what = self._what
         if not self.buffer_is_shard and self._comm.world_size > 1:

@@ -9,8 +9,9 @@ States, for one training iteration:
 * ``HOLD_AFTER_BWD``: the backward of an op using it ran; its gradient may still be accumulating.
 * ``READY_FOR_REDUCE``: its gradient for this backward is in the chunk's flat gradient buffer.
 
-A chunk can be released when none of its parameters is in ``COMPUTE``, and its gradient buffer
-reduced when every trainable parameter is ``READY_FOR_REDUCE``.
+A chunk can be released when none of its parameters is in ``COMPUTE``. When its gradient buffer is
+reduced is not read from these states (a parameter no op used never gets there): the placement
+decides it from the ops of the trace (``placement.DeviceResidency``).
 """
 
 from __future__ import annotations

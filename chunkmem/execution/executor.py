@@ -22,8 +22,9 @@ from typing import Protocol
 import torch
 
 from placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
+from placement.actions import Action, Verb
 from placement.policy import format_bytes
-from placement.residency import Action, DeviceResidency, Held, NoRoomError, Verb
+from placement.residency import DeviceResidency, Held, NoRoomError
 
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager
@@ -128,7 +129,7 @@ class ResidencyExecutor:
                 elif verb is Verb.REFRESH:
                     chunk.refresh()
                 elif verb is Verb.ALLOCATE_GRAD:
-                    chunk.prepare_grad()
+                    chunk.prepare_grad(from_host=self._residency.grads_on_host(action.chunk))
                 elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
                     chunk.start_reduce()
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY
@@ -202,11 +203,12 @@ class ResidencyExecutor:
         phase: Phase,
         in_backward: bool,
         trace: ComputeTrace | None,
+        op: int,
     ) -> None:
-        """The op is done with its parameters; release what the policy says."""
+        """The op at ``op`` is done with its parameters; release what the policy says."""
         for info in infos:
             self._manager.chunk(info.chunk_id).leave_compute(info, target)
-        self._carry(self._residency.after_op(position, phase, chunk_ids, in_backward, trace))
+        self._carry(self._residency.after_op(position, phase, chunk_ids, in_backward, trace, op))
 
     # --- gradients --------------------------------------------------------------------------------
     def on_start(self, listener: Callable[[Chunk], None] | None) -> None:
@@ -223,15 +225,18 @@ class ResidencyExecutor:
         self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor, position: int, trace: ComputeTrace | None
     ) -> None:
         """Add a parameter's gradient into its chunk's buffer (making room for one first if the
-        chunk has none); start the chunk's reduction once all its gradients are in."""
+        chunk has none). The residency says when the buffer's reduction starts (its one rule for
+        complete gradients, the same in a replay)."""
         self._carry(self._residency.gradient_arrives(chunk.chunk_id, position, trace))
         chunk.accumulate_grad(info, grad)
-        if chunk.all_ready_for_reduce:
-            self._carry(self._residency.gradients_complete(chunk.chunk_id))
 
     def finish_reduction(self, chunk: Chunk) -> None:
         """Wait for ``chunk``'s reduction in flight (its gradient shard is read now)."""
         self._carry(self._residency.finish_reduction(chunk.chunk_id))
+
+    def end_backward(self) -> None:
+        """``loss.backward()`` returned: land gathers, and outside ``no_sync`` reduce everything."""
+        self._carry(self._residency.end_backward())
 
     def reduce_all(self) -> None:
         """Reduce every buffer still accepting, then wait for every reduction."""

@@ -178,12 +178,13 @@ class IterationTracker:
         self._open.append(cursor.position)
         return cursor.position
 
-    def close(self) -> None:
+    def close(self) -> int:
         """The innermost op still open let go of its parameters (ops nest in backward, around a
-        recomputation): the trace notes where."""
+        recomputation): the trace notes where. Returns that op's position (-1: none was open)."""
         position = self._open.pop() if self._open else -1
         if self._cursor is not None:
             self._cursor.close(position)
+        return position
 
     def _note(self, divergence: Divergence | None) -> None:
         if divergence is not None:

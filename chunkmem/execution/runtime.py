@@ -260,11 +260,9 @@ class ChunkRuntime(ParamOpHook):
         iteration goes on until the optimizer step."""
         if self._tracker.mode is not Mode.BACKWARD:
             return
-        self._executor.wait_all()
-        if self._executor.residency.can_reduce:
-            self._executor.reduce_all()
-            if self._comm.world_size > 1:
-                self._agree_across_ranks()
+        self._executor.end_backward()
+        if self._executor.residency.can_reduce and self._comm.world_size > 1:
+            self._agree_across_ranks()
         self._tracker.end_backward()
 
     def prepare_step(self) -> None:
@@ -410,9 +408,9 @@ class ChunkRuntime(ParamOpHook):
     def _after(self, params: Sequence[torch.Tensor], phase: Phase, target: TensorState) -> None:
         infos = [self._manager.info(p) for p in params]
         chunk_ids = tuple(dict.fromkeys(info.chunk_id for info in infos))
-        self._tracker.close()
+        op = self._tracker.close()
         self._executor.after_op(
-            infos, chunk_ids, target, self._tracker.position, phase, _in_backward(), self._tracker.trace
+            infos, chunk_ids, target, self._tracker.position, phase, _in_backward(), self._tracker.trace, op
         )
 
     # --- budget and transient buffers -------------------------------------------------------
