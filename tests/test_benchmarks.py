@@ -221,6 +221,34 @@ def test_disk_tier_fits_every_system_and_the_disk_traffic_is_the_optimizer_sides
     assert not any((tmp_path / "scratch").iterdir()), "scratch files left behind"
 
 
+@pytest.mark.slow  # three systems at two sizes and a verify run, each in its own process
+def test_lora_trains_every_system_and_the_base_on_disk_is_read_every_step(tmp_path: Path) -> None:
+    out = _run(
+        "lora.py",
+        *("--sizes", "64x1,64x2", "--vocab", "256", "--steps", "2", "--threads", "1", "--dd-mib", "4"),
+        *("--verify", "64x3", "--chunk-size", CHUNK, "--disk-dir", str(tmp_path / "scratch")),
+        *("--out-dir", str(tmp_path)),
+        tiny=False,
+    )
+    payload = json.loads((tmp_path / "lora.json").read_text())
+    for system, runs in payload["trials"].items():
+        assert [r["state"] for r in runs] == ["ok", "ok"], system
+        assert runs[0]["base_parameters"] < runs[1]["base_parameters"]
+        assert all(s["tokens_per_second"] > 0 for r in runs for s in r["steps"]), system
+    assert all(s["disk_read_bytes"] == 0 for r in payload["trials"]["chunkmem-ram"] for s in r["steps"])
+    for run in [*payload["trials"]["chunkmem-disk"], payload["verify"]]:
+        for step in run["steps"]:
+            # Every frozen chunk is gathered in the forward (and most again in the backward), each
+            # gather reading its 16-bit shard from disk: at least the base's bf16 bytes a step. Only
+            # the adapter's shard is written.
+            assert step["disk_param_read_bytes"] >= run["base_bf16_bytes"], step
+            assert 0 < step["disk_param_write_bytes"] < run["base_bf16_bytes"] / 4, step
+    assert payload["dd"]["read_bytes_per_second"] > 0
+    assert "chunkmem, base on disk, 64x3: ok" in out
+    assert (tmp_path / "lora.png").exists()
+    assert not any((tmp_path / "scratch").iterdir()), "scratch files left behind"
+
+
 def test_offload_breakdown_trains_the_same_model_everywhere_and_steps_early_only_when_asked(tmp_path: Path) -> None:
     systems = "plain,chunkmem-after,chunkmem-during,fsdp2-offload"
     _run(

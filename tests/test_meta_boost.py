@@ -2,7 +2,8 @@
 eager construction bit for bit (GPT-2 with tied embeddings, Llama, plain torch layers), streaming
 a saved transformers directory equals ``from_pretrained`` then boosting, at W=1 and W=2; what
 cannot be reproduced is refused before anything changes; a rank's peak host memory while boosting
-stays near its shard, far below the whole model."""
+stays near its shard, far below the whole model, and with the base bound for disk near one chunk
+(a PEFT LoRA over a meta base: get_peft_model inside the meta context)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import Booster, ChunkedModel, ChunkPlugin, MaterializeError
+from placement import StaticPlacementConfig
 
 CHUNK = 7_000  # several chunks, parameters packed so that shard boundaries fall inside rows
 
@@ -174,6 +176,30 @@ def test_plain_modules_replay_their_resets_in_construction_order() -> None:
     assert _differences(m.state_dict(), e.state_dict()) == []
 
 
+def _lora(model: nn.Module) -> nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.slow  # 7 s on a loaded 2-core machine
+def test_a_peft_model_over_a_meta_base_replays_the_base_and_the_adapter_init() -> None:
+    """get_peft_model inside the meta context that builds a Llama: boosting gives the values
+    get_peft_model over a CPU Llama gives, and draws what it draws."""
+    pytest.importorskip("peft")
+    eager = _lora(llama())
+    generator_after_eager_build = torch.get_rng_state()
+    with torch.device("meta"):
+        meta = _lora(llama())
+    assert all(p.is_meta for p in meta.parameters())
+    problems, boosted = _eager_vs_meta(eager, meta)
+    assert problems == []
+    assert torch.equal(torch.get_rng_state(), generator_after_eager_build)
+    trainable = [n for n, p in boosted.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
 # --- streaming a checkpoint -------------------------------------------------------------------
 def _from_pretrained(directory: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(directory)
@@ -292,14 +318,14 @@ def _status_bytes(field: str) -> int:
     raise AssertionError(f"no {field} in /proc/self/status")
 
 
-def _rss_config() -> LlamaConfig:
+def _rss_config(layers: int = 10) -> LlamaConfig:
     # ~125 MB of fp32 parameters, the largest 4 MB (the embeddings): no single tensor is a
     # noticeable part of the model.
     return LlamaConfig(
         vocab_size=2048,
         hidden_size=512,
         intermediate_size=1408,
-        num_hidden_layers=10,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=128,
@@ -310,30 +336,50 @@ def _rss_config() -> LlamaConfig:
 _KEEP: list[ChunkedModel] = []
 
 
-def _boost_growth(weights: str | None) -> dict[str, float]:
-    """Peak RSS growth while boosting a meta-built model, against the sizes that bound it."""
+def _boost_growth(weights: str | None, disk_dir: str | None = None) -> dict[str, float]:
+    """Peak RSS growth while boosting a meta-built model, against the sizes that bound it. With
+    ``disk_dir``: a LoRA over the model (get_peft_model in the meta context), every chunk's sides
+    and 16-bit shard on disk."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(_rss_config())
-    optimizer = torch.optim.AdamW(model.parameters())
+        model = LlamaForCausalLM(_rss_config(10 if disk_dir is None else 24))
+        if disk_dir is not None:
+            model = _lora(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
+    placement = StaticPlacementConfig(
+        offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0
+    )
+    plugin = (
+        ChunkPlugin(placement=placement, precision="bf16", disk_dir=disk_dir) if disk_dir is not None else ChunkPlugin()
+    )
     gc.collect()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # reset this process's peak RSS (VmHWM, what ru_maxrss reports) to now
     start, began = _status_bytes("VmRSS"), time.perf_counter()
-    chunked, *_ = Booster(ChunkPlugin()).boost(model, optimizer, weights=weights)
+    chunked, *_ = Booster(plugin).boost(model, optimizer, weights=weights)
     growth = _status_bytes("VmHWM") - start
     masters = sum(c.store.master.numel() * c.store.master.element_size() for c in chunked.manager.chunks)
+    chunk = max(c.store.master.numel() * c.store.master.element_size() for c in chunked.manager.chunks)
     _KEEP.append(chunked)  # kept alive: the next boost must not reuse its memory
-    return {"full": full, "largest": largest, "masters": masters, "growth": growth, "s": time.perf_counter() - began}
+    return {
+        "full": full,
+        "largest": largest,
+        "masters": masters,
+        "chunk": chunk,
+        "host": chunked.stats().host_bytes,
+        "growth": growth,
+        "s": time.perf_counter() - began,
+    }
 
 
-def _rss_rank(rank: int, world_size: int, directory: str) -> dict[str, dict[str, float]]:
+def _rss_rank(rank: int, world_size: int, directory: str, disk_dir: str) -> dict[str, dict[str, float]]:
     # The first boost in a process pays one-time costs unrelated to the model (the process group's
     # buffers, lazily imported code): a tiny model takes them first.
     tiny = llama()
     Booster(ChunkPlugin()).boost(tiny, torch.optim.AdamW(tiny.parameters()))
-    return {"stream": _boost_growth(directory), "init": _boost_growth(None)}
+    disk = _boost_growth(None, disk_dir)  # first: the others' masters stay in memory (_KEEP)
+    return {"stream": _boost_growth(directory), "init": _boost_growth(None), "disk": disk}
 
 
 @pytest.mark.multirank
@@ -343,7 +389,20 @@ def test_peak_host_memory_while_boosting_is_near_the_shard(tmp_path: Path) -> No
         model = LlamaForCausalLM(_rss_config())
     model.to_empty(device="cpu").save_pretrained(tmp_path, max_shard_size="40MB")  # values do not matter here
     del model
-    for rank, result in enumerate(run_ranks(_rss_rank, args=(str(tmp_path),), fresh=True)):
+    (tmp_path / "disk").mkdir()
+    results = run_ranks(_rss_rank, args=(str(tmp_path), str(tmp_path / "disk")), fresh=True)
+    for rank, result in enumerate(results):
+        disk = result.pop("disk")
+        mib = {k: round(v / 2**20, 1) if k != "s" else round(v, 2) for k, v in disk.items()}
+        # The base's chunks go to disk one at a time (each master filled, its 16-bit copy and
+        # itself written, its memory freed before the next): the peak is about one chunk (its
+        # master and the cast being written), one parameter replayed, and the runtime's own few
+        # MiB, however large the base. Holding this rank's share of the base in host memory, even
+        # in 16 bits, would be half its fp32 masters.
+        assert disk["host"] == 0, mib  # nothing of the model stays in host memory after boosting
+        bound = 2 * disk["chunk"] + 2 * disk["largest"] + 16 * 2**20
+        assert bound < 0.35 * disk["masters"], mib
+        assert disk["growth"] < bound, f"rank {rank}, disk: {mib}"
         for kind, m in result.items():
             mib = {k: round(v / 2**20, 1) if k != "s" else round(v, 2) for k, v in m.items()}
             # A rank holds its fp32 master shards (half the model at W=2, exact bytes from its

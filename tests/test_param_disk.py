@@ -27,7 +27,7 @@ from models import batches, gpt2
 from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
-from chunkmem.chunks.param_on_disk import ParamOnDisk
+from chunkmem.chunks.param_on_disk import ParamOnDisk, ParamOnDiskState
 from chunkmem.tiers.transfers import HostTransfers
 from chunkmem.usage.accounting import MemoryLedger
 from chunkmem.usage.stats import Stats
@@ -328,18 +328,31 @@ def test_the_planner_cli_takes_a_parameter_disk_fraction(tmp_path: Path, capsys:
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+class _FailsWhenWaited(Future[None]):
+    """A write still in flight that turns out to have failed (a full disk) once waited for."""
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        return super().exception(timeout)
+
+
 class _MemoryFile:
     """A stand-in for the disk file: regions in a dict; the next write fails (a full disk) when
-    asked."""
+    asked, or stays in flight until waited for, then fails."""
 
     def __init__(self) -> None:
         self.bytes: dict[int, torch.Tensor] = {}
         self.fail_next_write = False
+        self.next_write_in_flight = False
 
     def region(self, nbytes: int) -> int:
         return 0
 
     def write(self, tensor: torch.Tensor, offset: int, then: Any = None, param: bool = False) -> Future[None]:
+        if self.next_write_in_flight:
+            self.next_write_in_flight = False
+            return _FailsWhenWaited()
         done: Future[None] = Future()
         if self.fail_next_write:
             self.fail_next_write = False
@@ -379,3 +392,36 @@ def test_a_write_that_cannot_start_leaves_the_kept_values_for_the_gathers(monkey
     monkeypatch.undo()
     shard.copy_into(slot)
     assert torch.equal(slot, torch.full((8,), 2.0)), "a gather read the stale values on disk"
+
+
+def test_a_write_is_host_staging_until_settled_and_reading_the_state_waits_for_nothing() -> None:
+    """The cast a write reads from is host memory the ledger counts (as staging) until ``settle``
+    has seen the write finish; a write that failed keeps it (as the shard's copy). Reading
+    ``state`` changes nothing: only ``settle`` (or the next write or gather) waits."""
+    cpu = torch.device("cpu")
+    file, transfers, ledger = _MemoryFile(), HostTransfers(Stats(), cpu), MemoryLedger()
+    shard = ParamOnDisk("chunk 0 (rank 0)", 8, torch.bfloat16, file, ledger, transfers, cpu)  # type: ignore[arg-type]
+    nbytes = 8 * 2  # eight bf16 values
+
+    def host() -> tuple[int, int]:
+        return ledger.bytes(Location.HOST, MemoryKind.STAGING), ledger.bytes(Location.HOST, MemoryKind.SHARD_COPY)
+
+    assert host() == (0, 0)
+    shard.write(torch.full((8,), 1.0))
+    assert host() == (nbytes, 0)  # the cast, being written
+    shard.settle()
+    assert host() == (0, 0) and shard.state is ParamOnDiskState.ON_DISK
+    file.next_write_in_flight = True
+    shard.write(torch.full((8,), 2.0))
+    assert host() == (nbytes, 0)
+    assert shard.state is ParamOnDiskState.ON_DISK  # not waited for: nothing known yet
+    assert host() == (nbytes, 0)
+    shard.settle()  # waits: the write failed, its cast is the shard's values now
+    assert shard.state is ParamOnDiskState.KEPT and host() == (0, nbytes)
+    slot = torch.empty(8, dtype=torch.bfloat16)
+    shard.copy_into(slot)
+    assert torch.equal(slot, torch.full((8,), 2.0, dtype=torch.bfloat16))
+    shard.write(torch.full((8,), 3.0))  # written again: the kept copy goes back
+    shard.settle()
+    assert shard.state is ParamOnDiskState.ON_DISK and host() == (0, 0)
+    assert ledger.peak_host_bytes == 2 * nbytes  # the kept copy goes back once its successor is queued

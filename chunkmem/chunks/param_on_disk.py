@@ -4,9 +4,11 @@ memory (``offload_param_disk_frac``, or the auto policy under a host budget).
 A gather reads the shard from its region of the disk file into a staging buffer (pinned where the
 device pins), copies it to the device and gives the buffer back: nothing stays in host memory
 between uses. The shard is written when its master changed (the boost, an optimizer step, a
-load), cast from the master into a staging buffer that goes back to the pool once written; a
+load), cast from the master into a staging buffer that goes back to the pool once written (the
+ledger counts it as host staging from the cast until ``settle`` has seen the write finish); a
 frozen chunk's is written once, at boost. A write that fails (a full disk) keeps the cast in
-memory (``KEPT``): gathers read it there, and the next change writes it again.
+memory (``KEPT``, found by ``settle``): gathers read it there, and the next change writes it
+again.
 
 With fp32 compute the master is what gathers read, so the master itself lives on disk
 (``ShardStore`` moves it) and gathers read its region with :func:`read_for_gather`.
@@ -108,21 +110,23 @@ class ParamOnDisk:
 
     @property
     def state(self) -> ParamOnDiskState:
-        self._settle_writes()
+        """As of the last ``settle`` (a write in flight that will fail still reads ``ON_DISK``)."""
         return self._machine.state
 
     def write(self, master: torch.Tensor) -> Future[None]:
         """Cast ``master`` (its values in memory now) and write the cast to disk; returns the write
         (a failure keeps the cast in memory, see the module docstring)."""
-        self._settle_writes()
+        self.settle()
         self._machine.require("write")
-        transfers = self._transfers
+        transfers, ledger = self._transfers, self._ledger
         cast = transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
+        ledger.alloc(Location.HOST, MemoryKind.STAGING, self.nbytes)
         try:
             cast.copy_(master)
             write = self._file.write(cast, self._offset, param=True)
         except BaseException:
             transfers.give_back(cast)
+            ledger.free(Location.HOST, MemoryKind.STAGING, self.nbytes)
             raise  # the kept values (or those on disk) are still the shard's: gathers read them
         if self._kept is not None:  # superseded by the write now queued
             transfers.before_host_write(self._kept)  # a gather's copy may still read it
@@ -139,11 +143,16 @@ class ParamOnDisk:
         self._machine.move("write")
         return write
 
-    def _settle_writes(self) -> None:
-        """Wait for the writes in flight; one that failed keeps its values in memory."""
+    def settle(self) -> None:
+        """Wait for the write in flight, if any (``write`` settles the one before, so there is at
+        most one), and account for it: written, its staging buffer is back in the pool; failed,
+        it keeps the values in memory (``KEPT``). On the owner's thread, as the ledger is."""
         writes, self._writes = self._writes, []
         for future, source in writes:
-            if future.exception() is not None and self._kept is None:
+            failed = future.exception() is not None
+            self._ledger.free(Location.HOST, MemoryKind.STAGING, self.nbytes)
+            if failed:
+                assert self._kept is None, "a write settles the one before it, whose kept values it supersedes"
                 self._kept = source
                 self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
                 self._machine.move("keep after a failed write")
@@ -151,7 +160,7 @@ class ParamOnDisk:
     def copy_into(self, slot: torch.Tensor) -> None:
         """This shard's values into ``slot`` (on the device): read from disk through a staging
         buffer, or copied from memory after a failed write."""
-        self._settle_writes()
+        self.settle()
         self._machine.require("copy for a gather")
         if self._kept is not None:
             self._transfers.copy(slot, self._kept, Direction.TO_DEVICE)

@@ -381,8 +381,9 @@ class ShardStore:
             raise RuntimeError(f"{self._label}: move_master_to_disk is for a master bound for disk, once")
         self._host_compute()
         written = self.write_param(changed=True)
+        self.settle_param()  # accounted as written, or kept in memory
         if written is not None:
-            written.result()
+            written.result()  # a write that failed at boost raises
         self._disk_offset = file.region(self._master_bytes)
         file.write(self._master, self._disk_offset, param=self._master_is_param).result()
         self._master.untyped_storage().resize_(0)
@@ -414,6 +415,12 @@ class ShardStore:
         if self._param_disk is None or not changed or not self._master_resident:
             return None
         return self._param_disk.write(self._master)
+
+    def settle_param(self) -> None:
+        """Wait for the write of the 16-bit parameter shard in flight and account for it
+        (``ParamOnDisk.settle``); nothing to do without one on disk."""
+        if self._param_disk is not None:
+            self._param_disk.settle()
 
     def evict_master(self, changed: bool) -> Future[None] | None:
         """Free the master's memory, writing it back first when ``changed`` (its 16-bit copy is
@@ -453,6 +460,7 @@ class ShardStore:
         finally:
             param = self.write_param(changed=write_back)
             written = self.evict_master(changed=write_back)
+            self.settle_param()
             if written is not None and written.exception() is not None:
                 self.master_write_failed()
                 raise written.exception()  # type: ignore[misc]

@@ -10,6 +10,10 @@ the parent that creates them, as ``__init__`` runs):
   module, nested models first, and weight tying), with the same generator draws in the same order;
   buffers computed in ``__init__`` (rotary frequencies) are recomputed the same way. The rebuilt
   model must have the given model's parameter names, shapes and ties.
+* a PEFT tuner (``get_peft_model``'s ``LoraModel``, one adapter) over a ``transformers`` model: the
+  model's construction as above, then PEFT's injection of the adapter into it, run again from the
+  tuner's config, as ``get_peft_model`` ran it after the model was built (its layers' own
+  initialisation and PEFT's ``reset_lora_parameters``, with the same generator draws).
 * any other module: its ``reset_parameters()`` (``_reset_parameters()`` for ``MultiheadAttention``
   and ``Transformer``), which torch's layers call at the end of their ``__init__``. A parameter
   held by several modules (tied) belongs to the first that registered it; the others initialise a
@@ -49,6 +53,11 @@ def is_transformers_model(module: torch.nn.Module) -> bool:
     return any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
     )
+
+
+def _is_peft_tuner(module: torch.nn.Module) -> bool:
+    """A PEFT tuner model (``peft.tuners.tuners_utils.BaseTuner``, checked without importing peft)."""
+    return any(cls.__name__ == "BaseTuner" and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
 
 
 def _reset_method(module: torch.nn.Module) -> Any:
@@ -191,6 +200,9 @@ class _Recording:
         if is_transformers_model(module):
             self._rebuild(name, module)
             return
+        if _is_peft_tuner(module):
+            self._rebuild_tuned(name, module)
+            return
         for child_name, child in module.named_children():
             self._visit(_join(name, child_name), child)
         reset = _reset_method(module)
@@ -219,28 +231,63 @@ class _Recording:
     def _rebuild(self, prefix: str, module: torch.nn.Module) -> None:
         """Construct the transformers model again from its config on the meta device, recording,
         with its weight initialisation switched on (transformers skips it on meta)."""
+        with self._on_meta():
+            rebuilt = self._build_again(prefix, module)
+        self._match(prefix, module, rebuilt)
+
+    def _rebuild_tuned(self, prefix: str, tuner: torch.nn.Module) -> None:
+        """The transformers model a PEFT tuner wraps, built again as ``_rebuild`` does, then the
+        tuner's adapter injected into it again from the tuner's config (module docstring)."""
+        model = getattr(tuner, "model", None)
+        configs = getattr(tuner, "peft_config", {})
+        where = f"{type(tuner).__name__} at '{prefix or 'the model'}'"
+        if model is None or not is_transformers_model(model) or len(configs) != 1:
+            raise MaterializeError(
+                f"cannot replay the initialisation of {where}: chunkmem replays PEFT's injection of one adapter into "
+                f"a transformers model (this tuner has {len(configs)} adapters over "
+                f"{type(model).__name__ if model is not None else 'no model'}). {_FIX}"
+            )
+        ((adapter, config),) = configs.items()
+        with self._on_meta():
+            rebuilt = self._build_again(_join(prefix, "model"), model)
+            try:
+                type(tuner)(rebuilt, copy.deepcopy(config), adapter)
+            except MaterializeError:
+                raise
+            except Exception as error:
+                raise MaterializeError(
+                    f"cannot replay the initialisation of {where}: injecting its adapter '{adapter}' again into the "
+                    f"rebuilt model on the meta device failed ({type(error).__name__}: {error}). {_FIX}"
+                ) from error
+        self._match(_join(prefix, "model"), model, rebuilt)
+
+    @contextmanager
+    def _on_meta(self) -> Iterator[None]:
+        """Build on the meta device, with transformers' weight initialisation switched on."""
         import transformers.modeling_utils as modeling_utils
 
-        cls = type(module)
-        config = copy.deepcopy(module.config)
         with ExitStack() as stack:
             stack.enter_context(torch.device("meta"))
             # transformers decides "initialise or not" from the device context; on the CPU it would.
             if hasattr(modeling_utils, _DEVICE_CHECK):
                 stack.enter_context(mock.patch.object(modeling_utils, _DEVICE_CHECK, lambda: None))
-            try:
-                if hasattr(cls, "_from_config"):  # applies config.dtype, as from_config does
-                    rebuilt = cls._from_config(config, dtype=_dominant_dtype(module))
-                else:
-                    rebuilt = cls(config)
-            except MaterializeError:
-                raise
-            except Exception as error:
-                raise MaterializeError(
-                    f"cannot replay the initialisation of {cls.__name__} at '{prefix or 'the model'}': building it "
-                    f"again from its config on the meta device failed ({type(error).__name__}: {error}). {_FIX}"
-                ) from error
-        self._match(prefix, module, rebuilt)
+            yield
+
+    @staticmethod
+    def _build_again(prefix: str, module: torch.nn.Module) -> torch.nn.Module:
+        cls = type(module)
+        config = copy.deepcopy(module.config)
+        try:
+            if hasattr(cls, "_from_config"):  # applies config.dtype, as from_config does
+                return cls._from_config(config, dtype=_dominant_dtype(module))
+            return cls(config)
+        except MaterializeError:
+            raise
+        except Exception as error:
+            raise MaterializeError(
+                f"cannot replay the initialisation of {cls.__name__} at '{prefix or 'the model'}': building it "
+                f"again from its config on the meta device failed ({type(error).__name__}: {error}). {_FIX}"
+            ) from error
 
     def _match(self, prefix: str, module: torch.nn.Module, rebuilt: torch.nn.Module) -> None:
         cls = type(module).__name__

@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DiskSides"]
 
-_Pending = list[tuple[Future[None], Callable[[], None] | None]]
-"""Reads or writes in flight, each with what to do on this thread if it fails."""
+_Pending = list[tuple[Future[None], Callable[[], None] | None, Callable[[], None] | None]]
+"""Reads or writes in flight, each with what to do on this thread if it fails, and what to do on
+this thread once it is finished either way."""
 
 
 @dataclass
@@ -130,16 +131,16 @@ class DiskSides:
         pending: _Pending = []
         master = chunk.store.fetch_master()
         if master is not None:
-            pending.append((master, None))
+            pending.append((master, None, None))
         grad = chunk.store.grad_on_disk
         read = grad.fetch() if grad is not None else None
         if read is not None:
-            pending.append((read, None))
+            pending.append((read, None, None))
         slot = self._slots[chunk.chunk_id]
         if not slot.resident:
             for tensor, offset in slot.placed:
                 tensor.untyped_storage().resize_(tensor.nbytes)
-                pending.append((self._file.read(tensor, offset), None))
+                pending.append((self._file.read(tensor, offset), None, None))
             slot.resident = True
             slot.nbytes = sum(t.nbytes for t, _ in slot.placed)
             self._ledger.alloc(Location.HOST, MemoryKind.STAGING, slot.nbytes)
@@ -151,10 +152,11 @@ class DiskSides:
         pending: _Pending = []
         param = chunk.store.write_param(changed)  # cast from the master before it leaves memory
         if param is not None:
-            pending.append((param, None))  # a failed one keeps its values in memory by itself
+            # A failed one keeps its values in memory by itself, found when settled.
+            pending.append((param, None, chunk.store.settle_param))
         master = chunk.store.evict_master(changed)
         if master is not None:
-            pending.append((master, chunk.store.master_write_failed))
+            pending.append((master, chunk.store.master_write_failed, None))
         grad = chunk.store.grad_on_disk
         if grad is not None:
             grad.evict()  # only ever read by the step
@@ -196,7 +198,7 @@ class DiskSides:
                 slot.resident, slot.nbytes = True, nbytes
                 self._ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
 
-        pending += [(self._file.write(tensor, offset, then=written), failed) for tensor, offset in slot.placed]
+        pending += [(self._file.write(tensor, offset, then=written), failed, None) for tensor, offset in slot.placed]
         self._gone(slot)
         return pending
 
@@ -225,12 +227,14 @@ class DiskSides:
     @staticmethod
     def _settle(pending: _Pending, failures: list[BaseException]) -> None:
         """Wait for reads and writes; a failed write's compensation runs here, on this thread."""
-        for future, on_failure in pending:
+        for future, on_failure, then in pending:
             error = future.exception()
             if error is not None:
                 failures.append(error)
                 if on_failure is not None:
                     on_failure()
+            if then is not None:
+                then()
 
     # --- the pipeline -------------------------------------------------------------------------
     def step(self, chunks: Sequence[Chunk], step: Callable[[Chunk], None]) -> None:
