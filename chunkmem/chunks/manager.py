@@ -15,6 +15,7 @@ from ..errors import UnmanageableParameter
 from ..ranks.comm import Communicator
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
+from ..usage.memory import return_freed_host_memory
 from ..usage.stats import Stats
 from .chunk import Chunk, ChunkState
 from .param_values import LiveValues, ParamValues
@@ -176,5 +177,8 @@ class ChunkManager:
         gives (if any), its values read from ``values``."""
         for chunk in self._chunks:
             master, shard = placement(chunk)
-            chunk.close(master, shard, self._values, disk(chunk) if disk is not None else None)
+            sides = disk(chunk) if disk is not None else None
+            chunk.close(master, shard, self._values, sides)
+            if sides is not None:
+                return_freed_host_memory()  # what was just written to disk and freed
         self._values.release()

@@ -6,6 +6,9 @@ free memory are the host's (psutil). ``describe_devices()`` says what was found 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -34,9 +37,30 @@ __all__ = [
     "host_memory",
     "nvml_memory",
     "process_capacity",
+    "return_freed_host_memory",
 ]
 
 log = logging.getLogger("chunkmem")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+def return_freed_host_memory() -> None:
+    """Give the host memory freed so far back to the system where glibc's allocator kept it.
+    After a large block is freed, glibc raises its mmap threshold, so the next blocks of that
+    size come from its heap and, once freed, stay in the process: boosting a base chunk by chunk
+    to disk would keep the whole base's worth of RSS though no tensor holds it (measured: 286 of
+    293 MiB at W=1, 27 MiB with the trim)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def host_memory() -> DeviceMemory:
