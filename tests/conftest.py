@@ -18,6 +18,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # fails the test at the op where the plans first differ.
 os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
+# In a pytest-xdist worker (``-n 2``: as many workers as this machine's cores) each worker is one
+# core's worth: torch's default of one intra-op thread a core oversubscribes the machine, and its
+# threads spin waiting for each other. The tests' models are tiny: one thread loses nothing.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -30,5 +30,10 @@ def examples(full: int, fast: int | None = None) -> int:
 
 def slow_cases(values: Iterable[Any], *slow: Any) -> list[Any]:
     """``values`` for ``pytest.mark.parametrize`` with those in ``slow`` marked ``slow``: the fast
-    tier keeps the others (the cheapest case that exercises the path), the full suite runs all."""
-    return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v for v in values]
+    tier keeps the others (the cheapest case that exercises the path), the full suite runs all. For
+    several argument names a value is a tuple (one element an argument), as pytest takes them."""
+    return [pytest.param(*_args(v), marks=pytest.mark.slow) if v in slow else v for v in values]
+
+
+def _args(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
