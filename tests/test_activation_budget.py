@@ -457,3 +457,38 @@ def test_the_copy_rates_the_choice_reads_hold_every_measured_copys_time(monkeypa
     assert made[Direction.TO_HOST] == made[Direction.TO_DEVICE] == [4 * BLOCKS, BLOCKS * PER_BLOCK]
     assert rates.to_host == pytest.approx(BLOCKS * PER_BLOCK / (4 * BLOCKS * seconds[Direction.TO_HOST]))
     assert rates.to_device == pytest.approx(BLOCKS * PER_BLOCK / (4 * BLOCKS * seconds[Direction.TO_DEVICE]))
+
+
+def test_a_shorter_step_whose_storages_fall_under_the_copy_threshold_copies_them_within_the_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dynamic padding: the first (measured) step is the longest, a later one is four times shorter.
+    Its storages fall under ``min_offload_bytes`` where the first step's were copied: the call
+    copies them still, within the bytes its plan accounts, rather than refusing a call that saves
+    less than the first. Results equal plain PyTorch on the same batches."""
+    _every_call_offloaded(monkeypatch)
+    batches = [x if step == 0 else x[: BATCH // 4] for step, x in enumerate(_data())]
+    budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK
+    activations = ActivationPlacement(auto=["Block"], min_offload_bytes=BATCH * WIDTH * FP32)
+    chunked, optimizer, booster = _boosted(budget, activations)
+    losses = []
+    for x in batches:
+        loss = _loss(chunked, x)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert set(chunked.activation_plan.choices) == {ActivationChoice.OFFLOAD}
+    model = as_reference(Stack())
+    reference = adamw_two_groups(model)
+    expected = []
+    for x in batches:
+        loss = _loss(model, x.to(device_of(model)))
+        loss.backward()
+        reference.step()
+        reference.zero_grad()
+        expected.append(float(loss.detach()))
+    assert losses == expected
+    for name, value in model.state_dict().items():
+        assert torch.equal(chunked.state_dict()[name].cpu(), value.cpu()), name
+    assert chunked.stats().peak_device_bytes <= budget

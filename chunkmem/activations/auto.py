@@ -89,6 +89,7 @@ class AutoBlocks:
         if choice is ActivationChoice.OFFLOAD:
             call, hold = self._call(name, module)
             agreed = call.agreed = self._agreed[index]
+            call.count.limit(agreed.small, agreed.copied)
             hold.take(agreed.saved, f"block {name} (its saved tensors, on their way to the host)")
             call.drained = agreed.saved - agreed.small
             call.fetch_bytes = agreed.copied

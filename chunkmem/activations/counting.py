@@ -12,6 +12,10 @@ and by the planner (``forecast``, on meta tensors), so that a plan's figures are
 * Of those, a storage smaller than ``min_offload_bytes`` or not a whole number of elements stays on
   the device (``small_bytes``); the others are what an offload copies, once per storage version
   (``copied_bytes``: a storage written in place between two saves is copied twice).
+* A call placed by a plan (``limit``) keeps and copies within the figures the plan accounts for
+  it: a storage that would overrun its own side goes to the other where that has room (a shorter
+  step than the measured one has storages under ``min_offload_bytes`` that the measured step
+  copied; they are copied still).
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ class SavedCount:
     def __init__(self, module: torch.nn.Module, min_offload_bytes: int) -> None:
         self._module = module
         self._min_bytes = min_offload_bytes
-        self._storages: dict[int, tuple[Any, set[int]]] = {}  # key -> (weak ref, versions copied)
+        # key -> (weak ref, versions copied, whether it stays on the device)
+        self._storages: dict[int, tuple[Any, set[int], bool]] = {}
+        self._limits: tuple[int, int] | None = None  # (kept, copied) bytes the call's plan accounts
         self.saved_bytes = 0
         """Bytes saved apart from model memory, each storage once."""
         self.small_bytes = 0
@@ -72,18 +78,34 @@ class SavedCount:
             return Saved.MODEL
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        small = nbytes < self._min_bytes or nbytes % tensor.element_size() != 0
         key = storage._cdata
         seen = self._storages.get(key)
         if seen is None or seen[0].expired():  # new, or made where one saved earlier was freed
-            seen = self._storages[key] = (StorageWeakRef(storage), set())
+            stays = self._stays(nbytes, whole=nbytes % tensor.element_size() == 0)
+            seen = self._storages[key] = (StorageWeakRef(storage), set(), stays)
             self.saved_bytes += nbytes
-            if small:
+            if stays:
                 self.small_bytes += nbytes
-        if small:
+        if seen[2]:
             return Saved.SMALL
         if tensor._version in seen[1]:
             return Saved.COPIED
         seen[1].add(tensor._version)
         self.copied_bytes += nbytes
         return Saved.COPY
+
+    def limit(self, kept: int, copied: int) -> None:
+        """Keep at most ``kept`` and copy at most ``copied`` bytes where a storage can go either way
+        (the figures the call's plan accounts for it)."""
+        self._limits = (kept, copied)
+
+    def _stays(self, nbytes: int, whole: bool) -> bool:
+        small = nbytes < self._min_bytes or not whole
+        if self._limits is None or not whole:  # a storage of no whole number of elements is not copied
+            return small
+        kept_room, copy_room = self._limits[0] - self.small_bytes, self._limits[1] - self.copied_bytes
+        if small and nbytes > kept_room and nbytes <= copy_room:
+            return False
+        if not small and nbytes > copy_room and nbytes <= kept_room:
+            return True
+        return small
