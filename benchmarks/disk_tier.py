@@ -181,6 +181,21 @@ def _size(text: str) -> tuple[int, int]:
     return int(hidden), int(layers)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, scratch: str) -> None:
+    """The options a benchmark of bases on the disk tier shares (this one and ``lora.py``):
+    threads, the scratch directory (default ``benchmarks/results/<scratch>``), budgets, chunk size,
+    the RAM to fit, the ``dd`` size, a trial's timeout and where results go."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--disk-dir", type=Path, default=Path("benchmarks/results") / scratch)
+    parser.add_argument("--host-budget", type=parse_bytes, default=None)
+    parser.add_argument("--device-budget", type=parse_bytes, default=None)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--ram", type=parse_bytes, default=None, help="host memory to fit (default: this machine's)")
+    parser.add_argument("--dd-mib", type=int, default=512)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -188,16 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--seq", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--disk-dir", type=Path, default=Path("benchmarks/results/disk_tier_scratch"))
-    parser.add_argument("--host-budget", type=parse_bytes, default=None)
-    parser.add_argument("--device-budget", type=parse_bytes, default=None)
-    parser.add_argument("--chunk-size", type=int, default=None)
-    parser.add_argument("--ram", type=parse_bytes, default=None, help="host memory to fit (default: this machine's)")
     parser.add_argument("--verify", type=_size, default=None, help="train this size with the disk tier, for real")
-    parser.add_argument("--dd-mib", type=int, default=512)
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    add_run_arguments(parser, "disk_tier_scratch")
     args = parser.parse_args(argv)
     import psutil
 

@@ -38,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, fmt_bytes, machine, parse_bytes, peak_rss, print_table, pyplot, write_json
-from benchmarks.disk_tier import _dd, _fit, _size
+from benchmarks.common import fmt_bytes, machine, peak_rss, print_table, pyplot, write_json
+from benchmarks.disk_tier import _dd, _fit, _size, add_run_arguments
 from benchmarks.workers import run_in_fresh_process
 
 SYSTEMS = ("chunkmem-disk", "chunkmem-ram", "peft")
@@ -232,16 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--disk-dir", type=Path, default=Path("benchmarks/results/lora_scratch"))
-    parser.add_argument("--host-budget", type=parse_bytes, default=None)
-    parser.add_argument("--device-budget", type=parse_bytes, default=None)
-    parser.add_argument("--chunk-size", type=int, default=None)
-    parser.add_argument("--ram", type=parse_bytes, default=None, help="host memory to fit (default: this machine's)")
     parser.add_argument("--verify", type=_size, default=None, help="train this size with the base on disk")
-    parser.add_argument("--dd-mib", type=int, default=512)
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    add_run_arguments(parser, "lora_scratch")
     args = parser.parse_args(argv)
     import psutil
 
