@@ -50,6 +50,11 @@ from .stepper import RunStepper
 __all__ = ["ChunkOptimizer", "Piece", "StateSize", "check_elementwise", "optimizer_state_size"]
 
 log = logging.getLogger("chunkmem")
+_STEP_TAKEN = (
+    "The step was taken on every rank (README, 'A disk that fails'): a chunk whose write failed was stepped and "
+    "keeps its values in host memory (written again after its next step); one whose read failed keeps its values "
+    "from before the step. Free space, then go on (zero_grad(), the next batch) without repeating this step"
+)
 
 
 class ChunkOptimizer(torch.optim.Optimizer):
@@ -393,9 +398,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
             disk.step(ordered, lambda chunk: self._step_chunk_from_disk(chunk, has_grad, reduced))
 
         try:
-            agree(self.communicator, "stepping optimizer states on disk", run, DiskTierError)
+            agree(self.communicator, "stepping the chunks on disk", run, DiskTierError, changes_nothing=False)
         except DiskTierError as error:
-            return error
+            failure = DiskTierError(f"{error}. {_STEP_TAKEN}")
+            failure.__cause__ = error
+            return failure
         return None
 
     def _step_chunk_from_disk(

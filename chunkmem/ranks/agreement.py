@@ -37,11 +37,18 @@ def _error_class(names: list[str], fallback: type[ChunkmemError]) -> type[Chunkm
 
 
 def agree(
-    comm: Communicator, what: str, action: Callable[[], T], fallback: type[ChunkmemError], subject: str = ""
+    comm: Communicator,
+    what: str,
+    action: Callable[[], T],
+    fallback: type[ChunkmemError],
+    subject: str = "",
+    changes_nothing: bool = True,
 ) -> T:
     """Run ``action`` on this rank, then raise on every rank if it raised on any. ``what`` says
     what was attempted (``"saving model checkpoint"``) and ``subject`` on what (a path, which may
     differ between ranks); ``fallback`` is the class raised for errors that are not chunkmem's own.
+    ``changes_nothing``: a rank whose part succeeded says that it changed nothing (false for an
+    action whose parts are kept, such as an optimizer step; the caller says what was).
     A collective: every rank calls it, and the ranks first agree that they are all at ``what``."""
     if comm.checks is not None:
         comm.checks.entry(what, shown=f"{what} {subject}".strip())
@@ -72,7 +79,8 @@ def agree(
     text = f"{what} failed {detail}"
     if failure is not None:
         raise cls(text) from failure
-    raise cls(f"{text} (rank {comm.rank} did its part; every rank raises this error, nothing was changed here)")
+    unchanged = ", nothing was changed here" if changes_nothing else ""
+    raise cls(f"{text} (rank {comm.rank} did its part; every rank raises this error{unchanged})")
 
 
 def on_first_rank(

@@ -50,6 +50,7 @@ _MARKER = "chunkmem-scratch.json"
 DISK_BLOCK = 4096
 """Regions of the disk tier's files start on a multiple of this."""
 _ALIGN = DISK_BLOCK
+_FREE_SPACE = "free space there, pass another disk_dir, or keep more in host memory (host_budget)"
 
 
 def _marker_text(token: str, rank: int) -> bytes:
@@ -163,7 +164,7 @@ class DiskFile(_Regions):
             reason = "the disk is full" if error.errno == errno.ENOSPC else str(error)
             raise DiskTierError(
                 f"cannot reserve {self._size} bytes for the disk tier in {scratch.path} ({reason}; {free} bytes "
-                "free): free space there, pass another disk_dir, or keep more in host memory (host_budget)"
+                f"free): {_FREE_SPACE}"
             ) from error
         self._mapped: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="chunkmem-disk")
@@ -250,9 +251,11 @@ class DiskFile(_Regions):
                 done += moved
         except OSError as error:
             what = "write to" if write else "read from"
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            fix = f": the disk holding disk_dir {self._scratch.path.parent} is full; {_FREE_SPACE}" if full else ""
             raise DiskTierError(
                 f"could not {what} the disk tier's file {self._path} ({error.strerror or error}, {nbytes} bytes at "
-                f"offset {offset})"
+                f"offset {offset}){fix}"
             ) from error
         seconds = time.perf_counter() - begin
         with self._counting:  # several I/O threads add to the same counters
