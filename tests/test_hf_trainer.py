@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("accelerate")
 from distributed import run_ranks
-from models import VOCAB, gpt2, llama, tolerance
+from models import VOCAB, gpt2, tolerance
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 import chunkmem.plugin
@@ -57,8 +57,9 @@ def dataset(n: int = 16, seq: int = 16, seed: int = 1) -> list[dict[str, torch.T
     return [{"input_ids": ids, "labels": ids} for ids in rows]
 
 
-def training_args(output_dir: Path, **overrides: Any) -> TrainingArguments:
-    """Accumulation, clipping, warmup then linear decay, a log line per step."""
+def training_args(output_dir: Path, cls: type[TrainingArguments] = TrainingArguments, **overrides: Any) -> Any:
+    """Accumulation, clipping, warmup then linear decay, a log line per step (``cls``: a subclass
+    such as TRL's ``SFTConfig``)."""
     settings: dict[str, Any] = {
         "output_dir": str(output_dir),
         "per_device_train_batch_size": 2,
@@ -77,7 +78,7 @@ def training_args(output_dir: Path, **overrides: Any) -> TrainingArguments:
         "disable_tqdm": True,
     }
     settings.update(overrides)
-    return TrainingArguments(**settings)
+    return cls(**settings)
 
 
 def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
@@ -350,82 +351,6 @@ def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None
             f"rank {rank}: reduced more than once a step"
         )
         assert result["peak_device_bytes"] <= BUDGET
-
-
-@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
-def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
-    """TRL's SFTTrainer with a PEFT LoRA adapter on a tiny LLaMA, through ``ChunkTrainerMixin``,
-    under a device budget below the model: the same losses as plain SFTTrainer, bit for bit (no
-    clipping acting); ``save_model`` writes the adapter, which PEFT loads onto a fresh base."""
-    pytest.importorskip("peft")
-    pytest.importorskip("trl")
-    from datasets import Dataset
-    from peft import LoraConfig, PeftModel
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from trl import SFTConfig, SFTTrainer
-
-    from chunkmem.integrations.hf import ChunkTrainerMixin
-
-    class ChunkSFTTrainer(ChunkTrainerMixin, SFTTrainer):
-        pass
-
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t0", unk_token="t1")
-    rows = Dataset.from_dict({"input_ids": [row["input_ids"].tolist() for row in dataset()]})
-
-    def config(name: str) -> SFTConfig:
-        return SFTConfig(
-            output_dir=str(tmp_path / name),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=3,
-            learning_rate=1e-3,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            seed=0,
-            disable_tqdm=True,
-            bf16=False,  # SFTConfig defaults to bf16; fp32 on both sides here
-        )
-
-    def lora() -> LoraConfig:
-        return LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"
-        )
-
-    plain = SFTTrainer(
-        model=llama(), args=config("plain"), train_dataset=rows, processing_class=tokenizer, peft_config=lora()
-    )
-    plain.train()
-    # SFTConfig turns on gradient checkpointing: recomputation needs more room than one op.
-    budget = 600_000
-    chunked = ChunkSFTTrainer(
-        model=llama(),
-        args=config("chunked"),
-        train_dataset=rows,
-        processing_class=tokenizer,
-        peft_config=lora(),
-        plugin=plugin(budget),
-    )
-    chunked.train()
-
-    assert_same_training(logged(chunked), logged(plain), exact=True)
-    stats = chunked.model.stats()
-    assert stats.peak_device_bytes <= budget
-    assert stats.evictions > 0
-    chunked.save_model(str(tmp_path / "adapter"))
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    adapted = PeftModel.from_pretrained(llama(), tmp_path / "adapter")
-    state = chunked.model.state_dict()
-    lora_names = [name for name in state if "lora_" in name]
-    assert lora_names
-    loaded = dict(adapted.named_parameters())
-    for name in lora_names:
-        assert torch.equal(loaded[name], state[name]), name
 
 
 def test_a_trainers_own_accelerator_class_keeps_its_methods() -> None:
