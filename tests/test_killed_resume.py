@@ -158,6 +158,8 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint_bit_for_bit(tmp
     assert (tmp_path / "killed").read_text() == KILLED_IN[kind]
     assert f"rank {KILLED_RANK}: no result (exit code -9" in report, report
     assert "was not killed" not in report, report
+    # The other rank raised (it did not wait for the group's timeout), saying what to do.
+    assert "rank 0 raised" in report and "restart every rank from the last checkpoint" in report, report
     # The killed rank's scratch is left (its process could not remove it); the other rank's went at its exit.
     dead = _scratch(tmp_path / "scratch")
     assert [p.name.endswith(f"-rank{KILLED_RANK}") for p in dead] == [True], dead

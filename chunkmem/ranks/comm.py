@@ -19,7 +19,7 @@ from ..device import DeviceLayer, device_layer
 from ..device.layer import Event, Stream
 from ..errors import CollectiveMismatchError
 from ..usage.memory import device_free, process_capacity
-from .rank_checks import RankChecks
+from .rank_checks import PEER_ENDED_FIX, RankChecks
 
 __all__ = ["Communicator", "PendingGather"]
 
@@ -183,6 +183,7 @@ class Communicator:
                 f"rank {self._rank}: a chunk collective failed ({first_line}) and the other ranks could not be "
                 f"reached to compare compute traces ({str(side_error).splitlines()[0]}). This rank "
                 + ("departed from the recorded trace " + self._divergence if self._divergence else "followed the trace")
+                + f". Another rank's process has likely ended (killed, out of memory, an error): {PEER_ENDED_FIX}"
             )
         odd = [r for r, note in enumerate(notes) if note is not None]
         detail = "; ".join(f"rank {r}: {notes[r]}" for r in odd)

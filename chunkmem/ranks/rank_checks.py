@@ -58,6 +58,8 @@ __all__ = ["CheckKind", "RankChecks"]
 
 log = logging.getLogger("chunkmem")
 
+PEER_ENDED_FIX = "see that rank's log, then restart every rank from the last checkpoint"
+"""What to do when another rank's process ended (killed, out of memory, an error) under a collective."""
 _FIX = (
     "Every rank must run the same operations on the boosted model in the same order: run evaluation, "
     "generate() and save_pretrained() on every rank, or do rank-local work on a plain module with the full "
@@ -308,13 +310,13 @@ class RankChecks:
         except RuntimeError as error:
             first_line = str(error).strip().splitlines()[0]
             reason = (
-                "a rank departed, stopped or is still busy with rank-local work past the process-group timeout"
+                "a rank departed, stopped or is still busy with rank-local work past the process-group timeout. " + _FIX
                 if "timed out" in first_line.lower()
-                else "another rank's process ended, or lost its connection, before reaching it"
+                else "another rank's process ended, or lost its connection, before reaching it. If it was killed or "
+                f"failed, {PEER_ENDED_FIX}. If its script ended without reaching it: {_FIX}"
             )
             self._fail(
-                f"rank {self._rank}: the other ranks did not reach a cross-rank check ({text}) ({first_line}); "
-                f"{reason}. {_FIX}"
+                f"rank {self._rank}: the other ranks did not reach a cross-rank check ({text}) ({first_line}); {reason}"
             )
         if all(torch.equal(p, payload) for p in everyone):
             return
