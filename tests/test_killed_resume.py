@@ -2,9 +2,11 @@
 from its last checkpoint exactly: a LoRA fine-tune whose frozen base is on disk, one rank killed in
 its backward; a full fine-tune whose trainable shards are on disk, one rank killed while the write
 of such a shard is half done. A new job (other processes) loads the checkpoint saved before the
-kill and trains on like the uninterrupted run, bit for bit: losses, every weight, the adapter
-``save_pretrained`` writes. The killed rank's scratch directory is removed by the next boost into
-the same ``disk_dir``, and the checkpoint's files are the bytes the save wrote."""
+kill and trains on like the uninterrupted run, bit for bit (with its parameters on disk, and with
+everything in memory): losses, every weight and optimizer state, the adapter ``save_pretrained``
+writes. The killed rank's scratch directory is removed by the next boost into the same
+``disk_dir``, and the checkpoint's files are the bytes the save wrote. The other rank raises at
+once, saying to restart every rank from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 from distributed import RankFailure, run_ranks
 from models import batches, gpt2
-from test_param_disk import ON_DISK, assert_same_states, boosted
+from test_param_disk import IN_RAM, ON_DISK, assert_same_states, boosted
 from test_peft import assert_same_adapter, lora_model, train
 
 from chunkmem.tiers.disk import DiskFile
@@ -96,9 +98,9 @@ def _checkpoint_digest(directory: Path) -> dict[str, str]:
     }
 
 
-def _boost(kind: str, seed: int, out: str) -> tuple[Any, Any, Any]:
+def _boost(kind: str, seed: int, out: str, placement: Any = ON_DISK) -> tuple[Any, Any, Any]:
     model = BUILDS[kind](seed)
-    return boosted(model, ON_DISK, "bf16", Path(out) / "scratch")
+    return boosted(model, placement, "bf16", Path(out) / "scratch" if placement is ON_DISK else None)
 
 
 def _killed_job(rank: int, world_size: int, kind: str, out: str) -> None:
@@ -125,22 +127,28 @@ def _killed_job(rank: int, world_size: int, kind: str, out: str) -> None:
 
 
 def _resumed_and_uninterrupted(rank: int, world_size: int, kind: str, out: str, dead: list[str]) -> dict[str, Any]:
-    """A new job loads the checkpoint and trains on; then the uninterrupted run, in the same ``disk_dir``."""
-    resumed, resumed_optimizer, resumed_booster = _boost(kind, OTHER_SEED, out)
-    left = [path for path in dead if Path(path).exists()]
-    resumed_booster.load_model(resumed, Path(out) / "model")
-    resumed_booster.load_optimizer(resumed_optimizer, Path(out) / "optim")
+    """A new job loads the checkpoint and trains on, with the parameters on disk in the same
+    ``disk_dir`` and with everything in memory; then the uninterrupted run."""
     data = batches(STEPS)
-    losses = train(resumed, resumed_optimizer, resumed_booster, data[KILLED_STEP:], rank, world_size)
+    runs, losses, left = [], [], []
+    for placement in (ON_DISK, IN_RAM):
+        resumed, resumed_optimizer, resumed_booster = _boost(kind, OTHER_SEED, out, placement)
+        left += [path for path in dead if Path(path).exists()]
+        resumed_booster.load_model(resumed, Path(out) / "model")
+        resumed_booster.load_optimizer(resumed_optimizer, Path(out) / "optim")
+        losses.append(train(resumed, resumed_optimizer, resumed_booster, data[KILLED_STEP:], rank, world_size))
+        runs.append((resumed, resumed_optimizer))
     chunked, optimizer, booster = _boost(kind, SEED, out)
     expected = train(chunked, optimizer, booster, data, rank, world_size)
-    assert_same_states(resumed.state_dict(), chunked.state_dict())
-    for index, state in optimizer.state_dict()["state"].items():
-        assert_same_states(resumed_optimizer.state_dict()["state"][index], state)
+    for model, opt in runs:
+        assert_same_states(model.state_dict(), chunked.state_dict())
+        for index, state in optimizer.state_dict()["state"].items():
+            assert_same_states(opt.state_dict()["state"][index], state)
+    resumed = runs[0][0]
     if kind == "lora":
         resumed.save_pretrained(Path(out) / "resumed")  # every rank calls; rank 0 writes
         chunked.save_pretrained(Path(out) / "uninterrupted")
-    return {"losses": losses, "expected": expected[KILLED_STEP:], "dead_left": left}
+    return {"losses": losses, "expected": [expected[KILLED_STEP:]] * 2, "dead_left": left}
 
 
 def _scratch(disk_dir: Path) -> list[Path]:
