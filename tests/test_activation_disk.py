@@ -7,6 +7,8 @@ rule; the planner predicts them; a full disk is an error on every rank, naming t
 from __future__ import annotations
 
 import errno
+import importlib
+import json
 import os
 from pathlib import Path
 
@@ -159,3 +161,19 @@ def test_a_full_disk_while_writing_activations_raises_on_every_rank(tmp_path: Pa
     for message in messages:
         assert "on rank 1" in message and str(tmp_path) in message
         assert "the disk is full" in message and "raise host_budget" in message
+
+
+@pytest.mark.slow
+def test_the_cli_takes_the_host_budget_and_shows_the_disk_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "2x16", "--device", "cpu", "--precision", "fp32"]
+    planned = plan_cli.main([*base, "--activations", "offload=GPT2Block", "--activation-host-budget", "64KiB"])
+    assert "activations to disk and back per step" in capsys.readouterr().out
+    assert 0 < planned.activation_disk_write_bytes_per_step < planned.activation_d2h_bytes_per_step
+    with pytest.raises(SystemExit):
+        plan_cli.main([*base, "--activation-host-budget", "64KiB"])
+    assert "offload names no block class" in capsys.readouterr().err
