@@ -7,6 +7,7 @@ rule; the planner predicts them; a full disk is an error on every rank, naming t
 from __future__ import annotations
 
 import errno
+import gc
 import importlib
 import json
 import os
@@ -84,6 +85,18 @@ def test_beyond_the_host_budget_activations_go_to_disk_bit_exact_and_counted(tmp
     # The default placement keeps every chunk on the device: the host peak is the copies' and the window's.
     assert 0 < stats.peak_host_bytes <= budget
     assert chunked.manager.ledger.disk_bytes == 0  # every region freed after its backward
+
+
+def test_a_graph_dropped_without_its_backward_gives_its_host_bytes_and_disk_regions_back(tmp_path: Path) -> None:
+    activations = ActivationPlacement(offload=[Block], host_budget=6000)
+    chunked, *_ = boost(Stack(), adamw_two_groups, chunk_size=4_000, activations=activations, disk_dir=tmp_path)
+    ledger = chunked.manager.ledger
+    for _ in range(2):  # the second forward finds the first one's room free again
+        loss = _loss(chunked, _data()[0])
+        assert ledger.disk_bytes == _to_disk(_stack_sizes(), 6000) > 0 and ledger.host_bytes > 0
+        del loss
+        gc.collect()
+        assert ledger.disk_bytes == ledger.host_bytes == 0
 
 
 # --- the planner --------------------------------------------------------------------------------
