@@ -103,8 +103,8 @@ def disk_io_seen() -> Iterator[None]:
 
 def _activation_disk(rank: int, world_size: int) -> dict[str, Any]:
     """Offloaded activations beyond a host budget go to disk through the staging window (pieces of
-    2 KiB: a storage takes several, read back into the two pieces in turn)."""
-    activations = ActivationPlacement(offload=["GPT2Block"], host_budget=16_384)
+    8 KiB: a storage takes several, read back into the two pieces in turn)."""
+    activations = ActivationPlacement(offload=["GPT2Block"], host_budget=65_536)
     with tempfile.TemporaryDirectory() as scratch, disk_io_seen():
         return _train(rank, world_size, StaticPlacementConfig(), activations=activations, disk_dir=Path(scratch))
 
