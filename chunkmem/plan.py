@@ -253,6 +253,14 @@ def _parser() -> argparse.ArgumentParser:
         help="ActivationPlacement: recompute, offload or auto (placed under --device-budget) the saved activations of "
         "these block classes, e.g. offload=GPT2Block; repeatable. The plan predicts each block call's saved bytes",
     )
+    parser.add_argument(
+        "--activation-host-budget",
+        type=_bytes,
+        default=None,
+        metavar="BYTES",
+        help="ActivationPlacement.host_budget: the offload blocks' copies beyond it go to disk, e.g. 8GiB; the plan "
+        "predicts the bytes written and read back per step",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -274,13 +282,15 @@ def _placement(args: argparse.Namespace) -> StaticPlacementConfig | AutoPlacemen
     )
 
 
-def _activation_placement(choices: list[tuple[str, tuple[str, ...]]]) -> ActivationPlacement | None:
-    if not choices:
+def _activation_placement(
+    choices: list[tuple[str, tuple[str, ...]]], host_budget: int | None
+) -> ActivationPlacement | None:
+    if not choices and host_budget is None:
         return None
-    fields: dict[str, list[str]] = {}
+    fields: dict[str, Any] = {}
     for how, names in choices:
         fields.setdefault(how, []).extend(names)
-    return ActivationPlacement(**fields)
+    return ActivationPlacement(**fields, host_budget=host_budget)
 
 
 def _one_line(error: Exception) -> str:
@@ -317,7 +327,7 @@ def main(argv: list[str] | None = None) -> Plan:
             precision=precision,
             chunk_size=args.chunk_size,
             gradient_accumulation=args.grad_accum > 1,
-            activations=_activation_placement(args.activations),
+            activations=_activation_placement(args.activations, args.activation_host_budget),
         )
         ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
         result = plan(

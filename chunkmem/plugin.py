@@ -340,7 +340,13 @@ class ChunkPlugin:
         runtime = ChunkRuntime(manager, policy, specs, stats)
         activations = (
             ActivationBlocks(
-                model, self.activations, comm, stats, DeviceBudget(manager.ledger, runtime.transient_room, policy)
+                model,
+                self.activations,
+                comm,
+                stats,
+                DeviceBudget(manager.ledger, runtime.transient_room, policy),
+                manager.ledger,
+                backing.activation_disk_dir(self.disk_dir, comm) if self.activations.host_budget is not None else None,
             )
             if self.activations is not None
             else None

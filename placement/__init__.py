@@ -4,6 +4,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
 from .actions import Action, Verb
+from .activation_host import HostRoom
 from .activation_plan import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, choose_activations
 from .activations import ActivationPlacement, BlockClass, BlockPlacement, block_class_name, matches_block
 from .auto import AutoPolicy
@@ -54,6 +55,7 @@ __all__ = [
     "GradBuffer",
     "Held",
     "HostBudgetTooSmallError",
+    "HostRoom",
     "Layout",
     "NoRoomError",
     "OpSnapshot",

@@ -1,5 +1,6 @@
 """``ActivationPlacement``: where what autograd saves inside named blocks lives between a block's
-forward and its backward (kept on the compute device, recomputed, or offloaded to host memory).
+forward and its backward (kept on the compute device, recomputed, or offloaded to host memory and,
+beyond ``host_budget``, to the disk tier).
 
 A config is data only; ``chunkmem.activations`` carries it out. Blocks are named by class: the
 class's name (``"GPT2Block"``), its qualified name (``"transformers.models.gpt2.modeling_gpt2.GPT2Block"``)
@@ -13,6 +14,9 @@ import enum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+
+from .activation_host import MIN_HOST_BUDGET
+from .config import Budget
 
 __all__ = ["ActivationPlacement", "BlockClass", "BlockPlacement", "block_class_name", "matches_block"]
 
@@ -107,6 +111,17 @@ class ActivationPlacement(BaseModel):
     min_offload_bytes: Annotated[int, Field(ge=0, strict=True)] = 1024
     """Saved tensors whose storage is smaller than this many bytes stay on the device (a copy
     costs more than their room: layer-norm statistics, scalars)."""
+    host_budget: Budget | None = None
+    """Cap on the host memory the ``offload`` blocks' copies take, in bytes or a string such as
+    ``"8GiB"`` (at least 4 KiB). Within a training forward, in the order they are saved, storages
+    are copied to host memory while their copies fit under the cap less the disk tier's staging
+    window (``placement.HostRoom``: two pieces of an eighth of the cap each, at most 32 MiB each);
+    the others are written to the disk tier's scratch directory (``ChunkPlugin(disk_dir=...)``,
+    required) through that window and read back through it before the block's backward. The host
+    copies and the window are accounted in the ledger (``Stats.peak_host_bytes``), the disk
+    traffic in ``Stats.activation_disk_write_bytes`` / ``activation_disk_read_bytes``. ``None``
+    (default): every offloaded storage is copied to host memory, without a cap. Applies to
+    ``offload`` blocks only (refused with ``auto`` blocks)."""
 
     def placement_of(self, module: object) -> BlockPlacement | None:
         """How ``module``'s saved tensors are placed (``None``: it is no named block)."""
@@ -130,4 +145,25 @@ class ActivationPlacement(BaseModel):
                     f"{first} and {second} both name {both}: a block's saved tensors are placed one way (recompute, "
                     "offload, or auto: chosen under the budget); name each class in one field"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _host_budget_for_offload(self) -> ActivationPlacement:
+        if self.host_budget is None:
+            return self
+        if not self.offload:
+            raise ValueError(
+                "host_budget caps the host memory of the offload blocks' copies, but offload names no block class: "
+                "name the blocks to offload (offload=[...]), or drop host_budget"
+            )
+        if self.auto:
+            raise ValueError(
+                "host_budget is not supported with auto blocks yet (their offloaded calls are copied to host memory "
+                "without a cap): drop host_budget, or name those classes in offload instead of auto"
+            )
+        if self.host_budget < MIN_HOST_BUDGET:
+            raise ValueError(
+                f"host_budget={int(self.host_budget)} bytes is below the minimum of {MIN_HOST_BUDGET} bytes (the disk "
+                "tier's staging window takes a quarter of it): give at least 4KiB"
+            )
         return self

@@ -28,6 +28,7 @@ from chunkmem import (
     StepDuringBackward,
 )
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
+from chunkmem.tiers.disk import DiskFile
 from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
@@ -78,6 +79,34 @@ def _disk(rank: int, world_size: int) -> dict[str, Any]:
     placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=2)
     with tempfile.TemporaryDirectory() as scratch:
         return _train(rank, world_size, placement, "bf16", disk_dir=Path(scratch))
+
+
+@contextmanager
+def disk_io_seen() -> Iterator[None]:
+    """The disk tier's I/O threads move bytes with ``pwritev`` / ``preadv`` through ``ctypes``,
+    which no ``TorchDispatchMode`` sees: within the block each write first reads its tensor and
+    each read first writes it with a torch op on the I/O thread, so the simulated device checks
+    that the host waited for the copies using the tensor (a write to disk of a piece before the copy
+    into it landed, a read into a piece a copy to the device still reads)."""
+    real = DiskFile._transfer
+
+    def transfer(file: DiskFile, tensor: torch.Tensor, offset: int, write: bool, then: Any, param: bool) -> None:
+        _ = tensor.clone() if write else tensor.zero_()
+        real(file, tensor, offset, write, then, param)
+
+    DiskFile._transfer = transfer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DiskFile._transfer = real  # type: ignore[method-assign]
+
+
+def _activation_disk(rank: int, world_size: int) -> dict[str, Any]:
+    """Offloaded activations beyond a host budget go to disk through the staging window (pieces of
+    8 KiB: a storage takes several, read back into the two pieces in turn)."""
+    activations = ActivationPlacement(offload=["GPT2Block"], host_budget=65_536)
+    with tempfile.TemporaryDirectory() as scratch, disk_io_seen():
+        return _train(rank, world_size, StaticPlacementConfig(), activations=activations, disk_dir=Path(scratch))
 
 
 def _param_disk_placement() -> StaticPlacementConfig:
@@ -195,6 +224,7 @@ SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
         1,
         lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"])),
     ),
+    "activation-disk": (1, _activation_disk),
     "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
     "host-write-after-copy": (1, _host_write_after_copy),
 }

@@ -118,6 +118,11 @@ def _saved_bytes(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep
     """What autograd saves inside the calls of ``blocks`` (of a plain model) while ``run()`` runs,
     apart from parameters and views of them (such as a transposed weight): each storage once per
     call, those under ``keep_below`` bytes left out."""
+    return sum(saved_storages(blocks, run, keep_below))
+
+
+def saved_storages(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep_below: int = 1024) -> list[int]:
+    """The sizes of the storages ``_saved_bytes`` counts, in the order first saved."""
     calls: list[dict[int, int]] = []
     contexts: list[Any] = []
 
@@ -125,7 +130,7 @@ def _saved_bytes(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep
         nbytes = tensor.untyped_storage().nbytes()
         parameter = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
         if not parameter and nbytes >= keep_below:
-            calls[-1][tensor.untyped_storage().data_ptr()] = nbytes
+            calls[-1].setdefault(tensor.untyped_storage().data_ptr(), nbytes)
         return tensor
 
     def enter(module: torch.nn.Module, args: Any) -> None:
@@ -142,7 +147,7 @@ def _saved_bytes(blocks: Iterable[torch.nn.Module], run: Callable[[], Any], keep
     finally:
         for handle in handles:
             handle.remove()
-    return sum(sum(call.values()) for call in calls)
+    return [nbytes for call in calls for nbytes in call.values()]
 
 
 def _saved_bytes_per_block(model: Stack, keep_below: int) -> int:

@@ -29,6 +29,7 @@ from placement import (
     ActivationPlacement,
     ActivationPlan,
     BlockPlacement,
+    HostRoom,
     PlacementPolicy,
     block_class_name,
     matches_block,
@@ -40,6 +41,7 @@ from ..tiers.transfers import HostTransfers
 from ..usage.accounting import MemoryLedger
 from ..usage.stats import Stats
 from .auto import AutoBlocks
+from .disk import ActivationDisk
 from .ledger import DeviceActivations
 from .offload import ActivationOffload
 
@@ -93,13 +95,23 @@ class ActivationBlocks:
         comm: Communicator,
         stats: Stats,
         budget: DeviceBudget | None = None,
+        ledger: MemoryLedger | None = None,
+        disk_dir: str | None = None,
     ) -> None:
+        """``ledger``: the model's, where a ``host_budget``'s bytes are accounted; ``disk_dir``:
+        where what exceeds it goes (checked by the plugin's backing)."""
         self._stats = stats
         layer = comm.layer
         # The copies count apart from chunk traffic (``counts``).
         self._copies = Stats()
         self._transfers = HostTransfers(self._copies, layer)
-        self._offload = ActivationOffload(self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes)
+        self._disk: ActivationDisk | None = None
+        if config.host_budget is not None:
+            assert ledger is not None and disk_dir is not None, "a host budget has a ledger and a disk_dir"
+            self._disk = ActivationDisk(HostRoom(int(config.host_budget)), disk_dir, comm, ledger, self._transfers)
+        self._offload = ActivationOffload(
+            self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk
+        )
         self._auto: AutoBlocks | None = None
         self._account: DeviceActivations | None = None
         if config.auto:
@@ -156,6 +168,9 @@ class ActivationBlocks:
         if self._account is not None:
             into.activation_bytes = self._account.device_bytes
             into.activation_kept_bytes = self._account.kept_total
+        if self._disk is not None:
+            into.activation_disk_write_bytes = self._disk.stats.disk_write_bytes
+            into.activation_disk_read_bytes = self._disk.stats.disk_read_bytes
         into.activation_d2h_bytes = self._copies.d2h_bytes
         into.activation_h2d_bytes = self._copies.h2d_bytes
         into.activation_d2h_seconds = self._copies.d2h_seconds
@@ -225,5 +240,8 @@ class ActivationBlocks:
     ) -> Any:
         if not self._placed(name, module, "offloaded"):
             return forward(*args, **kwargs)
-        with self._offload.hooks(self._offload.call(name, module)):
-            return forward(*args, **kwargs)
+        call = self._offload.call(name, module)
+        with self._offload.hooks(call):
+            out = forward(*args, **kwargs)
+        self._offload.finish(call)
+        return out

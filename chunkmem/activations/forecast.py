@@ -3,7 +3,9 @@ call, predicted from one forward of the model on the meta device (``chunkmem.pla
 
 Each call is counted by the runtime's own rule (``counting.SavedCount``): ``saved_bytes`` what
 autograd saves apart from model memory, each storage once per call; ``offload_bytes`` what an
-offload copies to the host in its forward and back in its backward.
+offload copies to the host in its forward and back in its backward; ``disk_bytes`` the part of
+those an ``ActivationPlacement.host_budget`` sends on to the disk tier (``placement.HostRoom``, the
+runtime's rule, over the copies of one training forward in the order saved).
 
 Only the forward runs: saved tensors are packed there, and a recomputed call is recomputed once in
 the backward (``recompute_calls``). The forward runs the model's own code on meta tensors, so an op
@@ -21,9 +23,9 @@ from typing import Any
 
 import torch
 
-from placement import ActivationPlacement, BlockPlacement
+from placement import ActivationPlacement, BlockPlacement, HostRoom
 
-from .counting import SavedCount
+from .counting import Saved, SavedCount
 
 __all__ = ["BlockForecast", "forecast"]
 
@@ -42,6 +44,8 @@ class BlockForecast:
     offload_bytes: int
     """Of those, the bytes an offload copies to the host and back (storages of at least
     ``min_offload_bytes``, once per storage version)."""
+    disk_bytes: int = 0
+    """Of those, the bytes written to the disk tier and read back (beyond ``host_budget``)."""
 
 
 @dataclass(eq=False)
@@ -50,6 +54,7 @@ class _Call:
     how: BlockPlacement
     module: torch.nn.Module
     count: SavedCount
+    disk_bytes: int = 0
 
 
 def forecast(
@@ -59,9 +64,13 @@ def forecast(
     recording), in forward order."""
     calls: list[_Call] = []
     open_calls: list[tuple[_Call, Any]] = []
+    room = HostRoom(int(config.host_budget)) if config.host_budget is not None else None
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        open_calls[-1][0].count.add(tensor)
+        call = open_calls[-1][0]
+        copied = call.count.add(tensor) is Saved.COPY and call.how is BlockPlacement.OFFLOAD
+        if copied and room is not None and not room.take(nbytes := tensor.untyped_storage().nbytes()):
+            call.disk_bytes += nbytes
         return tensor
 
     def enter(name: str, how: BlockPlacement) -> Callable[..., None]:
@@ -92,4 +101,4 @@ def forecast(
             handle.remove()
         while open_calls:  # a forward that raised inside a block
             open_calls.pop()[1].__exit__(None, None, None)
-    return tuple(BlockForecast(c.name, c.how, c.count.saved_bytes, c.count.copied_bytes) for c in calls)
+    return tuple(BlockForecast(c.name, c.how, c.count.saved_bytes, c.count.copied_bytes, c.disk_bytes) for c in calls)

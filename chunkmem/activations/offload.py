@@ -15,6 +15,11 @@ block to pinned host memory during the forward and back to the device before its
   view is rebuilt on the device copy. The next ``max_prefetch`` block calls in backward order are
   fetched at the same time.
 * Host buffers go back to the pool at the next forward, once the fetches that read them are done.
+* With ``ActivationPlacement.host_budget`` (an ``ActivationDisk``), a storage whose copy does not fit
+  the budget goes to the disk tier instead (``placement.HostRoom`` decides, in the order saved) and
+  is read back by the fetch; the call's writes are waited for, and agreed over ranks, at its end
+  (``finish``). A disk failure inside the call leaves the rest of the call's tensors as they are
+  (the call raises at its end, on every rank).
 
 What a call saves is counted by ``counting.SavedCount`` (the planner's rule too). With a
 ``DeviceActivations`` (the blocks of ``ActivationPlacement(auto=...)``) small storages stay on the
@@ -33,8 +38,10 @@ from typing import Any
 import torch
 
 from ..device.layer import Event
+from ..errors import DiskTierError
 from ..tiers.transfers import Direction, HostTransfers
 from .counting import Saved, SavedCount
+from .disk import ActivationDisk, DiskCopy
 from .ledger import CallBytes, CallHold, DeviceActivations
 
 __all__ = ["ActivationOffload", "BlockCall"]
@@ -44,10 +51,14 @@ _HOST = torch.device("cpu")
 
 @dataclass(eq=False)
 class _Copy:
-    """One storage saved by a block call: its host copy, then its device copy."""
+    """One storage saved by a block call: its host copy (or its bytes on disk), then its device copy."""
 
-    host: torch.Tensor
+    host: torch.Tensor | None
+    numel: int
+    dtype: torch.dtype
+    disk: DiskCopy | None = None
     device: torch.Tensor | None = None
+    held: weakref.finalize | None = None  # lets go of its host bytes in the host budget (once)
 
 
 @dataclass(eq=False)
@@ -65,6 +76,7 @@ class BlockCall:
     made: list[_Copy] = field(default_factory=list)  # every copy, in the order made
     fetched: bool = False
     ready: Event | None = None  # after the fetch, on the fetch stream
+    failure: BaseException | None = None  # a disk failure in its forward (raised at its end, agreed)
     host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
 
 
@@ -89,8 +101,10 @@ class ActivationOffload:
         max_prefetch: int,
         min_bytes: int,
         account: DeviceActivations | None = None,
+        disk: ActivationDisk | None = None,
     ) -> None:
         self._account = account
+        self._disk = disk
         self._transfers = transfers
         self._layer = transfers.layer
         self._device = device
@@ -98,7 +112,7 @@ class ActivationOffload:
         self._min_bytes = min_bytes
         self._fetch_stream = self._layer.new_stream()
         self._pending: list[weakref.ref[BlockCall]] = []  # calls not fetched yet, in forward order
-        self._fetched_hosts: list[torch.Tensor] = []  # host buffers a fetch read, back to the pool next
+        self._fetched: list[_Copy] = []  # copies a fetch read, their host buffers back to the pool next
 
     def waiting(self) -> int:
         """Calls whose saved tensors wait on the host for their backward (their graph lives)."""
@@ -125,6 +139,8 @@ class ActivationOffload:
         verdict = self.count(call, tensor)
         if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
             return tensor
+        if call.failure is not None:  # the call raises at its end, on every rank
+            return tensor
         if call.agreed is not None and self._account is not None:
             count, agreed = call.count, call.agreed
             for what, actual, figure in (
@@ -138,9 +154,14 @@ class ActivationOffload:
         key = (tensor.untyped_storage()._cdata, tensor._version)
         if verdict is Saved.COPY:  # the first save of this storage version in the call
             began = time.perf_counter()
-            copy = call.copies[key] = _Copy(self._to_host(tensor))
+            try:
+                copy = call.copies[key] = self._copy_out(tensor, call.block)
+            except DiskTierError as error:
+                call.failure = error
+                return tensor
+            finally:
+                call.host_seconds[0] += time.perf_counter() - began
             call.made.append(copy)
-            call.host_seconds[0] += time.perf_counter() - began
         else:
             copy = call.copies[key]
         return _Saved(call, copy, tensor.storage_offset(), tensor.size(), tensor.stride())
@@ -161,20 +182,38 @@ class ActivationOffload:
                 call.hold.give(call.drained)
             call.drained = 0
 
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        numel = tensor.untyped_storage().nbytes() // tensor.element_size()
+    def finish(self, call: BlockCall) -> None:
+        """The call's forward is done: with a host budget, its writes to disk are waited for and
+        agreed over ranks (raising on every rank when one failed anywhere)."""
+        if self._disk is not None:
+            self._disk.settle([c.disk for c in call.made if c.disk is not None], call.block, call.failure)
+
+    def _copy_out(self, tensor: torch.Tensor, block: str) -> _Copy:
+        """The whole storage of ``tensor`` copied to host memory, or, beyond the host budget, to disk."""
+        nbytes = tensor.untyped_storage().nbytes()
+        numel = nbytes // tensor.element_size()
         with torch.no_grad():
             whole = tensor.detach().as_strided((numel,), (1,), 0)  # the whole storage, flat
+            if self._disk is not None and not self._disk.take_host(nbytes):
+                return _Copy(None, numel, tensor.dtype, disk=self._disk.write(whole.view(torch.uint8), block))
             host = self._transfers.staging(numel, tensor.dtype, _HOST)
             self._transfers.copy(host, whole, Direction.TO_HOST)
-        return host
+        copy = _Copy(host, numel, tensor.dtype)
+        if self._disk is not None:
+            copy.held = weakref.finalize(copy, self._disk.give_host, nbytes)
+        return copy
 
     def _recycle(self) -> None:
-        """Host buffers read by the last backward's fetches go back to the pool."""
-        for host in self._fetched_hosts:
-            self._transfers.before_host_write(host)
-            self._transfers.give_back(host)
-        self._fetched_hosts.clear()
+        """Host buffers read by the last backward's fetches go back to the pool (and out of the
+        host budget)."""
+        for copy in self._fetched:
+            if copy.host is not None:
+                self._transfers.before_host_write(copy.host)
+                self._transfers.give_back(copy.host)
+                copy.host = None
+            if copy.held is not None:
+                copy.held()
+        self._fetched.clear()
 
     # --- backward -----------------------------------------------------------------------------
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -208,11 +247,16 @@ class ActivationOffload:
         if call.hold is not None:
             call.hold.take(call.fetch_bytes, f"block {call.block} (its saved tensors fetched for its backward)")
         for copy in call.made:
-            self._transfers.before_host_read(copy.host)  # the copy into it is done
+            if copy.host is not None:
+                self._transfers.before_host_read(copy.host)  # the copy into it is done
         with self._layer.on_stream(self._fetch_stream):
             for copy in call.made:
-                copy.device = torch.empty(copy.host.numel(), dtype=copy.host.dtype, device=self._device)
-                self._transfers.copy(copy.device, copy.host, Direction.TO_DEVICE)
-                self._fetched_hosts.append(copy.host)
+                copy.device = torch.empty(copy.numel, dtype=copy.dtype, device=self._device)
+                if copy.host is not None:
+                    self._transfers.copy(copy.device, copy.host, Direction.TO_DEVICE)
+                else:
+                    assert self._disk is not None and copy.disk is not None, "a copy is on the host or on disk"
+                    self._disk.read(copy.disk, copy.device.view(torch.uint8))
+                self._fetched.append(copy)
             call.ready = self._layer.record_event(self._fetch_stream)
         call.fetched = True

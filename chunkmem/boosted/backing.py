@@ -17,6 +17,7 @@ import torch
 
 from placement.policy import format_bytes
 
+from ..activations.disk import check_disk_dir
 from ..chunks.param_values import ParamValues
 from ..errors import DiskTierError
 from ..materialize import model_values
@@ -37,6 +38,10 @@ class Backing(Protocol):
 
     def disk_file(self, nbytes: int, chunks: int, comm: Communicator, stats: Stats, disk_dir: str | None) -> SidesFile:
         """A file of ``nbytes`` for the optimizer sides of ``chunks`` chunks the placement puts on disk."""
+        ...
+
+    def activation_disk_dir(self, disk_dir: str | None, comm: Communicator) -> str:
+        """Where the offloaded activations beyond ``ActivationPlacement.host_budget`` go."""
         ...
 
 
@@ -66,3 +71,10 @@ class TrainingBacking:
                 raise
 
         return agree(comm, "opening the disk tier", open_file, DiskTierError, f"in {disk_dir}")
+
+    def activation_disk_dir(self, disk_dir: str | None, comm: Communicator) -> str:
+        """``disk_dir``, refused on every rank when it is not given, missing or not writable
+        (nothing is created there until a storage goes to disk)."""
+        return agree(
+            comm, "checking the disk tier for activations", lambda: check_disk_dir(disk_dir, comm.rank), DiskTierError
+        )

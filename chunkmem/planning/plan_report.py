@@ -145,6 +145,17 @@ class Plan:
         return self.activation_d2h_bytes_per_step
 
     @property
+    def activation_disk_write_bytes_per_step(self) -> int:
+        """Of those copies, what goes on to the disk tier per step, beyond ``ActivationPlacement.host_budget``
+        (``Stats.activation_disk_write_bytes``); read back the same (``activation_disk_read_bytes``)."""
+        return self.grad_accum * sum(c.disk_bytes for c in self._calls(BlockPlacement.OFFLOAD))
+
+    @property
+    def activation_disk_read_bytes_per_step(self) -> int:
+        """What the ``offload`` blocks read back from the disk tier per step (``Stats.activation_disk_read_bytes``)."""
+        return self.activation_disk_write_bytes_per_step
+
+    @property
     def recomputed_blocks_per_step(self) -> int:
         """Calls of ``recompute`` blocks recomputed per step (``Stats.recomputed_blocks``)."""
         return self.grad_accum * len(self._calls(BlockPlacement.RECOMPUTE))
@@ -206,6 +217,8 @@ class Plan:
             "disk_param_write_bytes_per_step",
             "activation_d2h_bytes_per_step",
             "activation_h2d_bytes_per_step",
+            "activation_disk_write_bytes_per_step",
+            "activation_disk_read_bytes_per_step",
             "recomputed_blocks_per_step",
             "auto_saved_bytes",
         ):
@@ -282,6 +295,10 @@ class Plan:
                     f"{format_bytes(self.activation_h2d_bytes_per_step)}",
                 )
             )
+            if self.activation_disk_write_bytes_per_step:
+                rows.append(
+                    ("activations to disk and back per step", format_bytes(self.activation_disk_write_bytes_per_step))
+                )
         if self._calls(BlockPlacement.RECOMPUTE):
             rows.append(("recomputed blocks per step", str(self.recomputed_blocks_per_step)))
         if self.activation_min_device_budget is not None:

@@ -163,6 +163,10 @@ class PlanningBacking:
     def disk_file(self, nbytes: int, chunks: int, comm: Communicator, stats: Stats, disk_dir: str | None) -> SidesFile:
         return PlannedDiskFile(nbytes, stats)
 
+    def activation_disk_dir(self, disk_dir: str | None, comm: Communicator) -> str:
+        """A plan writes no activations (its tensors are meta): any directory will do, none is checked."""
+        return disk_dir or "(planned)"
+
 
 def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.to(_META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}

@@ -21,7 +21,8 @@ class Location(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
-    """Files under ``ChunkPlugin(disk_dir=...)``: optimizer sides between steps (the disk tier)."""
+    """Files under ``ChunkPlugin(disk_dir=...)``: optimizer sides between steps (the disk tier), and
+    offloaded activations beyond ``ActivationPlacement.host_budget``."""
 
 
 class MemoryKind(enum.Enum):
@@ -45,7 +46,9 @@ class MemoryKind(enum.Enum):
     """Host buffers a chunk's optimizer side from disk is stepped in."""
     ACTIVATION = "activation"
     """Saved activations of the blocks ``ActivationPlacement(auto=...)`` places under the device
-    budget, while they are on the device (see ``chunkmem.activations.ledger``)."""
+    budget, while they are on the device (see ``chunkmem.activations.ledger``); with
+    ``ActivationPlacement.host_budget``, the ``offload`` blocks' host copies and staging window (host)
+    and what they wrote to the disk tier (disk; ``chunkmem.activations.disk``)."""
 
 
 class MemoryLedger:

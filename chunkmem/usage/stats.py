@@ -69,6 +69,12 @@ class Stats:
     activation_h2d_bytes: int = 0
     """Bytes of saved activations copied back to the compute device for the backward; not in
     ``h2d_bytes``."""
+    activation_disk_write_bytes: int = 0
+    """Of ``activation_d2h_bytes``, the bytes written on to the disk tier (beyond
+    ``ActivationPlacement.host_budget``); not in ``disk_write_bytes``, which counts chunk traffic."""
+    activation_disk_read_bytes: int = 0
+    """Bytes of saved activations read back from the disk tier for the backward; not in
+    ``disk_read_bytes``."""
     activation_d2h_seconds: float = 0.0
     """Seconds the activation copies to host memory took (as ``d2h_seconds``)."""
     activation_h2d_seconds: float = 0.0

@@ -1,0 +1,53 @@
+"""``HostRoom``: which offloaded storages stay in host memory under ``ActivationPlacement.host_budget``
+and which go on to the disk tier, one rule for the runtime (``chunkmem.activations.offload``) and
+the planner (``chunkmem.activations.forecast``), so that a plan's disk figures are a run's.
+
+The budget holds two things: the host copies of whole storages, and the disk tier's staging window,
+two pieces through which what goes to disk is written in the forward and read back before the
+backward (one piece is filled while the other is on its way: a copy overlaps a disk transfer). A
+storage is copied to host memory when its copy fits under the budget less the window, next to the
+copies held already; otherwise it goes to disk, whatever its size (the window is a fixed size, so a
+storage larger than the budget goes through it piece by piece). Greedy in the order storages are
+saved: within one training forward the first blocks' storages fill host memory, the later ones go to
+disk. Host copies are held until the next forward begins (the offload's pool gets them back then).
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIN_HOST_BUDGET", "HostRoom"]
+
+MIN_HOST_BUDGET = 4096
+"""The smallest ``host_budget`` (its window is then two pieces of 512 bytes)."""
+_MAX_PIECE = 32 * 2**20
+
+
+class HostRoom:
+    """The host budget of offloaded activations, and what of it is held; see the module docstring."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < MIN_HOST_BUDGET:
+            raise ValueError(f"a host budget of {budget} bytes is below the minimum of {MIN_HOST_BUDGET}")
+        self.budget = budget
+        self.piece = min(budget // 8, _MAX_PIECE) // 8 * 8
+        """Bytes of one staging piece (the window is two), a multiple of 8."""
+        self.held = 0
+        """Bytes of the host copies held now."""
+
+    @property
+    def window(self) -> int:
+        """The staging window's bytes."""
+        return 2 * self.piece
+
+    def take(self, nbytes: int) -> bool:
+        """Whether a storage of ``nbytes`` is copied to host memory (then held until ``give``)
+        rather than written to disk."""
+        if self.held + nbytes > self.budget - self.window:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """A host copy of ``nbytes`` is let go."""
+        if nbytes > self.held:
+            raise RuntimeError(f"HostRoom.give: {nbytes} bytes let go, but only {self.held} are held")
+        self.held -= nbytes
