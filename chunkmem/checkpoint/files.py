@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError
 from .kept import keep_file
@@ -76,13 +77,7 @@ class _HashingWriter(io.RawIOBase):
 
 
 def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    return sum(leaf.nbytes for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor))
 
 
 def _write_into(obj: Any, path: Path) -> FileDigest:
@@ -144,8 +139,9 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
     def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         digest = _write_into(obj, workspace / "data")
-        keep_file(target, record.step)
-        manifest = record.manifest(file=target.name, digest=digest, previous=_current_manifest(target))
+        previous = _current_manifest(target)
+        keep_file(target, record.step, previous)
+        manifest = record.manifest(file=target.name, digest=digest, previous=previous)
         write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
         written.append(manifest)
         return [(workspace / "manifest", manifest_path(target)), (workspace / "data", target)]
