@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from ..errors import CheckpointCorruptedError, CheckpointMismatchError
 from .kept import keep_file
@@ -77,7 +76,13 @@ class _HashingWriter(io.RawIOBase):
 
 
 def _nbytes(obj: Any) -> int:
-    return sum(leaf.nbytes for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _write_into(obj: Any, path: Path) -> FileDigest:
