@@ -144,8 +144,9 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
 
     def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         digest = _write_into(obj, workspace / "data")
-        keep_file(target, record.step)
-        manifest = record.manifest(file=target.name, digest=digest, previous=_current_manifest(target))
+        previous = _current_manifest(target)
+        keep_file(target, record.step, previous)
+        manifest = record.manifest(file=target.name, digest=digest, previous=previous)
         write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
         written.append(manifest)
         return [(workspace / "manifest", manifest_path(target)), (workspace / "data", target)]

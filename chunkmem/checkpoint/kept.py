@@ -91,14 +91,11 @@ def _link_or_copy(source: Path, destination: Path) -> None:
         shutil.copy2(source, destination)
 
 
-def keep_file(target: Path, step: int) -> None:
-    """Before a save of ``step`` replaces the file ``target``: keep it, with its manifest, when it
-    holds another step."""
-    try:
-        current = read_manifest(target) if target.is_file() else None
-    except CheckpointError:
-        current = None  # a damaged manifest: its file would not load verified anyway
-    if current is None or current.step == step:
+def keep_file(target: Path, step: int, current: Manifest | None) -> None:
+    """Before a save of ``step`` replaces the file ``target`` (described by the manifest ``current``;
+    ``None`` when missing or damaged: its file would not load verified anyway): keep it, with its
+    manifest, when it holds another step."""
+    if current is None or current.step == step or not target.is_file():
         return
     directory = _fresh(target)
     _link_or_copy(manifest_path(target), directory / manifest_path(target).name)

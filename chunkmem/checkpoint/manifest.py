@@ -80,11 +80,6 @@ DCP_LAYOUT = "torch.distributed.checkpoint"
 # neither have nor write.
 _OWN_FIELDS = {_FILE: ("file", "digest"), DIRECTORY_FORMAT: ("layout", "files")}
 _OTHERS_FIELDS = {_FILE: frozenset({"layout", "files"}), DIRECTORY_FORMAT: frozenset({"file", "digest", "previous"})}
-_SAVE_WITH = {
-    "model": ("save_model", "load_model"),
-    "optimizer": ("save_optimizer", "load_optimizer"),
-    "lr_scheduler": ("save_lr_scheduler", "load_lr_scheduler"),
-}
 _READ_BLOCK = 1 << 20
 
 
@@ -140,20 +135,13 @@ class Manifest(BaseModel):
     a save renames its manifest into place first, then its file, so a reader in between (or after a
     kill in between) finds the previous file, described here."""
 
-    @field_validator("file")
+    @field_validator("file", "files")
     @classmethod
-    def _file_is_a_name(cls, name: str | None) -> str | None:
-        if name is not None and not plain_name(name):
-            raise ValueError(f"{name!r} is not a file name inside the checkpoint (no '/', '..' or absolute paths)")
-        return name
-
-    @field_validator("files")
-    @classmethod
-    def _names_inside(cls, files: dict[str, FileDigest] | None) -> dict[str, FileDigest] | None:
-        outside = [name for name in files or {} if not plain_name(name)]
+    def _names_inside(cls, names: str | dict[str, FileDigest] | None) -> str | dict[str, FileDigest] | None:
+        outside = [name for name in ([names] if isinstance(names, str) else names or {}) if not plain_name(name)]
         if outside:
-            raise ValueError(f"{outside[:3]} are not file names inside the directory (no '/', '..' or absolute paths)")
-        return files
+            raise ValueError(f"{outside[:3]} are not file names inside the checkpoint (no '/', '..' or absolute paths)")
+        return names
 
     @model_validator(mode="after")
     def _one_format(self) -> Manifest:
@@ -281,10 +269,9 @@ def a_kind(kind: Kind) -> str:
 def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
     """Refuse a checkpoint that another kind of save wrote."""
     if manifest.kind != kind:
-        save, load = _SAVE_WITH[manifest.kind]
         raise CheckpointMismatchError(
-            f"{target} holds {a_kind(manifest.kind)} state (written by {save}), not {a_kind(kind)} state; load it "
-            f"with {load}"
+            f"{target} holds {a_kind(manifest.kind)} state (written by save_{manifest.kind}), not {a_kind(kind)} "
+            f"state; load it with load_{manifest.kind}"
         )
 
 

@@ -138,9 +138,7 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
 
         def finish() -> None:
             assert workspace is not None, "rank 0 created the workspace"
-            files: dict[str, FileDigest] = {}
-            for digests in everyone:
-                files.update(digests)
+            files = {name: digest for digests in everyone for name, digest in digests.items()}
             try:
                 files[DCP_METADATA] = digest_of(shared / DCP_METADATA)
                 referenced = data_files(read_metadata(shared))
