@@ -150,6 +150,11 @@ class ActivationBlocks:
         if self._auto is not None:
             self._auto.begin_forward()
 
+    def end_forward(self) -> None:
+        """The model's forward returned (the auto blocks agree its calls over ranks, and may re-plan)."""
+        if self._auto is not None:
+            self._auto.end_forward()
+
     def counts(self, into: Stats) -> None:
         """Add the activation copies' counters to a snapshot of the model's ``Stats``."""
         self._transfers.settle()

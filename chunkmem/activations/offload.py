@@ -125,14 +125,6 @@ class ActivationOffload:
         verdict = self.count(call, tensor)
         if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
             return tensor
-        if call.agreed is not None and self._account is not None:
-            count, agreed = call.count, call.agreed
-            for what, actual, figure in (
-                ("saved", count.saved_bytes, agreed.saved),
-                ("kept small storages of", count.small_bytes, agreed.small),
-                ("copied", count.copied_bytes, agreed.copied),
-            ):
-                self._account.check(call.block, what, actual, figure)
         if verdict is Saved.SMALL:
             return tensor if self._account is None else self._account.keep(tensor, call)
         key = (tensor.untyped_storage()._cdata, tensor._version)

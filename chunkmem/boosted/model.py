@@ -164,7 +164,10 @@ class ChunkedModel(torch.nn.Module):
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
             with self._runtime.forward_context():
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            if self._activations is not None:  # every rank's forward returned: agreed over ranks
+                self._activations.end_forward()
+            return out
         finally:
             self._runtime.end_forward()
 
