@@ -11,6 +11,7 @@ from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig,
 from .factory import make_policy
 from .gradients import GradBuffer
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
+from .repeated_blocks import RepeatedBlocks
 from .residency import DeviceResidency, Held, NoRoomError, PlanObserver
 from .simulate import SimulationResult, simulate
 from .snapshot import (
@@ -62,6 +63,7 @@ __all__ = [
     "PlacementPolicy",
     "PlanObserver",
     "ReleaseSnapshot",
+    "RepeatedBlocks",
     "Residency",
     "ResidentChunk",
     "ResidentSet",

@@ -95,6 +95,7 @@ class ActivationBlocks:
         budget: DeviceBudget | None = None,
     ) -> None:
         self._stats = stats
+        self._config = config
         layer = comm.layer
         # The copies count apart from chunk traffic (``counts``).
         self._copies = Stats()
@@ -139,6 +140,11 @@ class ActivationBlocks:
     def _measured_copies(self) -> None:
         """Every copy's time is in the counters (the host waits for copies still running)."""
         self._transfers.settle(wait=True)
+
+    @property
+    def config(self) -> ActivationPlacement:
+        """The placement the blocks run under (a ``RepeatedBlocks()`` replaced by the class found)."""
+        return self._config
 
     @property
     def plan(self) -> ActivationPlan | None:
