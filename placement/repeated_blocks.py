@@ -4,7 +4,7 @@ without naming their class (``ActivationPlacement(auto=[RepeatedBlocks()])``).
 A config is data only; ``chunkmem.activations.detect`` finds the class when boosting (and when
 planning), the same way on every rank:
 
-* It looks at every ``nn.ModuleList`` and ``nn.Sequential`` of the model and at their direct
+* It looks at every ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict`` of the model and at their direct
   children that hold parameters, grouped by exact class.
 * A class with at least ``min_count`` such children (over all those containers) is repeated.
 * Of the repeated classes, the one whose children hold the most parameters is the block (the
@@ -30,8 +30,8 @@ class RepeatedBlocks(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     min_count: Annotated[int, Field(ge=1, strict=True)] = 2
-    """The least number of instances of one class, as children of the model's ``nn.ModuleList`` and
-    ``nn.Sequential`` containers, for the class to count as repeated (1: a model of one layer)."""
+    """The least number of instances of one class, as children of the model's ``nn.ModuleList``,
+    ``nn.Sequential`` and ``nn.ModuleDict`` containers, for the class to count as repeated (1: a model of one layer)."""
 
     def __str__(self) -> str:
         return f"RepeatedBlocks(min_count={self.min_count})"

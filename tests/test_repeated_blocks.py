@@ -73,7 +73,7 @@ def test_a_model_without_repeated_blocks_is_refused_naming_what_was_looked_at_an
     with pytest.raises(ValueError, match=r"Name the block class instead"):
         boost(Single(), adamw_two_groups, activations=ActivationPlacement(offload=[RepeatedBlocks()]))
     assert detect_repeated_block(Single(), RepeatedBlocks(min_count=1)).cls is Block
-    with pytest.raises(ValueError, match=r"holds no nn\.ModuleList"):
+    with pytest.raises(ValueError, match=r"holds no nn\.ModuleList, nn\.Sequential or nn\.ModuleDict"):
         detect_repeated_block(torch.nn.Linear(4, 4), RepeatedBlocks())
 
 

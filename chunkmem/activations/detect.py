@@ -16,7 +16,7 @@ from ..ranks.comm import Communicator
 
 __all__ = ["RepeatedBlock", "detect_repeated_block", "resolve_blocks"]
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,13 @@ def detect_repeated_block(model: torch.nn.Module, marker: RepeatedBlocks) -> Rep
                 held[type(child)] = held.get(type(child), 0) + numel
     repeated = [cls for cls in count if count[cls] >= marker.min_count]  # in module order
     if not repeated:
-        seen = ", ".join(looked) if looked else "none: the model holds no nn.ModuleList or nn.Sequential"
+        seen = ", ".join(looked) if looked else "none: the model holds no nn.ModuleList, nn.Sequential or nn.ModuleDict"
         counts = ", ".join(f"{cls.__name__} x{n}" for cls, n in count.items()) or "none"
         raise ValueError(
             f"ActivationPlacement: {marker} found no repeated block in {type(model).__name__}: no class has "
-            f"{marker.min_count} or more instances holding parameters among the children of its nn.ModuleList and "
-            f"nn.Sequential containers (looked at: {seen}; classes found there: {counts}). Name the block class "
-            "instead, e.g. ActivationPlacement(auto=['MyBlock']), or lower min_count."
+            f"{marker.min_count} or more instances holding parameters among the children of its nn.ModuleList, "
+            f"nn.Sequential and nn.ModuleDict containers (looked at: {seen}; classes found there: {counts}). Name the "
+            "block class instead, e.g. ActivationPlacement(auto=['MyBlock']), or lower min_count."
         )
     best = max(repeated, key=lambda cls: (held[cls], -count[cls]))  # max keeps the first of equals
     total = sum(p.numel() for p in model.parameters())
