@@ -337,7 +337,7 @@ def test_the_calls_kept_are_those_whose_other_way_costs_most_per_byte() -> None:
         "dear": ActivationChoice.KEEP,
         "big": ActivationChoice.RECOMPUTE,
     }
-    with pytest.raises(ValueError, match=rf"block big saved 2.00 MiB .*at least {MB + 2 * MB} "):
+    with pytest.raises(ValueError, match=rf"block big saves 2.00 MiB .*at least {MB + 2 * MB} "):
         choose_activations(measures, rates, budget=3 * MB - 1, model_bytes=MB)
 
 
