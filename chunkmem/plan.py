@@ -5,6 +5,7 @@
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
         --disk-bandwidth 3GB/s      # the auto policy spills to disk what 48 GiB of RAM cannot hold
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --activations offload=LlamaDecoderLayer
+    python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --activations auto=@repeated  # found
     python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --grad-accum 8   # 8 micro-batches a step
 
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
+from placement import ActivationPlacement, AutoPlacementConfig, RepeatedBlocks, StaticPlacementConfig
 from placement.config import Budget
 
 from .device import PLANNED_DEVICES, planned_precision
@@ -123,15 +124,20 @@ def _batch(text: str) -> tuple[int, int]:
 _HOWS = ("recompute", "offload", "auto")
 
 
-def _activations(text: str) -> tuple[str, tuple[str, ...]]:
+REPEATED = "@repeated"
+"""``--activations HOW=@repeated``: ``RepeatedBlocks()`` (the model's repeated layers, found without
+naming their class); no class name starts with ``@``."""
+
+
+def _activations(text: str) -> tuple[str, tuple[str | RepeatedBlocks, ...]]:
     how, _, classes = text.partition("=")
     names = tuple(c.strip() for c in classes.split(","))
     if how not in _HOWS or not all(names):
         raise argparse.ArgumentTypeError(
             f"--activations takes HOW=CLASS[,CLASS...] with HOW one of {', '.join(_HOWS)}, such as "
-            f"recompute=LlamaDecoderLayer; got {text!r}"
+            f"recompute=LlamaDecoderLayer, or HOW={REPEATED} (the model's repeated layers); got {text!r}"
         )
-    return how, names
+    return how, tuple(RepeatedBlocks() if name == REPEATED else name for name in names)
 
 
 def _at_least(minimum: int) -> Any:
@@ -251,7 +257,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="HOW=CLASS[,CLASS]",
         help="ActivationPlacement: recompute, offload or auto (placed under --device-budget) the saved activations of "
-        "these block classes, e.g. offload=GPT2Block; repeatable. The plan predicts each block call's saved bytes",
+        f"these block classes, e.g. offload=GPT2Block, or of the model's repeated layers ({REPEATED}, e.g. "
+        f"auto={REPEATED}: RepeatedBlocks()); repeatable. The plan predicts each block call's saved bytes",
     )
     parser.add_argument(
         "--activation-host-budget",
@@ -283,11 +290,11 @@ def _placement(args: argparse.Namespace) -> StaticPlacementConfig | AutoPlacemen
 
 
 def _activation_placement(
-    choices: list[tuple[str, tuple[str, ...]]], host_budget: int | None
+    choices: list[tuple[str, tuple[str | RepeatedBlocks, ...]]], host_budget: int | None
 ) -> ActivationPlacement | None:
     if not choices and host_budget is None:
         return None
-    fields: dict[str, Any] = {}
+    fields: dict[str, list[str | RepeatedBlocks]] = {}
     for how, names in choices:
         fields.setdefault(how, []).extend(names)
     return ActivationPlacement(**fields, host_budget=host_budget)

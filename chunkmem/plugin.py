@@ -26,7 +26,7 @@ from placement import (
     make_policy,
 )
 
-from .activations import ActivationBlocks, DeviceBudget
+from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
 from .boosted.model import ChunkedModel
@@ -314,7 +314,9 @@ class ChunkPlugin:
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
-        if self.activations is not None and self.activations.auto:
+        # RepeatedBlocks() becomes the class it finds (the same on every rank); the user's config stays as given.
+        placed = resolve_blocks(model, self.activations, comm)[0] if self.activations is not None else None
+        if placed is not None and placed.auto:
             if policy.budget is None:
                 raise ValueError(
                     "ActivationPlacement(auto=...) places saved activations under the device budget, but the "
@@ -341,14 +343,14 @@ class ChunkPlugin:
         activations = (
             ActivationBlocks(
                 model,
-                self.activations,
+                placed,
                 comm,
                 stats,
                 DeviceBudget(manager.ledger, runtime.transient_room, policy),
                 manager.ledger,
-                backing.activation_disk_dir(self.disk_dir, comm) if self.activations.host_budget is not None else None,
+                backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
             )
-            if self.activations is not None
+            if placed is not None
             else None
         )
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None

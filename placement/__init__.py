@@ -12,6 +12,7 @@ from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig,
 from .factory import make_policy
 from .gradients import GradBuffer
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
+from .repeated_blocks import RepeatedBlocks
 from .residency import DeviceResidency, Held, NoRoomError, PlanObserver
 from .simulate import SimulationResult, simulate
 from .snapshot import (
@@ -64,6 +65,7 @@ __all__ = [
     "PlacementPolicy",
     "PlanObserver",
     "ReleaseSnapshot",
+    "RepeatedBlocks",
     "Residency",
     "ResidentChunk",
     "ResidentSet",

@@ -140,10 +140,10 @@ def choose_activations(
         largest = max(measures, key=lambda m: m.saved_bytes)
         raise BudgetTooSmallError(
             f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data and the saved activations of one "
-            f"block: model data needs at least {format_bytes(model_bytes)} and block {largest.name} saved "
-            f"{format_bytes(largest.saved_bytes)} in the first step. A device_budget of at least {minimum} "
-            f"({format_bytes(minimum)}) would train with every block recomputed or offloaded; raise device_budget, "
-            "shorten the sequence or the micro-batch, or offload more model data to the host.",
+            f"block: model data needs at least {format_bytes(model_bytes)} and block {largest.name} saves "
+            f"{format_bytes(largest.saved_bytes)} (the most any rank's call saved). A device_budget of at least "
+            f"{minimum} ({format_bytes(minimum)}) would train with every block recomputed or offloaded; raise "
+            "device_budget, shorten the sequence or the micro-batch, or offload more model data to the host.",
             budget,
             minimum,
         )

@@ -4,8 +4,10 @@ beyond ``host_budget``, to the disk tier).
 
 A config is data only; ``chunkmem.activations`` carries it out. Blocks are named by class: the
 class's name (``"GPT2Block"``), its qualified name (``"transformers.models.gpt2.modeling_gpt2.GPT2Block"``)
-or the class itself (``GPT2Block``, which also matches its subclasses). A block of no named class
-is kept: autograd saves what it saves, as in plain PyTorch.
+or the class itself (``GPT2Block``, which also matches its subclasses), or found without naming it:
+``RepeatedBlocks()`` (the model's repeated layers; ``placement.repeated_blocks``), which boosting
+replaces by the class it finds (``resolved``). A block of no named class is kept: autograd saves
+what it saves, as in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 
 from .activation_host import MIN_HOST_BUDGET
 from .config import Budget
+from .repeated_blocks import RepeatedBlocks
 
 __all__ = ["ActivationPlacement", "BlockClass", "BlockPlacement", "block_class_name", "matches_block"]
 
-BlockClass = str | type
-"""A block class: its name, its qualified name, or the class."""
+BlockClass = str | type | RepeatedBlocks
+"""A block class: its name, its qualified name, the class, or ``RepeatedBlocks()`` (found when boosting)."""
 
 
 def _block_classes(value: Any, info: ValidationInfo) -> Any:
@@ -35,11 +38,11 @@ def _block_classes(value: Any, info: ValidationInfo) -> Any:
     for item in value:
         if isinstance(item, str) and item.strip() and item == item.strip():
             continue
-        if isinstance(item, type):
+        if isinstance(item, type | RepeatedBlocks):
             continue
         raise ValueError(
-            f"{field} holds {item!r}: give a block class's name (such as 'GPT2Block', no surrounding spaces) or "
-            "the class itself"
+            f"{field} holds {item!r}: give a block class's name (such as 'GPT2Block', no surrounding spaces), "
+            "the class itself, or RepeatedBlocks() (the model's repeated layers, found when boosting)"
         )
     return tuple(value)
 
@@ -49,12 +52,16 @@ Blocks = Annotated[tuple[BlockClass, ...], BeforeValidator(_block_classes)]
 
 def block_class_name(block: BlockClass) -> str:
     """How a block class is named in messages."""
-    return block if isinstance(block, str) else f"{block.__module__}.{block.__qualname__}"
+    if isinstance(block, str | RepeatedBlocks):
+        return str(block)
+    return f"{block.__module__}.{block.__qualname__}"
 
 
 def matches_block(block: BlockClass, module: object) -> bool:
     """Whether ``module`` is a block of ``block``: an instance of the class, or of a class of
-    that name or qualified name."""
+    that name or qualified name (``RepeatedBlocks()`` matches nothing until ``resolved``)."""
+    if isinstance(block, RepeatedBlocks):
+        return False
     if isinstance(block, type):
         return isinstance(module, block)
     cls = type(module)
@@ -133,6 +140,18 @@ class ActivationPlacement(BaseModel):
             if any(matches_block(b, module) for b in blocks):
                 return how
         return None
+
+    @property
+    def repeated(self) -> RepeatedBlocks | None:
+        """The ``RepeatedBlocks`` marker a field holds (``None``: every block is named)."""
+        blocks = (*self.recompute, *self.offload, *self.auto)
+        return next((b for b in blocks if isinstance(b, RepeatedBlocks)), None)
+
+    def resolved(self, block: type) -> ActivationPlacement:
+        """This placement with ``block`` (the class found) in the place of ``RepeatedBlocks()``."""
+        fields = ("recompute", "offload", "auto")
+        changed = {f: tuple(block if isinstance(b, RepeatedBlocks) else b for b in getattr(self, f)) for f in fields}
+        return type(self)(**{**dict(self), **changed})
 
     @model_validator(mode="after")
     def _one_choice_per_class(self) -> ActivationPlacement:

@@ -195,7 +195,7 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
 
 
 @pytest.mark.slow  # the fast tier's case: with room, everything kept
-def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget() -> None:
+def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget_and_re_planned() -> None:
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept
     chunked, optimizer, booster = _boosted(budget)
     for x in _data()[:2]:
@@ -203,8 +203,12 @@ def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the
         optimizer.step()
         optimizer.zero_grad()
     assert set(chunked.activation_plan.choices) == {ActivationChoice.KEEP}
-    with pytest.raises(BudgetExceededError, match=r"a step that saves more .* than the first does not fit"):
-        _loss(chunked, torch.cat(_data()[:2]))  # twice the rows: every kept call saves twice the bytes
+    longer = torch.cat(_data()[:2])  # twice the rows: every kept call saves twice the bytes
+    with pytest.raises(BudgetExceededError, match=r"a step saved more than the plan's figures .* This step is refused"):
+        _loss(chunked, longer)
+    assert chunked.stats().peak_device_bytes <= budget
+    assert chunked.activation_plan.saved_bytes == (2 * PER_BLOCK,) * BLOCKS  # planned again for the new figures
+    booster.backward(_loss(chunked, longer), optimizer)  # the step of this shape runs under the new plan
     assert chunked.stats().peak_device_bytes <= budget
 
 
@@ -333,7 +337,7 @@ def test_the_calls_kept_are_those_whose_other_way_costs_most_per_byte() -> None:
         "dear": ActivationChoice.KEEP,
         "big": ActivationChoice.RECOMPUTE,
     }
-    with pytest.raises(ValueError, match=rf"block big saved 2.00 MiB .*at least {MB + 2 * MB} "):
+    with pytest.raises(ValueError, match=rf"block big saves 2.00 MiB .*at least {MB + 2 * MB} "):
         choose_activations(measures, rates, budget=3 * MB - 1, model_bytes=MB)
 
 

@@ -7,7 +7,19 @@ At the next training forward, once every measured call's backward ran (or its gr
 every rank (agreed: a rank that still holds a measured graph delays the choice on all), the times and
 rates are agreed too and ``placement.choose_activations`` decides each call's placement from then
 on; the policy keeps the plan's reserve free of model data. Calls are numbered within each forward of the
-model: the ``i``-th call of a forward is placed as the ``i``-th measured call was chosen."""
+model: the ``i``-th call of a forward is placed as the ``i``-th measured call was chosen.
+
+At the end of every training forward the ranks agree (one small all-gather) how many auto calls
+it made and which ranks' calls saved more than their figures (a later step with a longer sequence
+or a larger micro-batch than any rank's first). Differing counts raise the same error on every
+rank. An overrun is **re-planned** on every rank alike: the figures become the largest over ranks
+of the calls' own (a second collective, only then), the plan is chosen again from them (forward
+and offload times scaled by each call's growth in bytes, an estimate), and the forward's kept and
+offloaded calls hold their new figures from then on. Where no plan fits the budget, every rank
+raises the same ``BudgetTooSmallError`` naming the call, its bytes, the budget and the minimum.
+Between the overrun and the forward's end, the overrunning rank holds more on the device than the
+ledger accounts (the pack hooks do not raise: one rank's error would leave the others waiting in
+their next collective)."""
 
 from __future__ import annotations
 
@@ -20,8 +32,9 @@ import torch.distributed as dist
 
 import placement as placement_pkg
 from placement import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, PlacementPolicy, choose_activations
+from placement.policy import format_bytes
 
-from ..errors import BudgetTooSmallError
+from ..errors import BudgetExceededError, BudgetTooSmallError, TraceDivergenceError
 from ..ranks.comm import Communicator
 from ..usage.stats import Stats
 from .counting import Saved
@@ -60,6 +73,9 @@ class AutoBlocks:
         self._agreed: list[CallBytes] = []  # per call index: its bytes, the maximum over ranks
         self._offload_times: list[list[float]] = []  # per call index: the offload's host seconds
         self._plan: ActivationPlan | None = None
+        self._first_saved: list[int] = []  # per call index: its saved bytes when the first plan was chosen
+        # This training forward's kept and offloaded calls (``None``: no training forward runs).
+        self._placed: list[tuple[int, ActivationChoice, BlockCall]] | None = None
 
     @property
     def plan(self) -> ActivationPlan | None:
@@ -70,12 +86,37 @@ class AutoBlocks:
         """The model's forward starts: calls are numbered from 0 again; a training forward after
         the measured step decides the plan once no rank waits for a measured call's backward."""
         self._index = 0
+        self._placed = [] if torch.is_grad_enabled() else None
         if self._plan is None and self._measures and torch.is_grad_enabled():
             comm = self._comm
             done = torch.tensor([0 if self._offload.waiting() else 1], dtype=torch.int64, device=comm.tensor_device)
             comm.all_reduce(done, dist.ReduceOp.MIN)
             if int(done.item()):
                 self._decide()
+
+    def end_forward(self) -> None:
+        """The model's training forward returned: the ranks agree its number of auto calls and
+        whether a call saved more than its figures (then every rank re-plans); see the module
+        docstring."""
+        placed, self._placed = self._placed, None
+        if placed is None:
+            return
+        comm = self._comm
+        overran = sum(1 for index, choice, call in placed if _exceeds(_own(call), self._agreed[index], choice))
+        mine = torch.tensor([self._index, overran], dtype=torch.int64, device=comm.tensor_device)
+        everyone = [[int(v) for v in t.tolist()] for t in comm.all_gather_tensors(mine)]
+        counts = [count for count, _ in everyone]
+        if len(set(counts)) > 1:
+            each = ", ".join(f"{count} on rank {rank}" for rank, count in enumerate(counts))
+            raise TraceDivergenceError(
+                f"the ranks called the ActivationPlacement(auto=...) blocks a different number of times in one "
+                f"training forward ({each}): each call is placed by its position in the forward, so every rank must "
+                "make the same calls. Keep rank-dependent branches and torch.no_grad() regions out of the model's "
+                "forward, or name the block class in recompute or offload instead of auto."
+            )
+        overrunning = [rank for rank, (_, count) in enumerate(everyone) if count]
+        if overrunning:
+            self._replan(placed, overrunning)
 
     def run(self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One call of an auto block whose saved tensors autograd records."""
@@ -93,6 +134,7 @@ class AutoBlocks:
             hold.take(agreed.saved, f"block {name} (its saved tensors, on their way to the host)")
             call.drained = agreed.saved - agreed.small
             call.fetch_bytes = agreed.copied
+            self._note(index, choice, call)
             out = self._offloaded(call, forward, *args, **kwargs)
             self._account.kept_total += call.count.small_bytes
             return out
@@ -111,19 +153,72 @@ class AutoBlocks:
         last tensor it saved (each handle keeps the call, and so its hold, alive)."""
         account = self._account
         call, hold = self._call(name, module)
-        agreed = self._agreed[index].saved
-        hold.take(agreed, f"block {name} (its saved tensors, kept)")
+        hold.take(self._agreed[index].saved, f"block {name} (its saved tensors, kept)")
+        self._note(index, ActivationChoice.KEEP, call)
 
         def pack(tensor: torch.Tensor) -> Any:
             if self._offload.count(call, tensor) is Saved.MODEL:
                 return tensor
-            account.check(name, "saved", call.count.saved_bytes, agreed)
             return account.keep(tensor, call)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, account.unpack):
             out = forward(*args, **kwargs)
         account.kept_total += call.count.saved_bytes
         return out
+
+    def _note(self, index: int, choice: ActivationChoice, call: BlockCall) -> None:
+        """A kept or offloaded call of this training forward, checked against its figures at its end."""
+        if self._placed is not None:
+            self._placed.append((index, choice, call))
+
+    def _replan(self, placed: list[tuple[int, ActivationChoice, BlockCall]], overrunning: list[int]) -> None:
+        """Some rank's calls saved more than their figures: agree the new figures (the largest over
+        ranks), choose the plan again, and let this forward's calls hold their new figures."""
+        n = len(self._agreed)
+        own = [0] * (3 * n)
+        for index, _, call in placed:
+            own[3 * index : 3 * index + 3] = _own(call)
+        figures = torch.tensor(own, dtype=torch.int64, device=self._comm.tensor_device)
+        self._comm.all_reduce(figures, dist.ReduceOp.MAX)
+        values = [int(v) for v in figures.tolist()]
+        before = list(self._agreed)
+        self._agreed = [old.most(CallBytes(*values[3 * i : 3 * i + 3])) for i, old in enumerate(before)]
+        grown = max(range(n), key=lambda i: self._agreed[i].saved - before[i].saved)
+        overrun = (
+            f"ActivationPlacement(auto=...): a step saved more than the plan's figures on ranks {overrunning} (call "
+            f"{grown} of the forward, block {self._measures[grown].name}: {format_bytes(self._agreed[grown].saved)} "
+            f"saved, where the plan was made for {format_bytes(before[grown].saved)})"
+        )
+        try:
+            self._decide()
+        except BudgetTooSmallError as error:
+            raise BudgetTooSmallError(
+                f"{overrun}, and no plan for the new figures fits. {error} Run with a device_budget for the largest "
+                "shape, or cap the sequence length.",
+                error.budget,
+                error.minimum,
+            ) from None
+        extra = 0
+        try:
+            for index, choice, call in placed:
+                old, new = before[index], self._agreed[index]
+                hold = call.hold
+                assert hold is not None, "an auto call has a hold"
+                if choice is ActivationChoice.KEEP:
+                    extra += new.saved - old.saved
+                    hold.take(new.saved - old.saved, f"block {call.block} (its saved tensors, kept, re-planned)")
+                else:  # offloaded: its fetch (in the backward, to come) takes the new copied bytes
+                    extra += new.small - old.small
+                    hold.take(new.small - old.small, f"block {call.block} (small saved tensors it keeps, re-planned)")
+                    call.agreed, call.fetch_bytes = new, new.copied
+        except BudgetExceededError as error:
+            raise BudgetExceededError(
+                f"{overrun}: the calls of this step the old plan kept on the device hold at least "
+                f"{format_bytes(extra)} more than it accounted, which device_budget={self._policy.budget} cannot hold "
+                "even after releasing every idle chunk. This step is refused; the plan is made again for the new "
+                "figures (model.activation_plan): the next step of this shape runs under it. Or raise device_budget.",
+                error.minimum,
+            ) from None
 
     def _offloaded(self, call: BlockCall, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -180,9 +275,13 @@ class AutoBlocks:
         times = torch.tensor(seconds + hooks + per_byte, dtype=torch.float64, device=comm.tensor_device)
         comm.all_reduce(times, dist.ReduceOp.MAX)
         agreed = times.tolist()
+        if not self._first_saved:
+            self._first_saved = [b.saved for b in self._agreed]
+        # A re-plan's calls save more than when their times were measured: their times grow alike.
+        growth = [b.saved / first if first else 1.0 for b, first in zip(self._agreed, self._first_saved, strict=True)]
         measures = [
-            BlockMeasure(m.name, b.saved, float(t), float(h))
-            for m, b, t, h in zip(self._measures, self._agreed, agreed[:n], agreed[n : 2 * n], strict=True)
+            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g)
+            for m, b, t, h, g in zip(self._measures, self._agreed, agreed[:n], agreed[n : 2 * n], growth, strict=True)
         ]
         to_host, to_device = agreed[2 * n :]
         if not to_device:  # no backward ran in the measured step: take the other direction's rate
@@ -200,3 +299,17 @@ class AutoBlocks:
             raise BudgetTooSmallError.from_placement(error) from None
         self._policy.reserve_for_activations(plan.reserve)
         self._plan = plan
+
+
+def _own(call: BlockCall) -> CallBytes:
+    """A call's own figures (this rank's)."""
+    count = call.count
+    return CallBytes(count.saved_bytes, count.small_bytes, count.copied_bytes)
+
+
+def _exceeds(own: CallBytes, agreed: CallBytes, choice: ActivationChoice) -> bool:
+    """Whether a call's own bytes exceed the figures it is accounted by (a kept call holds its
+    saved bytes only)."""
+    if choice is ActivationChoice.KEEP:
+        return own.saved > agreed.saved
+    return any(a > b for a, b in zip(own, agreed, strict=True))

@@ -101,6 +101,7 @@ class ActivationBlocks:
         """``ledger``: the model's, where a ``host_budget``'s bytes are accounted; ``disk_dir``:
         where what exceeds it goes (checked by the plugin's backing)."""
         self._stats = stats
+        self._config = config
         layer = comm.layer
         # The copies count apart from chunk traffic (``counts``).
         self._copies = Stats()
@@ -153,6 +154,11 @@ class ActivationBlocks:
         self._transfers.settle(wait=True)
 
     @property
+    def config(self) -> ActivationPlacement:
+        """The placement the blocks run under (a ``RepeatedBlocks()`` replaced by the class found)."""
+        return self._config
+
+    @property
     def plan(self) -> ActivationPlan | None:
         """The auto blocks' plan (``None`` without auto blocks, or before the first step ended)."""
         return self._auto.plan if self._auto is not None else None
@@ -161,6 +167,11 @@ class ActivationBlocks:
         """The model's forward starts (the auto blocks number their calls, and may decide)."""
         if self._auto is not None:
             self._auto.begin_forward()
+
+    def end_forward(self) -> None:
+        """The model's forward returned (the auto blocks agree its calls over ranks, and may re-plan)."""
+        if self._auto is not None:
+            self._auto.end_forward()
 
     def counts(self, into: Stats) -> None:
         """Add the activation copies' counters to a snapshot of the model's ``Stats``."""

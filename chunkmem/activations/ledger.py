@@ -6,9 +6,9 @@ read it, and their collectives must stay in step), so the ledger holds **rank-ag
 call**, never a rank's own bytes: ranks may save different bytes (dynamic padding: one rank's
 sequence is shorter). The figures are those the first step measured, the largest over ranks, for
 each call of a forward (``CallBytes``): the bytes the call saves, those of them an offload leaves
-on the device (small storages), and those it copies. A rank's own bytes are only checked against
-them: a call that saves more than its figure (a longer sequence than the first step's) raises on
-that rank.
+on the device (small storages), and those it copies. A rank's own bytes are only compared with
+them at the end of each training forward, by every rank together (``auto``): a call that saved
+more than its figure (a longer sequence than the first step's) makes every rank re-plan.
 
 What a call holds (``CallHold``), and when:
 
@@ -138,16 +138,6 @@ class DeviceActivations:
 
     def hold(self) -> CallHold:
         return CallHold(self)
-
-    def check(self, block: str, what: str, actual: int, agreed: int) -> None:
-        """Refuse a call whose own bytes (``actual``) exceed the figure it is accounted by."""
-        if actual > agreed:
-            raise BudgetExceededError(
-                f"rank {self._rank}: block {block} {what} {format_bytes(actual)}, more than the "
-                f"{format_bytes(agreed)} its plan accounts (the most any rank's call saved in the first step): a step "
-                "that saves more (a longer sequence, a larger micro-batch) than the first does not fit. Run the "
-                "largest shape first, or raise device_budget."
-            )
 
     def keep(self, tensor: torch.Tensor, owner: object) -> _Kept:
         """The handle autograd keeps for a saved tensor that stays on the device; ``owner`` (the

@@ -141,14 +141,6 @@ class ActivationOffload:
             return tensor
         if call.failure is not None:  # the call raises at its end, on every rank
             return tensor
-        if call.agreed is not None and self._account is not None:
-            count, agreed = call.count, call.agreed
-            for what, actual, figure in (
-                ("saved", count.saved_bytes, agreed.saved),
-                ("kept small storages of", count.small_bytes, agreed.small),
-                ("copied", count.copied_bytes, agreed.copied),
-            ):
-                self._account.check(call.block, what, actual, figure)
         if verdict is Saved.SMALL:
             return tensor if self._account is None else self._account.keep(tensor, call)
         key = (tensor.untyped_storage()._cdata, tensor._version)

@@ -28,7 +28,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
-from placement import ActivationPlan
+from placement import ActivationPlacement, ActivationPlan
 
 from ..activations import ActivationBlocks
 from ..chunks.chunk import Chunk
@@ -164,7 +164,10 @@ class ChunkedModel(torch.nn.Module):
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
             with self._runtime.forward_context():
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            if self._activations is not None:  # every rank's forward returned: agreed over ranks
+                self._activations.end_forward()
+            return out
         finally:
             self._runtime.end_forward()
 
@@ -187,6 +190,12 @@ class ChunkedModel(torch.nn.Module):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: see ``_compile_refused``."""
         raise _compile_refused()
+
+    @property
+    def activation_placement(self) -> ActivationPlacement | None:
+        """The ``ActivationPlacement`` the blocks run under: the plugin's, with the class a
+        ``RepeatedBlocks()`` found in its place (``None`` without one)."""
+        return self._activations.config if self._activations is not None else None
 
     @property
     def activation_plan(self) -> ActivationPlan | None:

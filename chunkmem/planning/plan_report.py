@@ -120,6 +120,9 @@ class Plan:
     activation_calls: tuple[BlockForecast, ...] = ()
     """Each call of the blocks ``ActivationPlacement`` names in one forward (one micro-batch), in
     forward order: how it is placed and the bytes autograd saves in it (``chunkmem.activations.forecast``)."""
+    repeated_block: str | None = None
+    """The block class ``RepeatedBlocks()`` found (its instances and share of the parameters), which
+    ``activation_calls`` are the calls of; ``None`` when every block is named."""
     activation_min_device_budget: int | None = None
     """With ``auto`` blocks, the smallest ``device_budget`` their plan accepts at this budget's layout:
     what the placement of model data needs plus the largest ``auto`` call's saved bytes (below it a run
@@ -280,6 +283,8 @@ class Plan:
         """Per named block call, its placement and saved bytes; the static placements' per-step
         figures; the ``auto`` minimum."""
         rows = []
+        if self.repeated_block is not None:
+            rows.append(("repeated block (RepeatedBlocks)", self.repeated_block))
         for group in _runs(self.activation_calls):
             first, n = group[0], len(group)
             name = f"block {first.name}" if n == 1 else f"blocks {first.name} .. {group[-1].name} ({n} calls)"

@@ -42,6 +42,7 @@ from placement.activation_plan import activation_minimum
 from placement.activations import BlockPlacement
 from placement.policy import format_bytes
 
+from ..activations.detect import RepeatedBlock, resolve_blocks
 from ..activations.forecast import BlockForecast, forecast
 from ..boosted.model import ChunkedModel
 from ..chunks.param_values import LiveValues, ParamValues
@@ -324,14 +325,15 @@ def _minimum_budget(
 
 def _activation_calls(
     model: torch.nn.Module, plugin: ChunkPlugin, inputs: Mapping[str, Any]
-) -> tuple[BlockForecast, ...]:
+) -> tuple[tuple[BlockForecast, ...], RepeatedBlock | None]:
     """The named blocks' calls in one forward of a meta copy of ``model`` in the compute dtype (the
-    dtype its parameters have when a run computes)."""
+    dtype its parameters have when a run computes), and the class a ``RepeatedBlocks()`` found."""
     if plugin.activations is None:
-        return ()
+        return (), None
     local = copy.deepcopy(model).to(plugin.compute_dtype)
+    config, found = resolve_blocks(local, plugin.activations)
     with torch.enable_grad():
-        return forecast(local, plugin.activations, lambda: local(**inputs))
+        return forecast(local, config, lambda: local(**inputs)), found
 
 
 def _auto_minimum(calls: tuple[BlockForecast, ...], model_need: int) -> int | None:
@@ -421,7 +423,7 @@ def plan(
             f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
             f"{format_bytes(capacity)} device capacity"
         )
-    calls = _activation_calls(model, plugin, inputs)
+    calls, repeated = _activation_calls(model, plugin, inputs)
     model_need = policy.placement_need().minimum
     auto_minimum = _auto_minimum(calls, model_need)
     if not why_not and auto_minimum is not None and budget is not None and budget < auto_minimum:
@@ -460,6 +462,7 @@ def plan(
         disk_bandwidth=disk_bandwidth,
         steps=tuple(counters),
         activation_calls=calls,
+        repeated_block=repeated.describe() if repeated is not None else None,
         activation_min_device_budget=auto_minimum,
         model_need_bytes=model_need,
     )
