@@ -165,6 +165,11 @@ class DeviceResidency:
         """The chunk's unreduced gradients were moved to the host (a new buffer starts from them)."""
         return self._grads.on_host(chunk_id)
 
+    def grads_reduced(self, chunk_id: int) -> bool:
+        """The chunk's gradient shard holds reduced gradients (since the last ``zero_grads``): a
+        buffer's reduction adds to them, and the optimizer steps on them."""
+        return self._grads.reduced(chunk_id)
+
     def gather_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gathered buffer allocates (0 when a resident shard serves)."""
         return self._gather_bytes[chunk_id]

@@ -98,12 +98,13 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     mean = (flat_padded(g0, capacity) + flat_padded(g1, capacity)) / 2
     torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
     out["grad_shard"] = chunk.grad_shard.tolist()
-    # A second backward before zero_grad: its reduced mean adds to the shard.
+    # A second backward before zero_grad: its reduced mean adds to the shard (the device residency
+    # says it holds reduced gradients).
     h0, h1 = grads_for(10), grads_for(11)
-    chunk.prepare_grad()
+    chunk.prepare_grad(onto_reduced=True)
     for info, g in zip(infos, (h0, h1)[rank], strict=True):
         backward_grad(chunk, info, g)
-    chunk.reduce_grad()
+    chunk.reduce_grad(onto_reduced=True)
     mean2 = (flat_padded(h0, capacity) + flat_padded(h1, capacity)) / 2
     torch.testing.assert_close(chunk.grad_shard, mean[begin:end] + mean2[begin:end])
     chunk.zero_grad()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from distributed import run_ranks
 from models import adamw_two_groups, batches, boost, enable_checkpointing, gpt2, lm_loss
-from policy_helpers import F, catalog, static, trace_of
+from policy_helpers import B, F, catalog, static, trace_of
 
 from placement import (
     Action,
@@ -172,3 +172,36 @@ def test_an_evicted_chunk_is_awaited_and_gathered_again_within_the_budget() -> N
         (Verb.RELEASE, 1),
     ]
     assert residency.buffer_bytes == 0 and residency.device_bytes == resting
+
+
+def test_the_residency_alone_knows_which_gradient_shards_hold_reduced_gradients() -> None:
+    """Whether a chunk's shard holds reduced gradients (so a later buffer's reduction adds to it,
+    and the optimizer steps on it) has one owner, the residency's gradient side; a chunk holds
+    tensors and is told (``prepare_grad``/``start_reduce`` take ``onto_reduced``), with no state of
+    its own to keep equal."""
+    import chunkmem
+    from chunkmem.chunks.chunk_grads import ChunkGrads
+
+    assert not hasattr(chunkmem, "GradState") and not hasattr(chunkmem.Chunk, "grad_state")
+    assert not hasattr(ChunkGrads, "state")
+    trace = trace_of([(F, (0, 1)), (B, (0,))])
+    with_grads = catalog(3, grad=500)
+    policy = static(None)
+    policy.layout(with_grads, [WorkingSet(s.label, (s.chunk_id,)) for s in with_grads])
+    residency = DeviceResidency(policy, with_grads, world_size=2, base_bytes=lambda: 0)
+
+    def backward() -> list[tuple[Verb, int]]:
+        residency.begin_iteration()
+        done = [*residency.before_op(0, F, (0, 1), trace), *residency.after_op(0, F, (0, 1), False, trace)]
+        done += [*residency.before_op(1, B, (0,), trace), *residency.after_op(1, B, (0,), True, trace)]
+        done += residency.end_backward()
+        return [(a.verb, a.chunk) for a in done if a.verb not in (Verb.GATHER, Verb.RELEASE)]
+
+    assert not any(residency.grads_reduced(c) for c in range(3))
+    assert backward() == [(Verb.ALLOCATE_GRAD, 0), (Verb.START_REDUCE, 0), (Verb.FINISH_REDUCE, 0)]
+    assert [residency.grads_reduced(c) for c in range(3)] == [True, False, False]
+    # A second backward without zero_grad: the new buffer's reduction adds to the reduced shard.
+    assert backward() == [(Verb.ALLOCATE_GRAD, 0), (Verb.START_REDUCE, 0), (Verb.FINISH_REDUCE, 0)]
+    assert residency.grads_reduced(0)
+    assert [(a.verb, a.chunk) for a in residency.zero_grads()] == [(Verb.ZERO_GRAD, c) for c in range(3)]
+    assert not any(residency.grads_reduced(c) for c in range(3))

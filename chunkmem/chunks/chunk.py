@@ -7,7 +7,9 @@ A chunk is three concerns, each its own class, tied together here:
 * :class:`~chunkmem.chunks.chunk_residency.ChunkResidency`: whether the full buffer is on the device
   (``ChunkState``, with its transition table);
 * :class:`~chunkmem.chunks.chunk_grads.ChunkGrads`: the flat gradient buffer and its reduction
-  (``GradState``, with its transition table);
+  (what it is doing is the device residency's to know, ``placement.GradientBuffers``: the chunk
+  holds the tensors, and is told what a verb needs, such as whether its shard holds reduced
+  gradients);
 
 plus the per-parameter states (``TensorState``) that say when a chunk may be released (no op uses
 it). When its gradients are complete is the placement's rule (``placement.DeviceResidency``), read
@@ -25,7 +27,7 @@ from ..ranks.comm import Communicator, PendingGather
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.stats import Stats
-from .chunk_grads import ChunkGrads, GradState
+from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkLayout, ShardPiece
 from .chunk_residency import ChunkResidency, ChunkState
 from .param_values import LiveValues, ParamValues
@@ -35,7 +37,7 @@ from .tensor_state import TensorInfo, TensorState
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState", "GradState"]
+__all__ = ["Chunk", "ChunkState"]
 
 
 class Chunk:
@@ -79,7 +81,7 @@ class Chunk:
         return self.layout.trainable
 
     def __repr__(self) -> str:
-        return f"Chunk({self.chunk_id}, rank {self._comm.rank}, {self.state.value}, grad {self.grad_state.value})"
+        return f"Chunk({self.chunk_id}, rank {self._comm.rank}, {self.state.value})"
 
     def _where(self) -> str:
         return f"chunk {self.chunk_id} (rank {self._comm.rank}, state {self.state.value})"
@@ -87,10 +89,6 @@ class Chunk:
     @property
     def state(self) -> ChunkState:
         return self._residency.state
-
-    @property
-    def grad_state(self) -> GradState:
-        return self._grads.state
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -205,7 +203,7 @@ class Chunk:
     def move_master(self, location: Location) -> None:
         """Move the master shard (with its gradient shard) between the device and the host."""
         self._residency.require("move its master shard")
-        if self._grads.accepting or self._grads.reducing:
+        if self._grads.holds_buffer:
             raise RuntimeError(f"{self._where()}: cannot move its master while gradients accumulate; reduce first")
         self._residency.forget_resident_views("move its master shard")
         self.store.move_master(location)
@@ -247,10 +245,11 @@ class Chunk:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return self._grads.buffer_bytes
 
-    def prepare_grad(self, from_host: bool = False) -> None:
+    def prepare_grad(self, from_host: bool = False, onto_reduced: bool = False) -> None:
         """Make the flat fp32 gradient buffer ready to receive gradients; ``from_host``: it starts
-        from the gradients an earlier buffer moved to the host (the residency knows which)."""
-        self._grads.prepare(from_host)
+        from the gradients an earlier buffer moved to the host; ``onto_reduced``: the gradient
+        shard holds reduced gradients (the residency knows both)."""
+        self._grads.prepare(from_host, onto_reduced)
 
     def accumulate_grad(self, info: TensorInfo, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its slice of the flat buffer and mark it ready."""
@@ -262,9 +261,10 @@ class Chunk:
         yet); the chunk's next buffer starts from it."""
         self._grads.spill()
 
-    def start_reduce(self) -> None:
-        """Start reducing the buffer over ranks (asynchronously); parameters go back to HOLD."""
-        self._grads.start_reduce()
+    def start_reduce(self, onto_reduced: bool = False) -> None:
+        """Start reducing the buffer over ranks (asynchronously), added to the reduced gradients in
+        the shard where ``onto_reduced``; parameters go back to HOLD."""
+        self._grads.start_reduce(onto_reduced)
         for info in self.layout.tensors:
             if info.state is not TensorState.COMPUTE and info.state is not TensorState.HOLD:
                 self._set_state(info, TensorState.HOLD)
@@ -273,10 +273,10 @@ class Chunk:
         """Wait for the reduction and move the result into the fp32 gradient shard."""
         self._grads.finish_reduce()
 
-    def reduce_grad(self) -> None:
+    def reduce_grad(self, onto_reduced: bool = False) -> None:
         """Reduce the buffer over ranks (mean) into the fp32 gradient shard where the master lives
-        (added to what an earlier reduction left there), then free the buffer."""
-        self.start_reduce()
+        (added to what an earlier reduction left there where ``onto_reduced``), then free the buffer."""
+        self.start_reduce(onto_reduced)
         self.finish_reduce()
 
     @property
