@@ -8,7 +8,7 @@ parameter-op hooks (``hooks``).
 from . import checkpoint
 from .boosted.model import ChunkedModel
 from .booster import Booster
-from .chunks.chunk import Chunk, ChunkState
+from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
 from .chunks.search import ChunkSizeSearch, search_chunk_size
 from .chunks.tensor_state import TensorInfo, TensorState
@@ -60,7 +60,6 @@ __all__ = [
     "ChunkPlugin",
     "ChunkRuntime",
     "ChunkSizeSearch",
-    "ChunkState",
     "ChunkedModel",
     "ChunkmemError",
     "CollectiveMismatchError",

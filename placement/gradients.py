@@ -123,7 +123,10 @@ class GradientBuffers:
         if self._state[chunk_id] is GradBuffer.REDUCING:
             yield from self.finish(chunk_id)
         self._require(
-            self._state[chunk_id] is GradBuffer.NONE, chunk_id, "allocate a gradient buffer for", "it has one"
+            self._state[chunk_id] is GradBuffer.NONE,
+            chunk_id,
+            "allocate a gradient buffer for",
+            "it has one; reduce it or drop it (zero_grads) first",
         )
         self._state[chunk_id] = GradBuffer.ACCEPTING
         self._accepting[chunk_id] = None
@@ -133,7 +136,12 @@ class GradientBuffers:
         yield Action(Verb.ALLOCATE_GRAD, chunk_id)
 
     def start(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
-        self._require(self._state[chunk_id] is GradBuffer.ACCEPTING, chunk_id, "reduce", "it has no gradient buffer")
+        self._require(
+            self._state[chunk_id] is GradBuffer.ACCEPTING,
+            chunk_id,
+            "reduce",
+            "it has no gradient buffer; a gradient allocates one first",
+        )
         self._state[chunk_id] = GradBuffer.REDUCING
         del self._accepting[chunk_id]
         self._reducing[chunk_id] = None
@@ -143,7 +151,12 @@ class GradientBuffers:
 
     def finish(self, chunk_id: int) -> Iterator[Action]:
         """Wait for the chunk's reduction and free its buffer."""
-        self._require(self._state[chunk_id] is GradBuffer.REDUCING, chunk_id, "finish reducing", "none is in flight")
+        self._require(
+            self._state[chunk_id] is GradBuffer.REDUCING,
+            chunk_id,
+            "finish reducing",
+            "none is in flight; start its reduction first",
+        )
         self._state[chunk_id] = GradBuffer.NONE
         del self._reducing[chunk_id]
         self._reduced.add(chunk_id)

@@ -123,23 +123,37 @@ def test_at_two_ranks_every_rank_and_the_replay_take_the_same_actions(name: str)
 # --- the verbs' preconditions ----------------------------------------------------------------------
 
 
-def _residency(n: int = 3) -> DeviceResidency:
+def _residency(n: int = 3, rank: int | None = None) -> DeviceResidency:
     specs = catalog(n)
     policy = static(None)
     policy.layout(specs, [WorkingSet(s.label, (s.chunk_id,)) for s in specs])
-    return DeviceResidency(policy, specs, world_size=2, base_bytes=lambda: 0)
+    return DeviceResidency(policy, specs, world_size=2, base_bytes=lambda: 0, rank=rank)
 
 
-def test_the_verbs_say_what_is_wrong_and_name_the_chunk() -> None:
-    residency = _residency()
+def test_the_verbs_say_what_is_wrong_and_name_the_chunk_and_the_rank() -> None:
+    """The residency is the one record of what is on the device (a chunk keeps no state of its
+    own: ``ChunkState`` is gone), so its refusals name the chunk, the rank and what to do."""
+    import chunkmem
+    from chunkmem.chunks.chunk_residency import ChunkResidency
+
+    assert not hasattr(chunkmem, "ChunkState") and not hasattr(chunkmem.Chunk, "state")
+    assert not hasattr(ChunkResidency, "state")
+    residency = _residency(rank=1)
     trace = trace_of([(F, (0,)), (F, (1,))])
     assert [a.verb for a in residency.before_op(0, F, (0,), trace)] == [Verb.GATHER]
     assert residency.buffer_bytes == 1000 and residency.is_gathered(0)
-    with pytest.raises(RuntimeError, match=r"cannot let go of chunk 1 \('block1'; buffer released.*no op holds it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"DeviceResidency \(rank 1\): cannot let go of chunk 1 \('block1'; buffer released.*no op holds it; "
+        "every after_op follows the before_op",
+    ):
         list(residency.after_op(1, F, (1,), False, trace))
     assert list(residency.release_idle()) == []  # an op still holds chunk 0
     # The residency alone counts the ops holding a chunk (a chunk keeps no second count).
-    with pytest.raises(RuntimeError, match=r"cannot drop chunk 0 \('block0'; buffer gathered.*an op still uses it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"\(rank 1\): cannot drop chunk 0 \('block0'; buffer gathered.*an op still uses it; release it once",
+    ):
         list(residency.after_step())
     list(residency.after_op(0, F, (0,), False, trace))
 

@@ -4,8 +4,9 @@ over the process group.
 A chunk is three concerns, each its own class, tied together here:
 
 * :class:`~chunkmem.chunks.chunk_layout.ChunkLayout`: which parameters, where, and this rank's piece;
-* :class:`~chunkmem.chunks.chunk_residency.ChunkResidency`: whether the full buffer is on the device
-  (``ChunkState``, with its transition table);
+* :class:`~chunkmem.chunks.chunk_residency.ChunkResidency`: the full buffer on the device and
+  where the parameters point (whether it is gathered is the device residency's to know,
+  ``placement.DeviceResidency``);
 * :class:`~chunkmem.chunks.chunk_grads.ChunkGrads`: the flat gradient buffer and its reduction
   (what it is doing is the device residency's to know, ``placement.GradientBuffers``: the chunk
   holds the tensors, and is told what a verb needs, such as whether its shard holds reduced
@@ -29,7 +30,7 @@ from ..usage.accounting import Location, MemoryLedger
 from ..usage.stats import Stats
 from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkLayout, ShardPiece
-from .chunk_residency import ChunkResidency, ChunkState
+from .chunk_residency import ChunkResidency
 from .param_values import LiveValues, ParamValues
 from .shard import ShardStore
 from .tensor_state import TensorInfo, TensorState
@@ -37,7 +38,7 @@ from .tensor_state import TensorInfo, TensorState
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState"]
+__all__ = ["Chunk"]
 
 
 class Chunk:
@@ -81,14 +82,15 @@ class Chunk:
         return self.layout.trainable
 
     def __repr__(self) -> str:
-        return f"Chunk({self.chunk_id}, rank {self._comm.rank}, {self.state.value})"
+        return f"Chunk({self.chunk_id}, rank {self._comm.rank})"
 
     def _where(self) -> str:
-        return f"chunk {self.chunk_id} (rank {self._comm.rank}, state {self.state.value})"
+        return f"chunk {self.chunk_id} (rank {self._comm.rank})"
 
     @property
-    def state(self) -> ChunkState:
-        return self._residency.state
+    def closed(self) -> bool:
+        """The parameters are final and the chunk has its shard (``close``)."""
+        return self.layout.closed
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -132,7 +134,6 @@ class Chunk:
 
     def append(self, info: TensorInfo) -> None:
         """Add a parameter after the ones already in the chunk."""
-        self._residency.require("append", f"parameter '{info.name}'")
         self.layout.append(info, self._where())
 
     def close(
@@ -143,7 +144,7 @@ class Chunk:
         read from ``values`` (default: the parameters' own data, on any device), one parameter at
         a time; parameters with no element in this rank's shard are not read at all."""
         source = values if values is not None else LiveValues()
-        self._residency.require("close")
+        self.layout.require_open("close", self._where())
         store = ShardStore(
             f"chunk {self.chunk_id} (rank {self._comm.rank})",
             self.shard_numel,
@@ -168,6 +169,7 @@ class Chunk:
         if store.master_on_disk:
             store.move_master_to_disk()
         self._store = store
+        self.layout.close(self._where())
         self._grads.close(store)
         self._residency.close(store)
 
@@ -201,16 +203,17 @@ class Chunk:
         self._residency.release()
 
     def move_master(self, location: Location) -> None:
-        """Move the master shard (with its gradient shard) between the device and the host."""
-        self._residency.require("move its master shard")
+        """Move the master shard (with its gradient shard) between the device and the host; the
+        chunk is released (the caller knows: its device residency does)."""
         if self._grads.holds_buffer:
             raise RuntimeError(f"{self._where()}: cannot move its master while gradients accumulate; reduce first")
-        self._residency.forget_resident_views("move its master shard")
+        self._residency.forget_resident_views()
         self.store.move_master(location)
 
     def move_shard(self, location: Location) -> None:
-        """Keep (DEVICE) or drop (HOST) the compute-dtype shard copy of a host master."""
-        self._residency.forget_resident_views("move its parameter shard")
+        """Keep (DEVICE) or drop (HOST) the compute-dtype shard copy of a host master; the chunk is
+        released."""
+        self._residency.forget_resident_views()
         self.store.move_shard(location)
 
     # --- tensor states ----------------------------------------------------------------------

@@ -63,7 +63,9 @@ class ResidencyExecutor:
         self._check = check
         self._ledger = manager.ledger
         self._rank = manager.comm.rank
-        self._residency = DeviceResidency(policy, specs, manager.comm.world_size, self._resting_bytes, self)
+        self._residency = DeviceResidency(
+            policy, specs, manager.comm.world_size, self._resting_bytes, self, rank=self._rank
+        )
         self._on_start: Callable[[Chunk], None] | None = None
         self._records: list[list[Action]] = []
         for chunk in manager.chunks:
