@@ -8,7 +8,7 @@ parameter-op hooks (``hooks``).
 from . import checkpoint
 from .boosted.model import ChunkedModel
 from .booster import Booster
-from .chunks.chunk import Chunk, ChunkState, GradState
+from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
 from .chunks.search import ChunkSizeSearch, search_chunk_size
 from .chunks.tensor_state import TensorInfo, TensorState
@@ -60,13 +60,11 @@ __all__ = [
     "ChunkPlugin",
     "ChunkRuntime",
     "ChunkSizeSearch",
-    "ChunkState",
     "ChunkedModel",
     "ChunkmemError",
     "CollectiveMismatchError",
     "Communicator",
     "DiskTierError",
-    "GradState",
     "HostBudgetTooSmallError",
     "IllegalTransition",
     "Location",

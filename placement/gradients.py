@@ -2,7 +2,8 @@
 
 For every chunk it keeps whether its gradient buffer accepts gradients or is being reduced, which
 chunks hold gradients on the host (moved there where they could not be reduced), which accumulated
-inside ``no_sync``, and which the trace says are complete; and it holds the one rule for when a
+inside ``no_sync``, which the trace says are complete, and which have reduced gradients in their
+shard (a later buffer's reduction is added to them); and it holds the one rule for when a
 chunk's gradients are complete (``start_complete``), which the run and its replay both follow. It
 accounts the device bytes of the buffers, holds no tensor, and yields the :class:`Action` s of its
 verbs. Where a buffer needs room first is the residency's to decide (it asks the policy).
@@ -56,6 +57,7 @@ class GradientBuffers:
         # Chunks whose gradients the trace says are complete, waiting for the next op (or the end
         # of the backward) to start their reduction (see ``start_complete``).
         self._complete: dict[int, None] = {}
+        self._reduced: set[int] = set()  # chunks whose gradient shard holds reduced gradients, until ``zero``
         self._sync = True
         self.nbytes = 0
         """Device bytes of the buffers allocated now."""
@@ -67,6 +69,11 @@ class GradientBuffers:
     def buffer_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's buffer allocates (0 when it is the gradient shard)."""
         return self._bytes_of[chunk_id]
+
+    def reduced(self, chunk_id: int) -> bool:
+        """The chunk's gradient shard holds reduced gradients (a reduction finished since the last
+        ``zero``): a buffer's reduction is added to them, and the optimizer steps on them."""
+        return chunk_id in self._reduced
 
     def needs_buffer(self, chunk_id: int) -> bool:
         """A backward op on the chunk needs a buffer it does not have."""
@@ -116,7 +123,10 @@ class GradientBuffers:
         if self._state[chunk_id] is GradBuffer.REDUCING:
             yield from self.finish(chunk_id)
         self._require(
-            self._state[chunk_id] is GradBuffer.NONE, chunk_id, "allocate a gradient buffer for", "it has one"
+            self._state[chunk_id] is GradBuffer.NONE,
+            chunk_id,
+            "allocate a gradient buffer for",
+            "it has one; reduce it or drop it (zero_grads) first",
         )
         self._state[chunk_id] = GradBuffer.ACCEPTING
         self._accepting[chunk_id] = None
@@ -126,7 +136,12 @@ class GradientBuffers:
         yield Action(Verb.ALLOCATE_GRAD, chunk_id)
 
     def start(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
-        self._require(self._state[chunk_id] is GradBuffer.ACCEPTING, chunk_id, "reduce", "it has no gradient buffer")
+        self._require(
+            self._state[chunk_id] is GradBuffer.ACCEPTING,
+            chunk_id,
+            "reduce",
+            "it has no gradient buffer; a gradient allocates one first",
+        )
         self._state[chunk_id] = GradBuffer.REDUCING
         del self._accepting[chunk_id]
         self._reducing[chunk_id] = None
@@ -136,9 +151,15 @@ class GradientBuffers:
 
     def finish(self, chunk_id: int) -> Iterator[Action]:
         """Wait for the chunk's reduction and free its buffer."""
-        self._require(self._state[chunk_id] is GradBuffer.REDUCING, chunk_id, "finish reducing", "none is in flight")
+        self._require(
+            self._state[chunk_id] is GradBuffer.REDUCING,
+            chunk_id,
+            "finish reducing",
+            "none is in flight; start its reduction first",
+        )
         self._state[chunk_id] = GradBuffer.NONE
         del self._reducing[chunk_id]
+        self._reduced.add(chunk_id)
         self.nbytes -= self._bytes_of[chunk_id]
         yield Action(Verb.FINISH_REDUCE, chunk_id)
 
@@ -217,6 +238,7 @@ class GradientBuffers:
             self._state[c] = GradBuffer.NONE
             self.nbytes -= self._bytes_of[c]
         self._accepting.clear()
+        self._reduced.clear()
         self._spilled.clear()
         self._carried.clear()
         self._complete.clear()

@@ -45,6 +45,14 @@ class Held(enum.Enum):
     GATHERED = "gathered"
 
 
+# What a verb's refusal says is wrong, and what to do (a refusal is a caller's bug: the runtime's
+# executor and ``simulate`` call the verbs in the order the residency's own actions need).
+_GATHERED = "it is gathered or in flight; use it as it is, or release it first"
+_IN_USE = "an op still uses it; release it once the op lets go of it (after_op)"
+_NOT_GATHERED = "it is not gathered; gather it first (before_op)"
+_NOT_HELD = "no op holds it; every after_op follows the before_op of the same op"
+
+
 class NoRoomError(Exception):
     """An op cannot run within the budget even after evicting everything evictable. The fields
     say why; the runtime turns it into its own error with what the memory holds."""
@@ -84,7 +92,8 @@ class PlanObserver(Protocol):
 class DeviceResidency:
     """See the module docstring. ``specs`` are the chunks as the policy's layout was decided for
     them (``policy.layout_decided`` is read once, here); ``world_size`` says whether a reduction
-    needs the other ranks (inside ``no_sync`` only at world size 1 it may run)."""
+    needs the other ranks (inside ``no_sync`` only at world size 1 it may run); ``rank``, where a
+    run has one, is named in its errors."""
 
     def __init__(
         self,
@@ -93,8 +102,10 @@ class DeviceResidency:
         world_size: int,
         base_bytes: Callable[[], int],
         observer: PlanObserver | None = None,
+        rank: int | None = None,
     ) -> None:
         layout = policy.layout_decided
+        self._who = "DeviceResidency" if rank is None else f"DeviceResidency (rank {rank})"
         self._policy = policy
         self._budget = policy.budget
         self._base = base_bytes
@@ -165,6 +176,11 @@ class DeviceResidency:
         """The chunk's unreduced gradients were moved to the host (a new buffer starts from them)."""
         return self._grads.on_host(chunk_id)
 
+    def grads_reduced(self, chunk_id: int) -> bool:
+        """The chunk's gradient shard holds reduced gradients (since the last ``zero_grads``): a
+        buffer's reduction adds to them, and the optimizer steps on them."""
+        return self._grads.reduced(chunk_id)
+
     def gather_bytes(self, chunk_id: int) -> int:
         """Device bytes the chunk's gathered buffer allocates (0 when a resident shard serves)."""
         return self._gather_bytes[chunk_id]
@@ -200,13 +216,13 @@ class DeviceResidency:
     def _require(self, ok: bool, chunk_id: int, verb: str, fix: str) -> None:
         if not ok:
             raise RuntimeError(
-                f"DeviceResidency: cannot {verb} chunk {chunk_id} ('{self._labels[chunk_id]}'; buffer "
+                f"{self._who}: cannot {verb} chunk {chunk_id} ('{self._labels[chunk_id]}'; buffer "
                 f"{self._held[chunk_id].value}, gradient buffer {self._grads.state(chunk_id).value}): {fix}"
             )
 
     # --- the gathered buffer -------------------------------------------------------------------------
     def _gather(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
-        self._require(self._held[chunk_id] is Held.RELEASED, chunk_id, verb.value, "it is gathered or in flight")
+        self._require(self._held[chunk_id] is Held.RELEASED, chunk_id, verb.value, _GATHERED)
         self._held[chunk_id] = Held.FETCHING if verb is Verb.PREFETCH else Held.GATHERED
         self._bytes += self._gather_bytes[chunk_id]
         if self._gather_bytes[chunk_id] and not self._keep[chunk_id] and verb is not Verb.KEEP:
@@ -221,9 +237,9 @@ class DeviceResidency:
             yield Action(Verb.WAIT, chunk_id)
 
     def _release(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
-        self._require(self._holds[chunk_id] == 0, chunk_id, verb.value, "an op still uses it")
+        self._require(self._holds[chunk_id] == 0, chunk_id, verb.value, _IN_USE)
         yield from self._land(chunk_id)
-        self._require(self._held[chunk_id] is Held.GATHERED, chunk_id, verb.value, "it is not gathered")
+        self._require(self._held[chunk_id] is Held.GATHERED, chunk_id, verb.value, _NOT_GATHERED)
         self._held[chunk_id] = Held.RELEASED
         self._bytes -= self._gather_bytes[chunk_id]
         self._buffers.pop(chunk_id, None)
@@ -303,7 +319,7 @@ class DeviceResidency:
         self._grads.op_done(position if op is None else op, phase, chunk_ids, trace)
         finished = []
         for c in chunk_ids:
-            self._require(self._holds[c] > 0, c, "let go of", "no op holds it")
+            self._require(self._holds[c] > 0, c, "let go of", _NOT_HELD)
             self._holds[c] -= 1
             # Releasing a chunk served by a resident shard frees nothing: it stays as it is.
             if self._holds[c] == 0 and self._held[c] is not Held.RELEASED and self._gather_bytes[c]:

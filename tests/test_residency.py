@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from distributed import run_ranks
 from models import adamw_two_groups, batches, boost, enable_checkpointing, gpt2, lm_loss
-from policy_helpers import F, catalog, static, trace_of
+from policy_helpers import B, F, catalog, static, trace_of
 
 from placement import (
     Action,
@@ -123,23 +123,37 @@ def test_at_two_ranks_every_rank_and_the_replay_take_the_same_actions(name: str)
 # --- the verbs' preconditions ----------------------------------------------------------------------
 
 
-def _residency(n: int = 3) -> DeviceResidency:
+def _residency(n: int = 3, rank: int | None = None) -> DeviceResidency:
     specs = catalog(n)
     policy = static(None)
     policy.layout(specs, [WorkingSet(s.label, (s.chunk_id,)) for s in specs])
-    return DeviceResidency(policy, specs, world_size=2, base_bytes=lambda: 0)
+    return DeviceResidency(policy, specs, world_size=2, base_bytes=lambda: 0, rank=rank)
 
 
-def test_the_verbs_say_what_is_wrong_and_name_the_chunk() -> None:
-    residency = _residency()
+def test_the_verbs_say_what_is_wrong_and_name_the_chunk_and_the_rank() -> None:
+    """The residency is the one record of what is on the device (a chunk keeps no state of its
+    own: ``ChunkState`` is gone), so its refusals name the chunk, the rank and what to do."""
+    import chunkmem
+    from chunkmem.chunks.chunk_residency import ChunkResidency
+
+    assert not hasattr(chunkmem, "ChunkState") and not hasattr(chunkmem.Chunk, "state")
+    assert not hasattr(ChunkResidency, "state")
+    residency = _residency(rank=1)
     trace = trace_of([(F, (0,)), (F, (1,))])
     assert [a.verb for a in residency.before_op(0, F, (0,), trace)] == [Verb.GATHER]
     assert residency.buffer_bytes == 1000 and residency.is_gathered(0)
-    with pytest.raises(RuntimeError, match=r"cannot let go of chunk 1 \('block1'; buffer released.*no op holds it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"DeviceResidency \(rank 1\): cannot let go of chunk 1 \('block1'; buffer released.*no op holds it; "
+        "every after_op follows the before_op",
+    ):
         list(residency.after_op(1, F, (1,), False, trace))
     assert list(residency.release_idle()) == []  # an op still holds chunk 0
     # The residency alone counts the ops holding a chunk (a chunk keeps no second count).
-    with pytest.raises(RuntimeError, match=r"cannot drop chunk 0 \('block0'; buffer gathered.*an op still uses it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"\(rank 1\): cannot drop chunk 0 \('block0'; buffer gathered.*an op still uses it; release it once",
+    ):
         list(residency.after_step())
     list(residency.after_op(0, F, (0,), False, trace))
 
@@ -172,3 +186,36 @@ def test_an_evicted_chunk_is_awaited_and_gathered_again_within_the_budget() -> N
         (Verb.RELEASE, 1),
     ]
     assert residency.buffer_bytes == 0 and residency.device_bytes == resting
+
+
+def test_the_residency_alone_knows_which_gradient_shards_hold_reduced_gradients() -> None:
+    """Whether a chunk's shard holds reduced gradients (so a later buffer's reduction adds to it,
+    and the optimizer steps on it) has one owner, the residency's gradient side; a chunk holds
+    tensors and is told (``prepare_grad``/``start_reduce`` take ``onto_reduced``), with no state of
+    its own to keep equal."""
+    import chunkmem
+    from chunkmem.chunks.chunk_grads import ChunkGrads
+
+    assert not hasattr(chunkmem, "GradState") and not hasattr(chunkmem.Chunk, "grad_state")
+    assert not hasattr(ChunkGrads, "state")
+    trace = trace_of([(F, (0, 1)), (B, (0,))])
+    with_grads = catalog(3, grad=500)
+    policy = static(None)
+    policy.layout(with_grads, [WorkingSet(s.label, (s.chunk_id,)) for s in with_grads])
+    residency = DeviceResidency(policy, with_grads, world_size=2, base_bytes=lambda: 0)
+
+    def backward() -> list[tuple[Verb, int]]:
+        residency.begin_iteration()
+        done = [*residency.before_op(0, F, (0, 1), trace), *residency.after_op(0, F, (0, 1), False, trace)]
+        done += [*residency.before_op(1, B, (0,), trace), *residency.after_op(1, B, (0,), True, trace)]
+        done += residency.end_backward()
+        return [(a.verb, a.chunk) for a in done if a.verb not in (Verb.GATHER, Verb.RELEASE)]
+
+    assert not any(residency.grads_reduced(c) for c in range(3))
+    assert backward() == [(Verb.ALLOCATE_GRAD, 0), (Verb.START_REDUCE, 0), (Verb.FINISH_REDUCE, 0)]
+    assert [residency.grads_reduced(c) for c in range(3)] == [True, False, False]
+    # A second backward without zero_grad: the new buffer's reduction adds to the reduced shard.
+    assert backward() == [(Verb.ALLOCATE_GRAD, 0), (Verb.START_REDUCE, 0), (Verb.FINISH_REDUCE, 0)]
+    assert residency.grads_reduced(0)
+    assert [(a.verb, a.chunk) for a in residency.zero_grads()] == [(Verb.ZERO_GRAD, c) for c in range(3)]
+    assert not any(residency.grads_reduced(c) for c in range(3))

@@ -4,10 +4,13 @@ over the process group.
 A chunk is three concerns, each its own class, tied together here:
 
 * :class:`~chunkmem.chunks.chunk_layout.ChunkLayout`: which parameters, where, and this rank's piece;
-* :class:`~chunkmem.chunks.chunk_residency.ChunkResidency`: whether the full buffer is on the device
-  (``ChunkState``, with its transition table);
+* :class:`~chunkmem.chunks.chunk_residency.ChunkResidency`: the full buffer on the device and
+  where the parameters point (whether it is gathered is the device residency's to know,
+  ``placement.DeviceResidency``);
 * :class:`~chunkmem.chunks.chunk_grads.ChunkGrads`: the flat gradient buffer and its reduction
-  (``GradState``, with its transition table);
+  (what it is doing is the device residency's to know, ``placement.GradientBuffers``: the chunk
+  holds the tensors, and is told what a verb needs, such as whether its shard holds reduced
+  gradients);
 
 plus the per-parameter states (``TensorState``) that say when a chunk may be released (no op uses
 it). When its gradients are complete is the placement's rule (``placement.DeviceResidency``), read
@@ -25,9 +28,9 @@ from ..ranks.comm import Communicator, PendingGather
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.stats import Stats
-from .chunk_grads import ChunkGrads, GradState
+from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkLayout, ShardPiece
-from .chunk_residency import ChunkResidency, ChunkState
+from .chunk_residency import ChunkResidency
 from .param_values import LiveValues, ParamValues
 from .shard import ShardStore
 from .tensor_state import TensorInfo, TensorState
@@ -35,7 +38,7 @@ from .tensor_state import TensorInfo, TensorState
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
 
-__all__ = ["Chunk", "ChunkState", "GradState"]
+__all__ = ["Chunk"]
 
 
 class Chunk:
@@ -79,18 +82,15 @@ class Chunk:
         return self.layout.trainable
 
     def __repr__(self) -> str:
-        return f"Chunk({self.chunk_id}, rank {self._comm.rank}, {self.state.value}, grad {self.grad_state.value})"
+        return f"Chunk({self.chunk_id}, rank {self._comm.rank})"
 
     def _where(self) -> str:
-        return f"chunk {self.chunk_id} (rank {self._comm.rank}, state {self.state.value})"
+        return f"chunk {self.chunk_id} (rank {self._comm.rank})"
 
     @property
-    def state(self) -> ChunkState:
-        return self._residency.state
-
-    @property
-    def grad_state(self) -> GradState:
-        return self._grads.state
+    def closed(self) -> bool:
+        """The parameters are final and the chunk has its shard (``close``)."""
+        return self.layout.closed
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -134,7 +134,6 @@ class Chunk:
 
     def append(self, info: TensorInfo) -> None:
         """Add a parameter after the ones already in the chunk."""
-        self._residency.require("append", f"parameter '{info.name}'")
         self.layout.append(info, self._where())
 
     def close(
@@ -145,7 +144,7 @@ class Chunk:
         read from ``values`` (default: the parameters' own data, on any device), one parameter at
         a time; parameters with no element in this rank's shard are not read at all."""
         source = values if values is not None else LiveValues()
-        self._residency.require("close")
+        self.layout.require_open("close", self._where())
         store = ShardStore(
             f"chunk {self.chunk_id} (rank {self._comm.rank})",
             self.shard_numel,
@@ -170,6 +169,7 @@ class Chunk:
         if store.master_on_disk:
             store.move_master_to_disk()
         self._store = store
+        self.layout.close(self._where())
         self._grads.close(store)
         self._residency.close(store)
 
@@ -203,16 +203,17 @@ class Chunk:
         self._residency.release()
 
     def move_master(self, location: Location) -> None:
-        """Move the master shard (with its gradient shard) between the device and the host."""
-        self._residency.require("move its master shard")
-        if self._grads.accepting or self._grads.reducing:
+        """Move the master shard (with its gradient shard) between the device and the host; the
+        chunk is released (the caller knows: its device residency does)."""
+        if self._grads.holds_buffer:
             raise RuntimeError(f"{self._where()}: cannot move its master while gradients accumulate; reduce first")
-        self._residency.forget_resident_views("move its master shard")
+        self._residency.forget_resident_views()
         self.store.move_master(location)
 
     def move_shard(self, location: Location) -> None:
-        """Keep (DEVICE) or drop (HOST) the compute-dtype shard copy of a host master."""
-        self._residency.forget_resident_views("move its parameter shard")
+        """Keep (DEVICE) or drop (HOST) the compute-dtype shard copy of a host master; the chunk is
+        released."""
+        self._residency.forget_resident_views()
         self.store.move_shard(location)
 
     # --- tensor states ----------------------------------------------------------------------
@@ -247,10 +248,11 @@ class Chunk:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return self._grads.buffer_bytes
 
-    def prepare_grad(self, from_host: bool = False) -> None:
+    def prepare_grad(self, from_host: bool = False, onto_reduced: bool = False) -> None:
         """Make the flat fp32 gradient buffer ready to receive gradients; ``from_host``: it starts
-        from the gradients an earlier buffer moved to the host (the residency knows which)."""
-        self._grads.prepare(from_host)
+        from the gradients an earlier buffer moved to the host; ``onto_reduced``: the gradient
+        shard holds reduced gradients (the residency knows both)."""
+        self._grads.prepare(from_host, onto_reduced)
 
     def accumulate_grad(self, info: TensorInfo, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its slice of the flat buffer and mark it ready."""
@@ -262,9 +264,10 @@ class Chunk:
         yet); the chunk's next buffer starts from it."""
         self._grads.spill()
 
-    def start_reduce(self) -> None:
-        """Start reducing the buffer over ranks (asynchronously); parameters go back to HOLD."""
-        self._grads.start_reduce()
+    def start_reduce(self, onto_reduced: bool = False) -> None:
+        """Start reducing the buffer over ranks (asynchronously), added to the reduced gradients in
+        the shard where ``onto_reduced``; parameters go back to HOLD."""
+        self._grads.start_reduce(onto_reduced)
         for info in self.layout.tensors:
             if info.state is not TensorState.COMPUTE and info.state is not TensorState.HOLD:
                 self._set_state(info, TensorState.HOLD)
@@ -273,10 +276,10 @@ class Chunk:
         """Wait for the reduction and move the result into the fp32 gradient shard."""
         self._grads.finish_reduce()
 
-    def reduce_grad(self) -> None:
+    def reduce_grad(self, onto_reduced: bool = False) -> None:
         """Reduce the buffer over ranks (mean) into the fp32 gradient shard where the master lives
-        (added to what an earlier reduction left there), then free the buffer."""
-        self.start_reduce()
+        (added to what an earlier reduction left there where ``onto_reduced``), then free the buffer."""
+        self.start_reduce(onto_reduced)
         self.finish_reduce()
 
     @property

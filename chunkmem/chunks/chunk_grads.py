@@ -1,29 +1,29 @@
 """``ChunkGrads``: a chunk's flat fp32 gradient buffer and its reduction into the gradient shard.
 
-States (``GradState``), changed only through the transition table below:
+It holds tensors, not their state: whether the chunk has a buffer receiving gradients, a reduction
+in flight, gradients on the host or reduced gradients in its shard is the gradient side of the
+device residency's to know (``placement.GradientBuffers``, one owner, whose verbs check every
+precondition and name the chunk), and its executor passes what a verb here needs to know (the
+executor of ``chunkmem.execution``; a direct caller, as the tests are, passes it itself):
 
-* ``NONE`` --allocate--> ``ACCUMULATING``: gradients are added into the flat buffer as autograd
-  produces them (each parameter's first gradient is copied into its slice, nothing is zeroed).
-* ``ACCUMULATING`` --start reducing--> ``REDUCING``: the reduce-scatter over ranks is in flight
-  (asynchronous); the buffer is still allocated. --finish reducing--> ``REDUCED``: this rank's
-  slot, averaged over ranks, is in the fp32 gradient shard where the master lives; the buffer is
-  freed.
-* From ``REDUCED``, more gradients (accumulation across backward passes without ``no_sync``) go to a
-  fresh buffer (``REDUCED_ACCUMULATING``) whose reduction is added to the shard
-  (``REDUCING_ON_REDUCED``, then ``REDUCED``).
-* ``zero`` drops everything (not while a reduction is in flight).
+* ``prepare``: a buffer, ready to receive gradients (each parameter's first gradient is copied
+  into its slice, nothing is zeroed); ``onto_reduced``: the shard already holds reduced
+  gradients (accumulation across backward passes without ``no_sync``).
+* ``start_reduce`` / ``finish_reduce``: the reduce-scatter over ranks is in flight
+  (asynchronous), then this rank's slot, averaged over ranks, is in the fp32 gradient shard where
+  the master lives (added to what an earlier reduction left there where ``onto_reduced``); the
+  buffer is freed.
+* ``zero`` drops everything.
 
 Inside ``no_sync`` at world size > 1 a buffer cannot be reduced, and when the device needs its room
 it is **moved to the host** instead (``spill``): the buffer is copied, in fp32, into a host buffer
-of the whole chunk and freed (back to ``NONE``, or to ``REDUCED`` on top of a reduced shard); so is
-a buffer of such a chunk in the backward after ``no_sync`` until its gradients are complete, so
-that its sum is reduced once. The chunk's next device buffer starts as a copy of the host one
-(``prepare(from_host=True)``: which chunks have gradients on the host is the device residency's
-to know, ``placement.DeviceResidency``; the host buffer is kept for the next move), so the
-running sum of the chunk's gradients is in one buffer at a time and every gradient autograd
-accumulates is added to it, in arrival order: the same additions, in the same order, as plain
-PyTorch's ``.grad += new`` per parameter (bit-exact; adding a buffer that held several
-micro-batches to a host sum would associate them differently).
+of the whole chunk and freed; so is a buffer of such a chunk in the backward after ``no_sync``
+until its gradients are complete, so that its sum is reduced once. The chunk's next device buffer
+starts as a copy of the host one (``prepare(from_host=True)``; the host buffer is kept for the
+next move), so the running sum of the chunk's gradients is in one buffer at a time and every
+gradient autograd accumulates is added to it, in arrival order: the same additions, in the same
+order, as plain PyTorch's ``.grad += new`` per parameter (bit-exact; adding a buffer that held
+several micro-batches to a host sum would associate them differently).
 
 At world size 1 with the master on the device the gradient shard is the whole chunk: gradients
 accumulate straight into it and reducing moves nothing.
@@ -31,7 +31,6 @@ accumulate straight into it and reducing moves nothing.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -43,61 +42,13 @@ from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from ..usage.stats import Stats
 from .chunk_layout import ChunkLayout
 from .shard import MASTER_DTYPE, ShardStore
-from .state_machine import StateMachine, Transition
 from .tensor_state import TensorInfo
 
-__all__ = ["ChunkGrads", "GradState"]
-
-
-class GradState(enum.Enum):
-    """Where a chunk's gradients are since the last ``zero_grad``."""
-
-    NONE = "none"
-    """No gradient since the last zero_grad."""
-    ACCUMULATING = "accumulating"
-    """The flat fp32 gradient buffer is receiving gradients."""
-    REDUCING = "reducing"
-    """The buffer's reduction over ranks is in flight."""
-    REDUCED = "reduced"
-    """Gradients are reduced into the fp32 gradient shard; no buffer."""
-    REDUCED_ACCUMULATING = "reduced_accumulating"
-    """A reduced shard exists and a new buffer receives more gradients (accumulation across
-    backward passes without ``no_sync``); its reduction is added to the shard."""
-    REDUCING_ON_REDUCED = "reducing_on_reduced"
-    """That buffer's reduction is in flight; it will be added to the shard."""
-
-
-_G = GradState
-_IN_FLIGHT = "Finish the reduction in flight first (finish_reduce)."
-_TABLE: dict[str, Transition[GradState]] = {
-    "allocate a gradient buffer": Transition(
-        {_G.NONE: _G.ACCUMULATING, _G.REDUCED: _G.REDUCED_ACCUMULATING},
-        "A buffer already receives gradients, or a reduction is in flight.",
-    ),
-    "accumulate": Transition(
-        {_G.ACCUMULATING: _G.ACCUMULATING, _G.REDUCED_ACCUMULATING: _G.REDUCED_ACCUMULATING},
-        "Allocate a gradient buffer first (prepare_grad).",
-    ),
-    "reduce gradients": Transition(
-        {_G.ACCUMULATING: _G.REDUCING, _G.REDUCED_ACCUMULATING: _G.REDUCING_ON_REDUCED},
-        "Only a buffer receiving gradients can be reduced (finish_reduce ends one in flight).",
-    ),
-    "finish reducing gradients": Transition(
-        {_G.REDUCING: _G.REDUCED, _G.REDUCING_ON_REDUCED: _G.REDUCED}, "Start the reduction first (start_reduce)."
-    ),
-    "forget gradients": Transition(
-        {s: _G.NONE for s in (_G.NONE, _G.ACCUMULATING, _G.REDUCED, _G.REDUCED_ACCUMULATING)}, _IN_FLIGHT
-    ),
-    "move its gradients to the host": Transition(
-        {_G.ACCUMULATING: _G.NONE, _G.REDUCED_ACCUMULATING: _G.REDUCED}, "Only a buffer receiving gradients is moved."
-    ),
-}
-_ACCEPTING = frozenset({GradState.ACCUMULATING, GradState.REDUCED_ACCUMULATING})
-_REDUCING = frozenset({GradState.REDUCING, GradState.REDUCING_ON_REDUCED})
+__all__ = ["ChunkGrads"]
 
 
 class ChunkGrads:
-    """The gradient side of one trainable chunk; see the module docstring."""
+    """The gradient tensors of one trainable chunk; see the module docstring."""
 
     def __init__(
         self,
@@ -114,18 +65,14 @@ class ChunkGrads:
         self._stats = stats
         self._owner = owner
         self._transfers = transfers
-        self._machine = StateMachine(GradState.NONE, _TABLE, owner, kind="gradient state")
         self._host: torch.Tensor | None = None  # the host buffer, from the first move until the reduction
         self._store: ShardStore | None = None
         self._buffer: torch.Tensor | None = None
         self._work: Any = None
+        self._adds = False  # the reduction in flight adds to reduced gradients in the shard
         self._sent = False  # the reduced slot is already on its way to the gradient shard
         self._has_grad: list[bool] = []
         self._filled: list[bool] = []  # per parameter: its slice of the buffer holds data
-
-    @property
-    def state(self) -> GradState:
-        return self._machine.state
 
     def close(self, store: ShardStore) -> None:
         """The chunk's parameters are final and its shard exists."""
@@ -143,6 +90,16 @@ class ChunkGrads:
         if not self._layout.trainable:
             raise RuntimeError(f"{self._owner()}: cannot {verb}; its parameters do not require grad")
 
+    def _require_buffer(self, verb: str) -> torch.Tensor:
+        """The buffer a verb works on; the device residency allocates it first (``prepare``)."""
+        buffer = self._buffer
+        if buffer is None:
+            raise RuntimeError(
+                f"{self._owner()}: cannot {verb} without a gradient buffer; the device residency allocates one "
+                "first (placement.GradientBuffers.allocate, carried out as prepare_grad)"
+            )
+        return buffer
+
     @property
     def _what(self) -> str:
         return f"gradient reduction of chunk {self._layout.chunk_id}"
@@ -154,14 +111,9 @@ class ChunkGrads:
         return self._comm.world_size == 1 and self._shard.master_location is Location.DEVICE
 
     @property
-    def accepting(self) -> bool:
-        """A buffer receives gradients now."""
-        return self._machine.state in _ACCEPTING
-
-    @property
-    def reducing(self) -> bool:
-        """A reduction is in flight."""
-        return self._machine.state in _REDUCING
+    def holds_buffer(self) -> bool:
+        """A gradient buffer is allocated (receiving gradients, or being reduced)."""
+        return self._buffer is not None
 
     @property
     def buffer_bytes(self) -> int:
@@ -169,34 +121,34 @@ class ChunkGrads:
         return 0 if not self._layout.trainable or self.buffer_is_shard else self._layout.grad_bytes
 
     # --- verbs ----------------------------------------------------------------------------------
-    def prepare(self, from_host: bool = False) -> None:
+    def prepare(self, from_host: bool = False, onto_reduced: bool = False) -> None:
         """Make the flat buffer ready to receive gradients. Nothing is zeroed here: each
         parameter's first gradient is copied into its slice, and slices that got none are zeroed
         when the buffer is reduced. ``from_host``: the gradients moved to the host are copied back
         into it first: later gradients are added to their sum, as plain PyTorch adds them to
-        ``.grad``."""
+        ``.grad``. ``onto_reduced``: the shard holds reduced gradients (where the buffer is the
+        shard, slices holding earlier gradients keep accumulating)."""
         self._require_trainable("allocate a gradient buffer")
-        self._machine.require("allocate a gradient buffer")
+        if self._buffer is not None:
+            raise RuntimeError(
+                f"{self._owner()}: cannot allocate a gradient buffer, it has one; reduce it (start_reduce, "
+                "finish_reduce) or drop it (zero_grad) first"
+            )
         if self.buffer_is_shard:
             assert not from_host, f"{self._owner()}: a gradient shard that serves as the buffer never moves to the host"
-            # On top of a reduced shard, slices holding earlier gradients keep accumulating.
-            reduced = self._machine.state is GradState.REDUCED
-            self._buffer = self._shard.grad if reduced else self._shard.allocate_grad()
-            self._filled = [reduced and has for has in self._has_grad]
+            self._buffer = self._shard.grad if onto_reduced else self._shard.allocate_grad()
+            self._filled = [onto_reduced and has for has in self._has_grad]
         else:
             self._ledger.alloc(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
             self._buffer = torch.empty(self._layout.capacity, dtype=MASTER_DTYPE, device=self._comm.device)
             if from_host:
                 self._load_host(self._buffer)
             self._filled = [from_host] * len(self._filled)
-        self._machine.move("allocate a gradient buffer")
 
     def accumulate(self, info: TensorInfo, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into its slice of the flat buffer."""
         self._require_trainable(f"accumulate '{info.name}'")
-        self._machine.require("accumulate", f"'{info.name}'")
-        buffer = self._buffer
-        assert buffer is not None, f"{self._owner()}: accumulating without a buffer"
+        buffer = self._require_buffer(f"accumulate '{info.name}'")
         # as_strided is the cheapest way to a shaped slot of the flat buffer (a slice and a view
         # cost three times as much); this runs for every gradient.
         target = buffer.as_strided(info.shape, info.strides, buffer.storage_offset() + info.offset)
@@ -220,9 +172,8 @@ class ChunkGrads:
         first move; it holds the chunk's whole sum, since the device buffer started from it) and
         free it."""
         self._require_trainable("move its gradients to the host")
-        self._machine.require("move its gradients to the host")
-        buffer = self._buffer
-        assert buffer is not None and not self.buffer_is_shard, f"{self._owner()}: spilling without a device buffer"
+        buffer = self._require_buffer("move its gradients to the host")
+        assert not self.buffer_is_shard, f"{self._owner()}: a gradient shard that serves as the buffer never moves"
         self._zero_unfilled(buffer)
         transfers = self._transfers
         host = self._host
@@ -235,7 +186,6 @@ class ChunkGrads:
         transfers.copy(host, buffer, Direction.TO_HOST)
         self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
-        self._machine.move("move its gradients to the host")
 
     def _load_host(self, buffer: torch.Tensor) -> None:
         """Copy the host buffer's gradients into a fresh device buffer, which continues their sum."""
@@ -251,79 +201,65 @@ class ChunkGrads:
             self._ledger.free(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._host = None
 
-    def start_reduce(self) -> None:
+    def start_reduce(self, onto_reduced: bool = False) -> None:
         """Start the reduction over ranks (asynchronous; ``finish_reduce`` completes it). The
-        buffer holds every gradient since the last reduction (it started from the host's)."""
+        buffer holds every gradient since the last reduction (it started from the host's);
+        ``onto_reduced``: the shard holds reduced gradients, to which this reduction adds."""
         self._require_trainable("reduce gradients")
-        self._machine.require("reduce gradients")
-        buffer = self._buffer
-        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        buffer = self._require_buffer("reduce gradients")
         self._zero_unfilled(buffer)
-        accumulate = self._machine.state is GradState.REDUCED_ACCUMULATING
+        self._adds = onto_reduced
         what = self._what
         if not self.buffer_is_shard and self._comm.world_size > 1:
             begin, end = self._layout.shard_range
             self._work = self._comm.reduce_scatter_sum(buffer[begin:end], buffer, async_op=True, what=what)
             self._stats.reduce_scatter_bytes += self._layout.grad_bytes
-        self._machine.move("reduce gradients")
         if not self.buffer_is_shard and self._shard.receives_asynchronously:
             # To a host master on CUDA the slot leaves now, on the copy stream once the reduction
             # is done, while the backward goes on; finishing the reduction then only frees it.
-            self._send(accumulate, what)
+            self._send(what)
 
-    def _send(self, accumulate: bool, what: str) -> None:
+    def _send(self, what: str) -> None:
         """This rank's averaged slot into the gradient shard, after the reduction in flight."""
-        buffer = self._buffer
-        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        buffer = self._require_buffer("reduce gradients")
         begin, end = self._layout.shard_range
         work, self._work = self._work, None
         after = None if work is None else lambda: self._comm.wait(work, what)
         divide_by = self._comm.world_size if self._comm.world_size > 1 else None
-        self._shard.receive_grad(buffer[begin:end], accumulate, after, divide_by)
+        self._shard.receive_grad(buffer[begin:end], self._adds, after, divide_by)
         self._sent = True
 
     def finish_reduce(self) -> None:
-        """Wait for the reduction, move this rank's averaged slot into the gradient shard (added to
-        what an earlier reduction left there) and free the buffer."""
-        self._machine.require("finish reducing gradients")
-        buffer = self._buffer
-        assert buffer is not None, f"{self._owner()}: reducing without a buffer"
+        """Wait for the reduction ``start_reduce`` started, move this rank's averaged slot into the
+        gradient shard (added to what an earlier reduction left there) and free the buffer."""
+        self._require_buffer("finish reducing gradients")
         if not self.buffer_is_shard:
             if not self._sent:
-                self._send(self._machine.state is not GradState.REDUCING, self._what)
+                self._send(self._what)
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._drop_host()  # its gradients are in what was reduced
         self._stats.grad_reductions += 1
-        self._machine.move("finish reducing gradients")
-        # Cleared only once the state says reduced: an early step on the host-step worker reads
-        # ``shard`` meanwhile, and a sent slot must count as reduced at every instant in between.
         self._sent = False
 
     def zero(self) -> None:
-        """Forget gradients: the buffer is dropped and the shard's content no longer counts."""
+        """Forget gradients: the buffer is dropped and the shard's content no longer counts (the
+        device residency waits for a reduction in flight first: its buffer is in use)."""
         if not self._layout.trainable:
             return
-        self._machine.require("forget gradients")
         if self._buffer is not None and not self.buffer_is_shard:
             self._ledger.free(Location.DEVICE, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
         self._buffer = None
         self._drop_host()
         self._shard.free_grad()
         self._has_grad = [False] * len(self._has_grad)
-        self._machine.move("forget gradients")
 
     @property
     def shard(self) -> torch.Tensor:
-        """The reduced fp32 gradient shard: once reduced or, for a slot already sent to a host
-        shard (an asynchronous device), while the reduction finishes on the device (an early host
-        step reads it then; ``grad`` waits for the copies into it)."""
-        sent = self._sent and self._machine.state in (GradState.REDUCING, GradState.REDUCING_ON_REDUCED)
-        if self._machine.state is not GradState.REDUCED and not sent:
-            raise RuntimeError(
-                f"{self._owner()}: has no reduced gradient shard (gradient state {self._machine.state.value}); "
-                "finish the backward pass first"
-            )
+        """The reduced fp32 gradient shard (``ShardStore.grad`` waits for the copies into it). When
+        it holds reduced gradients is the device residency's to know (``grads_reduced``); a slot
+        already sent to a host shard (an asynchronous device) is read while the reduction finishes
+        on the device (an early host step)."""
         return self._shard.grad
 
     @property

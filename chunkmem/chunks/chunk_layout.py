@@ -50,6 +50,7 @@ class ChunkLayout:
         self.trainable = trainable
         self._tensors: list[TensorInfo] = []
         self._used = 0
+        self._closed = False  # parameters are appended until the chunk is closed, once
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -80,12 +81,30 @@ class ChunkLayout:
         """Bytes of the full flat fp32 gradient buffer (0 for a frozen chunk)."""
         return self.capacity * MASTER_DTYPE.itemsize if self.trainable else 0
 
+    @property
+    def closed(self) -> bool:
+        """The parameters are final (the chunk has its shard)."""
+        return self._closed
+
+    def require_open(self, verb: str, where: str) -> None:
+        """Raise unless parameters may still be added (``where`` names the chunk in errors)."""
+        if self._closed:
+            raise RuntimeError(
+                f"{where}: cannot {verb}; the chunk is closed. Parameters are added before the chunk is closed, once"
+            )
+
+    def close(self, where: str) -> None:
+        """The parameters are final."""
+        self.require_open("close", where)
+        self._closed = True
+
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
         return self._used + numel <= self.capacity
 
     def append(self, info: TensorInfo, where: str) -> None:
         """Add a parameter after the ones already in the chunk (``where`` names the chunk in errors)."""
+        self.require_open(f"append parameter '{info.name}'", where)
         if not self.fits(info.numel):
             raise ValueError(
                 f"{where}: parameter '{info.name}' ({info.numel} elements) does not fit in the "

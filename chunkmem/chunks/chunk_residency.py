@@ -1,13 +1,12 @@
-"""``ChunkResidency``: whether a chunk's full buffer is on the device, and the verbs that change it.
+"""``ChunkResidency``: a chunk's full buffer on the device, and the verbs that fill and drop it.
 
-States (``ChunkState``) and the verbs between them, in one transition table:
-
-* ``OPEN`` --close--> ``RELEASED``: the chunk has its shard; parameters point at placeholders.
-* ``RELEASED`` --gather--> ``GATHERED`` (or --start an asynchronous gather--> ``GATHERING``
-  --wait for its gather--> ``GATHERED``): the full buffer holds every rank's shard and the
-  parameters are views into it.
-* ``GATHERED`` --release--> ``RELEASED``; ``GATHERED`` --refresh--> ``GATHERED`` after the master
-  changed.
+It holds tensors, not their state: whether the full buffer is released, being gathered (an
+asynchronous gather in flight) or gathered is the device residency's to know
+(``placement.DeviceResidency``, whose ``Held`` is the one record, changed through verbs that check
+their precondition and name the chunk and the rank); its executor calls the verbs here in the order
+it yields them: ``gather`` (or an asynchronous gather, then ``wait``), ``refresh`` after the master
+changed, ``release``. The chunk's own lifecycle is its layout's: parameters are appended, then it
+is closed once (``ChunkLayout.close``), after which it has its shard.
 
 The gathered buffer is one tensor object for the chunk's whole life; releasing it only resizes its
 storage to zero. Parameter views into it, including those autograd saved for backward, therefore
@@ -17,7 +16,6 @@ size 1 a compute-dtype shard that stays on the device serves as the gathered chu
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable
 
@@ -30,44 +28,10 @@ from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from ..usage.stats import Stats
 from .chunk_layout import ChunkLayout
 from .shard import ShardStore
-from .state_machine import StateMachine, Transition
 
-__all__ = ["ChunkResidency", "ChunkState"]
+__all__ = ["ChunkResidency"]
 
 _DEBUG = os.environ.get("CHUNKMEM_DEBUG", "") not in ("", "0")
-
-
-class ChunkState(enum.Enum):
-    """Residency of a chunk's full buffer; the local shard always exists once closed."""
-
-    OPEN = "open"
-    """Accepting parameters; no data yet."""
-    RELEASED = "released"
-    """Only the local shard exists; parameters point at placeholders."""
-    GATHERING = "gathering"
-    """An asynchronous gather into the full buffer is in flight."""
-    GATHERED = "gathered"
-    """The full buffer holds every rank's shard; parameters are views into it."""
-
-
-_S = ChunkState
-_ALREADY = "It is already gathered or being gathered: use it as it is, or release it first."
-_TABLE: dict[str, Transition[ChunkState]] = {
-    "append": Transition({_S.OPEN: _S.OPEN}, "Parameters are added before the chunk is closed."),
-    "close": Transition({_S.OPEN: _S.RELEASED}, "A chunk is closed once, after its parameters are added."),
-    "gather": Transition({_S.RELEASED: _S.GATHERED}, _ALREADY),
-    "start an asynchronous gather": Transition({_S.RELEASED: _S.GATHERING}, _ALREADY),
-    "report its pending gather": Transition(
-        {_S.GATHERING: _S.GATHERING}, "Only a chunk whose gather was started asynchronously has one."
-    ),
-    "wait for its gather": Transition(
-        {_S.GATHERING: _S.GATHERED}, "Only a chunk whose gather was started asynchronously has one to wait for."
-    ),
-    "refresh": Transition({_S.GATHERED: _S.GATHERED}, "Only a gathered chunk is refreshed; others gather anew."),
-    "release": Transition({_S.GATHERED: _S.RELEASED}, "Wait for a gather in flight before releasing."),
-    "move its master shard": Transition({_S.RELEASED: _S.RELEASED}, "Release the chunk first."),
-    "move its parameter shard": Transition({_S.RELEASED: _S.RELEASED}, "Release the chunk first."),
-}
 
 
 class ChunkResidency:
@@ -85,7 +49,7 @@ class ChunkResidency:
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
-        self._machine = StateMachine(ChunkState.OPEN, _TABLE, owner)
+        self._owner = owner
         self._store: ShardStore | None = None
         # Shape (capacity,) for the chunk's life; only its storage is allocated and freed.
         self._buffer = torch.empty(layout.capacity, dtype=layout.compute_dtype, device=comm.device)
@@ -97,20 +61,13 @@ class ChunkResidency:
         self._pending: PendingGather | None = None
 
     @property
-    def state(self) -> ChunkState:
-        return self._machine.state
-
-    def require(self, verb: str, subject: str = "") -> None:
-        self._machine.require(verb, subject)
-
-    @property
     def _shard(self) -> ShardStore:
-        assert self._store is not None, "ChunkResidency: used before close()"
+        if self._store is None:
+            raise RuntimeError(f"{self._owner()}: has no shard yet; close() it first")
         return self._store
 
     def close(self, store: ShardStore) -> None:
         """The shard exists: parameters point at placeholders until the first gather."""
-        self._machine.move("close")
         self._store = store
         nan = torch.full((), float("nan"), dtype=self._layout.compute_dtype, device=self._comm.device)
         self._placeholders = [nan.expand(info.shape) for info in self._layout.tensors]
@@ -135,7 +92,6 @@ class ChunkResidency:
         """Bring the full chunk onto the device. With ``async_op`` the copy and the all-gather run
         on the side stream / asynchronously and the returned handle must be waited on (``wait``)
         before any op reads the parameters."""
-        self._machine.require("start an asynchronous gather" if async_op else "gather")
         full = self._gathered_source()
         self._full = full
         if full is self._buffer:
@@ -146,10 +102,8 @@ class ChunkResidency:
             event = self._comm.record_side_event() if async_op else None
         if async_op:
             self._pending = PendingGather(work, event, self._comm)
-            self._machine.move("start an asynchronous gather")
             return self._pending
         self._point_params_at(full)
-        self._machine.move("gather")
         return None
 
     def _gathered_source(self) -> torch.Tensor:
@@ -174,8 +128,11 @@ class ChunkResidency:
     @property
     def pending(self) -> PendingGather:
         """The handle of the gather in flight."""
-        self._machine.require("report its pending gather")
-        assert self._pending is not None, "ChunkResidency: gathering without a pending handle"
+        if self._pending is None:
+            raise RuntimeError(
+                f"{self._owner()}: has no gather in flight; only a chunk whose gather was started asynchronously "
+                "has one to wait for (the device residency knows which: DeviceResidency.held is FETCHING)"
+            )
         return self._pending
 
     def wait(self) -> None:
@@ -184,29 +141,24 @@ class ChunkResidency:
         pending.wait()
         self._pending = None
         self._point_params_at(self._full)
-        self._machine.move("wait for its gather")
 
     def refresh(self) -> None:
         """Re-gather in place after the master changed (a chunk kept gathered across a step)."""
-        self._machine.require("refresh")
         self._fill(self._full, async_op=False)  # the parameters are views of it already
 
     def release(self) -> None:
         """Drop the full buffer; keep only the local shard."""
-        self._machine.require("release")
         self._set_param_data(self._placeholders)
         if self._full is self._buffer:
             if _DEBUG:
                 self._buffer.fill_(float("nan"))
             self._buffer.untyped_storage().resize_(0)
             self._ledger.free(Location.DEVICE, MemoryKind.GATHERED, self._layout.gathered_bytes)
-        self._machine.move("release")
 
-    def forget_resident_views(self, verb: str) -> None:
-        """Before the shard moves (``verb``): a resident shard that served as the gathered chunk
-        (world size 1) may be dropped or moved, so hold no reference to it and its memory is
-        really freed."""
-        self._machine.require(verb)
+    def forget_resident_views(self) -> None:
+        """Before the shard moves (the chunk is released): a resident shard that served as the
+        gathered chunk (world size 1) may be dropped or moved, so hold no reference to it and its
+        memory is really freed."""
         if self._full is not self._buffer:
             self._full = self._buffer
             self._view_source = None

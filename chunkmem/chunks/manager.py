@@ -17,7 +17,7 @@ from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.memory import return_freed_host_memory
 from ..usage.stats import Stats
-from .chunk import Chunk, ChunkState
+from .chunk import Chunk
 from .param_values import LiveValues, ParamValues
 from .search import group_key
 from .tensor_state import TensorInfo
@@ -61,7 +61,7 @@ class ChunkManager:
         """The CPU is about to write master shards (an optimizer step, a load): wait for
         asynchronous copies still reading host masters."""
         for chunk in self._chunks:
-            if chunk.state is not ChunkState.OPEN:
+            if chunk.closed:
                 chunk.store.prepare_host_write()
 
     @property

@@ -9,9 +9,10 @@ States, for one training iteration:
 * ``HOLD_AFTER_BWD``: the backward of an op using it ran; its gradient may still be accumulating.
 * ``READY_FOR_REDUCE``: its gradient for this backward is in the chunk's flat gradient buffer.
 
-A chunk can be released when none of its parameters is in ``COMPUTE``. When its gradient buffer is
-reduced is not read from these states (a parameter no op used never gets there): the placement
-decides it from the ops of the trace (``placement.DeviceResidency``).
+These states only check that the hooks fire in a legal order (an illegal move raises naming the
+parameter, chunk and rank); nothing is decided from them. When a chunk is released (no op holds
+it) and when its gradient buffer is reduced (a parameter no op used never gets ready) is the
+placement's to decide, from the ops of the trace (``placement.DeviceResidency``).
 """
 
 from __future__ import annotations

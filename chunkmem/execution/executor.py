@@ -63,7 +63,9 @@ class ResidencyExecutor:
         self._check = check
         self._ledger = manager.ledger
         self._rank = manager.comm.rank
-        self._residency = DeviceResidency(policy, specs, manager.comm.world_size, self._resting_bytes, self)
+        self._residency = DeviceResidency(
+            policy, specs, manager.comm.world_size, self._resting_bytes, self, rank=self._rank
+        )
         self._on_start: Callable[[Chunk], None] | None = None
         self._records: list[list[Action]] = []
         for chunk in manager.chunks:
@@ -129,9 +131,12 @@ class ResidencyExecutor:
                 elif verb is Verb.REFRESH:
                     chunk.refresh()
                 elif verb is Verb.ALLOCATE_GRAD:
-                    chunk.prepare_grad(from_host=self._residency.grads_on_host(action.chunk))
+                    chunk.prepare_grad(
+                        from_host=self._residency.grads_on_host(action.chunk),
+                        onto_reduced=self._residency.grads_reduced(action.chunk),
+                    )
                 elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
-                    chunk.start_reduce()
+                    chunk.start_reduce(onto_reduced=self._residency.grads_reduced(action.chunk))
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY
                     if self._on_start is not None:
                         self._on_start(chunk)

@@ -136,6 +136,11 @@ class ChunkRuntime(ParamOpHook):
             self._executor.finish_reduction(chunk)  # the worker reads the shard: it must be there
         listener.gradient_final(chunk)
 
+    def grads_reduced(self, chunk_id: int) -> bool:
+        """The chunk's gradient shard holds reduced gradients since the last ``zero_grad`` (after
+        ``prepare_step`` every gradient is reduced; the device residency knows which chunks got any)."""
+        return self._executor.residency.grads_reduced(chunk_id)
+
     def cancel_early_steps(self) -> None:
         """Something other than the optimizer step is about to read or change masters, optimizer
         state or gradients (a forward, zero_grad, a load, a state dict): put early steps back."""

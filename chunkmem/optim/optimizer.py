@@ -25,7 +25,7 @@ import torch
 
 from ..boosted.grad_markers import clear_markers
 from ..boosted.progress import TrainingProgress
-from ..chunks.chunk import Chunk, GradState
+from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager
 from ..chunks.tensor_state import TensorInfo
 from ..errors import DiskTierError, NotSupportedError, StateDictMismatchError
@@ -278,7 +278,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         reduced = {
             chunk.chunk_id: (chunk, chunk.params_with_grad)
             for chunk in self._manager.chunks
-            if chunk.trainable and chunk.grad_state is GradState.REDUCED
+            if chunk.trainable and self._runtime.grads_reduced(chunk.chunk_id)
         }
         has_grad: dict[int, bool] = {}
         for piece in self._pieces:

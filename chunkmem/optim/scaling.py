@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..chunks.chunk import GradState
 from ..chunks.grad_norm import flat_norm
 from ..chunks.grad_on_disk import GradOnDisk
 from ..errors import UnscaledBackwardError
@@ -102,7 +101,7 @@ class GradScaling:
         disk (which keeps what the checks need of it)."""
         out: list[torch.Tensor | GradOnDisk] = []
         for chunk in self._manager.chunks:
-            if chunk.trainable and chunk.grad_state is GradState.REDUCED:
+            if chunk.trainable and self._runtime.grads_reduced(chunk.chunk_id):
                 grad = chunk.store.grad_on_disk
                 out.append(grad if grad is not None else chunk.grad_shard)
         return out
