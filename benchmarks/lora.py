@@ -190,7 +190,7 @@ def _fit_base(runs: list[dict[str, Any]]) -> tuple[float, float] | None:
 def _fit_accounted(runs: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
     """Bytes per base parameter and the fixed rest (the adapter's chunks), from the two smallest
     points' accounted ``key`` (a ``stats()`` figure) after the last step."""
-    ok = [r for r in runs if r["state"] == "ok" and r["steps"]]
+    ok = [r for r in runs if r["state"] == "ok" and r["steps"] and key in r["steps"][-1]]  # not plain PEFT
     if len(ok) < 2:
         return None
     return _fit([{**r, "parameters": r["base_parameters"], "peak_rss": r["steps"][-1][key]} for r in ok])
