@@ -7,12 +7,13 @@ in a fresh process whose peak resident set is read from the kernel (forked from 
 imported torch, transformers and chunkmem). Plain PEFT builds the base on the CPU in bf16 (2 bytes a
 base parameter) and trains in bf16 with PEFT's fp32 adapter; chunkmem builds it on the meta device
 (``get_peft_model`` inside the meta block: the base's initialisation is replayed chunk by chunk
-while boosting) and computes in bf16 from its chunks, the base either in host memory
-(``chunkmem-ram``: its fp32 values and its 16-bit copy) or on disk (``chunkmem-disk``: both in
-``--disk-dir``, each gather reads the 16-bit shard). The two smallest points give each system's
-host bytes per base parameter (the slope) and its working set (the intercept); the largest base per
-system is what fits in ``--ram`` at that rate and, with the base on disk, what fits on the scratch
-disk at the bytes a base parameter takes there.
+while boosting), in bf16 too, and computes in bf16 from its chunks; its frozen chunks hold only
+those bf16 values (no fp32 master), either in host memory (``chunkmem-ram``) or on disk
+(``chunkmem-disk``: in ``--disk-dir``, each gather reads its shard). The two smallest points give
+each system's host bytes per base parameter (the slope of peak RSS, and of the bytes chunkmem's
+ledger counts) and its working set (the intercept); the largest base per system is what fits in
+``--ram`` at that rate and, with the base on disk, what fits on the scratch disk at the bytes a
+base parameter takes there (the slope of the scratch bytes: the adapter's chunks are the intercept).
 
 Per step: wall time, tokens per second, the disk bytes read and written (of which the 16-bit
 parameter shards), and what those bytes cost at the disk's sequential read bandwidth measured by
@@ -102,8 +103,8 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     from chunkmem import Booster, ChunkPlugin
     from placement import StaticPlacementConfig
 
-    with torch.device("meta"):
-        model = _lora(LlamaForCausalLM(cfg), spec["rank"])
+    with torch.device("meta"):  # the base in bf16, as plain PEFT's: frozen chunks then hold only its values
+        model = _lora(LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16), spec["rank"])
     base = _base_parameters(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     on_disk = spec["system"] == "chunkmem-disk"
@@ -186,6 +187,15 @@ def _fit_base(runs: list[dict[str, Any]]) -> tuple[float, float] | None:
     return _fit([{**r, "parameters": r.get("base_parameters", 0)} for r in runs])
 
 
+def _fit_accounted(runs: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
+    """Bytes per base parameter and the fixed rest (the adapter's chunks), from the two smallest
+    points' accounted ``key`` (a ``stats()`` figure) after the last step."""
+    ok = [r for r in runs if r["state"] == "ok" and r["steps"] and key in r["steps"][-1]]  # not plain PEFT
+    if len(ok) < 2:
+        return None
+    return _fit([{**r, "parameters": r["base_parameters"], "peak_rss": r["steps"][-1][key]} for r in ok])
+
+
 def _row(run: dict[str, Any], read_bps: float | None) -> list[str]:
     steady = run.get("steps", [])[1:] or run.get("steps", [])
     last = steady[-1] if steady else {}
@@ -263,11 +273,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "working_set_bytes": None if fit is None else fit[1],
             "largest_base_parameters_in_ram": largest,
         }
-        ok = [r for r in runs if r["state"] == "ok" and r["steps"]]
-        if system == "chunkmem-disk" and ok:
-            per_param = ok[-1]["steps"][-1]["disk_bytes"] / ok[-1]["base_parameters"]
-            entry["disk_bytes_per_base_parameter"] = per_param
-            entry["largest_base_parameters_on_disk"] = int(free_disk / per_param)
+        accounted = _fit_accounted(runs, "peak_host_bytes")
+        if accounted is not None:  # what chunkmem's ledger counts, beside the process's RSS
+            entry["accounted_host_bytes_per_base_parameter"] = accounted[0]
+        on_disk = _fit_accounted(runs, "disk_bytes") if system == "chunkmem-disk" else None
+        if on_disk is not None and on_disk[0] > 0:
+            entry["disk_bytes_per_base_parameter"] = on_disk[0]
+            entry["largest_base_parameters_on_disk"] = int((free_disk - on_disk[1]) / on_disk[0])
         summary[system] = entry
         rows += [_row(run, read_bps) for run in runs]
     print_table(HEADERS, rows)
@@ -277,6 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fits = f"{largest / 1e9:.2f} B base parameters fit in {fmt_bytes(ram)}" if largest else "no RAM limit"
             working = fmt_bytes(entry["working_set_bytes"])
             print(f"{system}: {slope:.2f} host bytes a base parameter, working set {working}: {fits}")
+        if "accounted_host_bytes_per_base_parameter" in entry:
+            accounted = entry["accounted_host_bytes_per_base_parameter"]
+            print(f"{system}: {accounted:.2f} accounted host bytes a base parameter (the ledger's peak)")
         if "largest_base_parameters_on_disk" in entry:
             print(
                 f"{system}: {entry['disk_bytes_per_base_parameter']:.2f} disk bytes a base parameter: "

@@ -372,10 +372,11 @@ class ChunkPlugin:
         if nbytes == 0:
             return None
         chunks = sum(1 for p in layout.placements if p.optim_on_disk)
+        trained = sum(1 for p, s in zip(layout.placements, specs, strict=True) if p.optim_on_disk and s.trainable)
         params = sum(1 for p in layout.placements if p.param_on_disk)
-        # Each chunk's master, gradient, states and 16-bit parameter shard get a region of their
-        # own, each rounded up to a block.
-        nbytes += DISK_BLOCK * (3 * chunks + params)
+        # Each chunk's master (a frozen chunk's values), gradient, states and 16-bit parameter shard
+        # get a region of their own, each rounded up to a block; a frozen chunk has only the first.
+        nbytes += DISK_BLOCK * (chunks + 2 * trained + params)
         return backing.disk_file(nbytes, chunks, comm, stats, self.disk_dir)
 
     @staticmethod
@@ -432,14 +433,17 @@ class ChunkPlugin:
 
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel
-        fp32 = MASTER_DTYPE.itemsize
-        states = state.reserved(shard, len(chunk.tensors)) if chunk.trainable else 0
-        optimizer = shard * fp32 + state.reserved(shard, len(chunk.tensors))
-        optim_side = shard * fp32 + (optimizer if chunk.trainable else 0)
+        kind = chunk.layout.shard_kind
+        # The master: fp32, or a frozen chunk's values alone in the compute dtype (FROZEN_VALUES).
+        master = shard * kind.values_dtype(self.compute_dtype).itemsize
+        master_is_compute = kind.values_dtype(self.compute_dtype) == self.compute_dtype
+        trainable = kind.has_grad
+        states = state.reserved(shard, len(chunk.tensors)) if trainable else 0
+        grad = shard * MASTER_DTYPE.itemsize if trainable else 0
+        optim_side = master + grad + states
         # What leaves host memory for disk: the states, the gradient shard, and a master gathers do
         # not read.
-        grad = shard * fp32 if chunk.trainable else 0
-        disk_side = states + grad + (0 if self.compute_dtype == MASTER_DTYPE else shard * fp32)
+        disk_side = states + grad + (0 if master_is_compute else master)
         return ChunkSpec(
             chunk_id=chunk.chunk_id,
             label=chunk.tensors[0].name,
@@ -449,7 +453,7 @@ class ChunkPlugin:
             optim_side_bytes=optim_side,
             shard_copy_bytes=shard * self.compute_dtype.itemsize,
             gathered_is_shard=world_size == 1,
-            master_is_compute=self.compute_dtype == MASTER_DTYPE,
+            master_is_compute=master_is_compute,
             disk_side_bytes=disk_side,
         )
 

@@ -45,7 +45,8 @@ class ChunkSpec:
     """Bytes of the flat fp32 gradient buffer while gradients accumulate (0 when frozen)."""
     optim_side_bytes: int
     """Bytes of the fp32 master shard, its gradient shard and optimizer states when they live on
-    the device."""
+    the device; for a frozen chunk whose parameters are in the compute dtype, its values alone (it
+    has no master: ``master_is_compute``)."""
     shard_copy_bytes: int
     """Bytes of a compute-dtype copy of the shard kept on the device while the master is on the
     host."""
@@ -53,7 +54,8 @@ class ChunkSpec:
     """World size 1: the shard is the whole chunk, so a compute-dtype shard already on the device
     serves as the gathered buffer and gathering allocates nothing."""
     master_is_compute: bool
-    """The master dtype is the compute dtype (fp32 training): a device master is compute data."""
+    """The master dtype is the compute dtype (fp32 training, or a frozen chunk that holds only its
+    16-bit values): a device master is compute data, and gathers read it, with no copy."""
     disk_side_bytes: int = 0
     """Bytes of the optimizer side that leave host memory when it goes to disk: the optimizer
     states, the gradient shard and, when the master is not the compute data (16-bit compute), the

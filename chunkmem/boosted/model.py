@@ -34,7 +34,6 @@ from ..activations import ActivationBlocks
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
-from ..chunks.shard import MASTER_DTYPE
 from ..device import gpu_device
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from ..execution.gather import Destination, gather_full
@@ -264,13 +263,15 @@ class ChunkedModel(torch.nn.Module):
 
     # --- full state -------------------------------------------------------------------------
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every ``state_dict`` entry (parameters as fp32 masters, buffers in
-        their original dtype), without gathering anything."""
+        """Shape and dtype of every ``state_dict`` entry (parameters as fp32 masters, a frozen
+        chunk's parameters in the compute dtype when that is their own and all it stores, buffers
+        in their original dtype), without gathering anything."""
         manager = self._manager
         out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             if manager.manages(tensor):
-                out[name] = (tuple(manager.info(tensor).shape), MASTER_DTYPE)
+                info = manager.info(tensor)
+                out[name] = (tuple(info.shape), manager.chunk(info.chunk_id).store.values_dtype)
             else:
                 out[name] = (tuple(tensor.shape), self._buffer_dtypes.get(name, tensor.dtype))
         return out

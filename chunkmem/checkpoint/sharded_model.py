@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..boosted.model_state import StagedModelLoad, check_model_state
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
-from ..chunks.shard import MASTER_DTYPE
 from .dcp_layout import Entry, FlatRange, Whole, as_meta, read_whole
 from .sharded import Reading
 
@@ -56,7 +55,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
                 master = chunk.store.readable_master()  # mapped from the disk tier's file when there
                 entries[info.name] = FlatRange(master[piece.shard], tuple(info.shape), piece.param.start)
             elif info.numel == 0 and first:
-                entries[info.name] = Whole(torch.zeros(info.shape, dtype=MASTER_DTYPE))
+                entries[info.name] = Whole(torch.zeros(info.shape, dtype=chunk.store.values_dtype))
     if first:
         for name, tensor, dtype in _state(model)[0]:
             entries[name] = Whole(tensor.detach().to("cpu", dtype))

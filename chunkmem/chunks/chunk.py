@@ -154,7 +154,7 @@ class Chunk:
             self._transfers,
             master,
             shard,
-            self.trainable,
+            self.layout.shard_kind,
             host_device=self._comm.host_device,
             disk=disk,
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .shard import MASTER_DTYPE
+from .shard_kind import ShardKind
 from .tensor_state import TensorInfo
 
 __all__ = ["ChunkLayout", "ShardPiece"]
@@ -51,6 +52,7 @@ class ChunkLayout:
         self._tensors: list[TensorInfo] = []
         self._used = 0
         self._closed = False  # parameters are appended until the chunk is closed, once
+        self._param_dtypes: set[torch.dtype] = set()  # the parameters' own dtypes (one, from group_key)
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:
@@ -98,6 +100,13 @@ class ChunkLayout:
         self.require_open("close", where)
         self._closed = True
 
+    @property
+    def shard_kind(self) -> ShardKind:
+        """What the shard stores (see ``ShardKind``), from the parameters appended so far."""
+        # Mixed dtypes (chunks built by hand) keep a master: one dtype other than compute's suffices.
+        dtype = next(iter(self._param_dtypes)) if len(self._param_dtypes) == 1 else MASTER_DTYPE
+        return ShardKind.of(self.trainable, dtype if self._param_dtypes else self.compute_dtype, self.compute_dtype)
+
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
         return self._used + numel <= self.capacity
@@ -112,6 +121,7 @@ class ChunkLayout:
             )
         if info.offset != self._used or info.chunk_id != self.chunk_id or info.index != len(self._tensors):
             raise ValueError(f"{where}: parameter '{info.name}' has a layout for another position")
+        self._param_dtypes.add(info.param.dtype)
         self._tensors.append(info)
         self._used += info.numel
 

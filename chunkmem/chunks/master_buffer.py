@@ -1,5 +1,6 @@
-"""``MasterSideBuffer``: an fp32 shard-sized buffer that lives where a chunk's master lives (the
-master itself, or its gradient shard), on the device or in host memory."""
+"""``MasterSideBuffer``: a shard-sized buffer that lives where a chunk's master lives (the master
+itself, or its gradient shard), on the device or in host memory: fp32, or the compute dtype for the
+values of a frozen chunk that has no master (``ShardKind.FROZEN_VALUES``)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ _CPU = torch.device("cpu")
 
 
 class MasterSideBuffer:
-    """An fp32 shard-sized buffer that lives where the master lives. With an asynchronous device its
-    host buffer is pinned, allocated once for the store's life (pinning is slow) and reused by every move
-    back to the host; without one it is an ordinary allocation, freed when the buffer leaves."""
+    """A shard-sized buffer (fp32 unless ``dtype`` says) that lives where the master lives. With an
+    asynchronous device its host buffer is pinned, allocated once for the store's life (pinning is
+    slow) and reused by every move back to the host; without one it is an ordinary allocation, freed
+    when the buffer leaves."""
 
     def __init__(
         self,
@@ -29,8 +31,10 @@ class MasterSideBuffer:
         layer: DeviceLayer,
         accounted: bool = True,
         host_device: torch.device = _CPU,
+        dtype: torch.dtype = MASTER_DTYPE,
     ) -> None:
         self._kind = kind
+        self._dtype = dtype
         self._numel = numel
         self._device = device
         self._host_device = host_device
@@ -43,19 +47,19 @@ class MasterSideBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self._numel * MASTER_DTYPE.itemsize
+        return self._numel * self._dtype.itemsize
 
     def take(self, location: Location) -> torch.Tensor:
         """An uninitialized buffer at ``location`` (the kept pinned one on the host, with CUDA)."""
         if location is Location.DEVICE:
             if self._ledger is not None:
                 self._ledger.alloc(Location.DEVICE, self._kind, self.nbytes)
-            return torch.empty(self._numel, dtype=MASTER_DTYPE, device=self._device)
+            return torch.empty(self._numel, dtype=self._dtype, device=self._device)
         if self._host is not None:
             return self._host
         if self._ledger is not None:
             self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
-        host = self._layer.host_empty(self._numel, MASTER_DTYPE, self._host_device, pinned=self._pin)
+        host = self._layer.host_empty(self._numel, self._dtype, self._host_device, pinned=self._pin)
         if self._pin:
             self._host = host
         return host

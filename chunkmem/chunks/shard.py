@@ -1,6 +1,11 @@
 """The local shard of one chunk: the fp32 master (source of truth, where the optimizer updates it),
 its fp32 gradient shard (beside it, ``GradShard``), and the compute-dtype copies derived from it.
 
+What a shard stores is its ``ShardKind``: a frozen chunk has no gradient shard, and one whose
+parameters are in the compute dtype (``FROZEN_VALUES``) has no fp32 master either: its values, in
+the compute dtype, take the master's place below (on the device, the host or disk, as placed) and,
+being what gathers read, need no copy (as an fp32 master under fp32 compute).
+
 * Master on the device: no copy at all; a gather casts the master into the gathered buffer on the
   fly (DeepSpeed's fused downcast), so only compute-dtype bytes are ever all-gathered.
 * Master on the host, parameter shard on the host: a gather copies host data to the device; for
@@ -34,11 +39,12 @@ from .grad_on_disk import GradOnDisk
 from .grad_shard import GradShard
 from .master_buffer import MASTER_DTYPE, MasterSideBuffer
 from .param_on_disk import ParamOnDisk, read_for_gather
+from .shard_kind import ShardKind
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
 
-__all__ = ["ShardStore", "SourceKind"]
+__all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
 
 _CPU = torch.device("cpu")
 
@@ -65,7 +71,7 @@ class ShardStore:
         transfers: HostTransfers,
         master: Location,
         shard: Location,
-        trainable: bool,
+        kind: ShardKind,
         host_device: torch.device = _CPU,
         disk: SidesFile | None = None,
     ) -> None:
@@ -76,6 +82,8 @@ class ShardStore:
             )
         self._label = label
         self._numel = numel
+        self._kind = kind
+        self._values_dtype = kind.values_dtype(compute_dtype)
         self._compute_dtype = compute_dtype
         self._device = device
         self._ledger = ledger
@@ -88,30 +96,31 @@ class ShardStore:
             raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
         if shard is Location.DISK and disk is None:
             raise ValueError(f"{label}: a parameter shard on disk needs its optimizer side on disk too")
-        # The master goes to disk with 16-bit compute (gathers read its 16-bit copy); an fp32
-        # master is what gathers read, so it stays, unless the parameter shard goes to disk too.
-        # The gradient shard goes in both cases.
-        self._disk = disk if compute_dtype != MASTER_DTYPE or shard is Location.DISK else None
+        # The master goes to disk when gathers read its 16-bit copy; a master in the compute dtype
+        # (fp32 compute, or a frozen chunk's values) is what gathers read, so it stays, unless the
+        # parameter shard goes to disk too. The gradient shard goes in both cases.
+        self._disk = disk if self._needs_host_cast or shard is Location.DISK else None
         self._param_disk = (
             ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device)
-            if disk is not None and shard is Location.DISK and compute_dtype != MASTER_DTYPE
+            if disk is not None and shard is Location.DISK and self._needs_host_cast
             else None
         )
         self._disk_offset = -1
         self._master_resident = True
         # A master bound for disk never crosses the bus (gathers read its 16-bit copy): not pinned.
         self._master_buffers = MasterSideBuffer(
-            MemoryKind.MASTER,
+            self._values_kind,
             numel,
             device,
             ledger,
             self._pin and disk is None,
             transfers.layer,
             host_device=host_device,
+            dtype=self._values_dtype,
         )
         self._master = self._master_buffers.take(master)
         self._grads: GradShard | None = None
-        if trainable:
+        if kind.has_grad:
             self._grads = GradShard(label, numel, device, ledger, transfers, master, self._pin, host_device, disk)
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
@@ -130,8 +139,24 @@ class ShardStore:
         return self._numel
 
     @property
+    def kind(self) -> ShardKind:
+        return self._kind
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The master's dtype: fp32, or the compute dtype for ``ShardKind.FROZEN_VALUES``."""
+        return self._values_dtype
+
+    @property
+    def _values_kind(self) -> MemoryKind:
+        """How the ledger counts the master: fp32 shard data as ``MASTER`` (under fp32 compute a
+        frozen chunk's values too, as any fp32 master there is what gathers read), a frozen chunk's
+        16-bit values as the compute-dtype shard data they are (``SHARD_COPY``)."""
+        return MemoryKind.MASTER if self._values_dtype == MASTER_DTYPE else MemoryKind.SHARD_COPY
+
+    @property
     def _master_bytes(self) -> int:
-        return self._numel * MASTER_DTYPE.itemsize
+        return self._numel * self._values_dtype.itemsize
 
     @property
     def _copy_bytes(self) -> int:
@@ -139,11 +164,12 @@ class ShardStore:
 
     @property
     def _needs_host_cast(self) -> bool:
-        return self._compute_dtype != MASTER_DTYPE
+        return self._compute_dtype != self._values_dtype
 
     @property
     def master(self) -> torch.Tensor:
-        """The fp32 master shard (the optimizer's parameters are views of it)."""
+        """The master shard (the optimizer's parameters are views of it): fp32, or a frozen chunk's
+        values in the compute dtype (``ShardKind.FROZEN_VALUES``)."""
         return self._master
 
     @property
@@ -168,15 +194,13 @@ class ShardStore:
     def keeps_compute_on_device(self) -> bool:
         """Whether compute-dtype shard data sits on the device between uses."""
         kind = self.source_kind
-        return kind is SourceKind.DEVICE_COPY or (
-            kind is SourceKind.DEVICE_MASTER and self._compute_dtype == MASTER_DTYPE
-        )
+        return kind is SourceKind.DEVICE_COPY or (kind is SourceKind.DEVICE_MASTER and not self._needs_host_cast)
 
     def resident_compute(self) -> torch.Tensor | None:
         """A compute-dtype tensor on the device holding the current shard values between uses, if
         this placement keeps one (at world size 1 it can serve as the gathered buffer)."""
         kind = self.source_kind
-        if kind is SourceKind.DEVICE_MASTER and self._compute_dtype == MASTER_DTYPE:
+        if kind is SourceKind.DEVICE_MASTER and not self._needs_host_cast:
             return self._master
         if kind is SourceKind.DEVICE_COPY:
             return self._refreshed_device_copy()
@@ -364,14 +388,14 @@ class ShardStore:
         is on disk, a view mapped from its region of the disk file."""
         if self._master_resident or self._disk is None:
             return self._master
-        return self._disk.view(self._disk_offset, self._numel, MASTER_DTYPE)
+        return self._disk.view(self._disk_offset, self._numel, self._values_dtype)
 
     def staging_for_master(self, numel: int) -> torch.Tensor:
         """Where a load stages ``numel`` master values before installing them: memory, or for a
         master on disk a file of the disk tier's scratch directory."""
         if self._disk is None:
-            return torch.empty(numel, dtype=MASTER_DTYPE)
-        return self._disk.staging(numel, MASTER_DTYPE)
+            return torch.empty(numel, dtype=self._values_dtype)
+        return self._disk.staging(numel, self._values_dtype)
 
     def move_master_to_disk(self) -> None:
         """Move the master to its disk region, once, after it got its values (boost): its 16-bit
@@ -388,8 +412,8 @@ class ShardStore:
         file.write(self._master, self._disk_offset, param=self._master_is_param).result()
         self._master.untyped_storage().resize_(0)
         self._master_resident = False
-        self._ledger.free(Location.HOST, MemoryKind.MASTER, self._master_bytes)
-        self._ledger.alloc(Location.DISK, MemoryKind.MASTER, self._master_bytes)
+        self._ledger.free(Location.HOST, self._values_kind, self._master_bytes)
+        self._ledger.alloc(Location.DISK, self._values_kind, self._master_bytes)
 
     def fetch_master(self) -> Future[None] | None:
         """Start reading the master from disk into memory (``None``: it is in memory)."""
