@@ -112,11 +112,12 @@ class DeviceResidency:
         self._observer = observer
         n = len(specs)
         self._labels = [s.label for s in specs]
+        self._trainable = [s.trainable for s in specs]
         self._keep = [layout[i].keep_gathered for i in range(n)]
         # Device bytes a gathered buffer allocates (0: a resident shard serves as the chunk).
         self._gather_bytes = [layout[i].fetch_bytes(s, ignore_keep=True) for i, s in enumerate(specs)]
         grad_bytes = [layout[i].grad_buffer_bytes(s) if s.trainable else 0 for i, s in enumerate(specs)]
-        self._grads = GradientBuffers([s.trainable for s in specs], grad_bytes, world_size, self._require)
+        self._grads = GradientBuffers(self._trainable, grad_bytes, world_size, self._require)
         self._held = [Held.RELEASED] * n
         self._holds = [0] * n  # running ops using the chunk
         self._buffers: dict[int, None] = {}  # gathered chunks the policy may release, in gather order
@@ -461,14 +462,15 @@ class DeviceResidency:
 
     def after_step(self) -> Iterator[Action]:
         """The masters changed: gathered chunks the policy manages are released, the others
-        (kept gathered, served by a resident shard) refreshed."""
+        (kept gathered, served by a resident shard) refreshed, unless frozen: a step never
+        changes a frozen chunk's values."""
         yield from self.wait_all()
         for c, held in enumerate(self._held):
             if held is Held.RELEASED:
                 continue
             if c in self._buffers:
                 yield from self._release(c, Verb.DROP)
-            else:
+            elif self._trainable[c]:
                 yield Action(Verb.REFRESH, c)
 
     def refresh(self) -> Iterator[Action]:

@@ -19,6 +19,7 @@ from test_peft import STEPS, assert_same_adapter, assert_same_states, lora_model
 
 from chunkmem import ChunkPlugin, Location, MemoryKind, plan
 from chunkmem.tiers.disk import DISK_BLOCK
+from placement import StaticPlacementConfig
 
 PLACEMENTS = {"on-disk": ON_DISK, "in-ram": IN_RAM}
 ADAM = 4 + 4 + 4 + 4  # per trainable element: fp32 master, fp32 gradient, exp_avg, exp_avg_sq
@@ -141,3 +142,14 @@ def test_a_bf16_base_on_disk_at_two_ranks_holds_two_bytes_an_element_per_rank(tm
     for result in results:
         assert_frozen_values_only(result, "on-disk")
     assert_equals_plain_peft(results, tmp_path)
+
+
+def test_a_step_does_not_copy_a_frozen_base_to_the_device_again(tmp_path: Path) -> None:
+    """Host values with their device copy kept (optimizer sides on the host, parameter shards on the
+    device): a step changes only the adapters, so from the second step on the host-to-device bytes
+    are the trainable chunks' 16-bit copies, refreshed once a step, and none of the base's."""
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=1)
+    chunked, optimizer, booster = boosted(bf16_base(lora_model()), placement, "bf16", tmp_path)
+    _, stats = train_counted(chunked, optimizer, booster, batches(3))
+    trainable = sum(c.shard_numel for c in chunked.manager.chunks if c.trainable) * torch.bfloat16.itemsize
+    assert [after.h2d_bytes - before.h2d_bytes for before, after in itertools.pairwise(stats[1:])] == [trainable] * 2

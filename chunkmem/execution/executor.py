@@ -263,10 +263,11 @@ class ResidencyExecutor:
     def masters_changed(self, by_step: bool) -> None:
         """The masters were written (an optimizer step, or a load): after a step gathered chunks
         the policy manages are released and the others refreshed; after a load every gathered
-        chunk is refreshed."""
+        chunk is refreshed. A step leaves frozen chunks as they were: their copies stay current."""
         self.wait_all()
         for chunk in self._manager.chunks:
-            chunk.store.mark_updated()
+            if chunk.trainable or not by_step:
+                chunk.store.mark_updated()
         self._carry(self._residency.after_step() if by_step else self._residency.refresh())
 
     # --- the budget ------------------------------------------------------------------------------
