@@ -25,7 +25,6 @@ copies still reading it.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -39,7 +38,7 @@ from .grad_on_disk import GradOnDisk
 from .grad_shard import GradShard
 from .master_buffer import MASTER_DTYPE, MasterSideBuffer
 from .param_on_disk import ParamOnDisk, read_for_gather
-from .shard_kind import ShardKind
+from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
@@ -47,15 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
 
 _CPU = torch.device("cpu")
-
-
-class SourceKind(enum.Enum):
-    """Where a gather reads this rank's shard from."""
-
-    DEVICE_MASTER = "device_master"
-    DEVICE_COPY = "device_copy"
-    HOST = "host"
-    DISK = "disk"
 
 
 class ShardStore:
@@ -82,7 +72,6 @@ class ShardStore:
             )
         self._label = label
         self._numel = numel
-        self._kind = kind
         self._values_dtype = kind.values_dtype(compute_dtype)
         self._compute_dtype = compute_dtype
         self._device = device
@@ -137,10 +126,6 @@ class ShardStore:
     @property
     def numel(self) -> int:
         return self._numel
-
-    @property
-    def kind(self) -> ShardKind:
-        return self._kind
 
     @property
     def values_dtype(self) -> torch.dtype:

@@ -1,5 +1,5 @@
 """``ShardKind``: what one chunk's shard stores, decided once from its parameters and the compute
-dtype.
+dtype; ``SourceKind``: where a gather reads it from, which follows from placement.
 
 A trained chunk keeps an fp32 master (what the optimizer updates), its gradient shard and the
 compute-dtype copies gathers read. A frozen chunk is never updated, so it needs neither gradient
@@ -20,7 +20,7 @@ import torch
 
 from .master_buffer import MASTER_DTYPE
 
-__all__ = ["ShardKind"]
+__all__ = ["ShardKind", "SourceKind"]
 
 
 class ShardKind(enum.Enum):
@@ -48,3 +48,12 @@ class ShardKind(enum.Enum):
     def values_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the shard's authoritative values (the master, or the values alone)."""
         return compute_dtype if self is ShardKind.FROZEN_VALUES else MASTER_DTYPE
+
+
+class SourceKind(enum.Enum):
+    """Where a gather reads this rank's shard from."""
+
+    DEVICE_MASTER = "device_master"
+    DEVICE_COPY = "device_copy"
+    HOST = "host"
+    DISK = "disk"
