@@ -18,7 +18,7 @@ import torch
 from distributed import run_ranks
 from models import adamw_two_groups, as_reference, batches, boost, gpt2, lm_loss, train_accumulating
 from pydantic import ValidationError
-from test_activations import STEPS, Block, Stack, _assert_identical, _data, _loss, _plain, saved_storages
+from test_activations import STEPS, Block, Stack, _assert_identical, _data, _loss, _plain, _trained, saved_storages
 
 from chunkmem import ChunkPlugin, DiskTierError, plan
 from placement import ActivationPlacement
@@ -69,15 +69,7 @@ def test_beyond_the_host_budget_activations_go_to_disk_bit_exact_and_counted(tmp
     chunked, optimizer, booster = boost(
         Stack(), adamw_two_groups, precision="fp32", chunk_size=4_000, activations=activations, disk_dir=tmp_path
     )
-    torch.manual_seed(7)
-    losses = []
-    for x in _data():
-        loss = _loss(chunked, x)
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    _assert_identical({"losses": losses, "state": chunked.state_dict()}, _plain(Stack()))
+    _assert_identical(_trained(chunked, optimizer, booster), _plain(Stack()))
     stats = chunked.stats()
     assert stats.activation_disk_write_bytes == stats.activation_disk_read_bytes == STEPS * disk
     assert stats.activation_d2h_bytes == stats.activation_h2d_bytes == STEPS * sum(sizes)

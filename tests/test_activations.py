@@ -96,6 +96,11 @@ def _chunked(model: torch.nn.Module, activations: Any, precision: str = "fp32") 
     chunked, optimizer, booster = boost(
         model, adamw_two_groups, precision=precision, chunk_size=4_000, activations=activations
     )
+    return _trained(chunked, optimizer, booster), chunked.stats()
+
+
+def _trained(chunked: Any, optimizer: Any, booster: Any) -> dict[str, Any]:
+    """Losses and final state of ``_plain``'s training, run by ``chunked``."""
     torch.manual_seed(7)
     losses = []
     for x in _data():
@@ -104,7 +109,7 @@ def _chunked(model: torch.nn.Module, activations: Any, precision: str = "fp32") 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "state": chunked.state_dict()}, chunked.stats()
+    return {"losses": losses, "state": chunked.state_dict()}
 
 
 def _assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
