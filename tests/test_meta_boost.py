@@ -400,8 +400,10 @@ def test_peak_host_memory_while_boosting_is_near_the_shard(tmp_path: Path) -> No
         # MiB, however large the base. Holding this rank's share of the base in host memory, even
         # in 16 bits, would be half its fp32 masters.
         assert disk["host"] == 0, mib  # nothing of the model stays in host memory after boosting
-        bound = 2 * disk["chunk"] + 2 * disk["largest"] + 16 * 2**20
-        assert bound < 0.35 * disk["masters"], mib
+        # The runtime's own part is the least certain: the whole growth measured 21 MiB on an idle
+        # machine and 36.5 MiB once under CI (allocator arenas, not model data).
+        bound = 2 * disk["chunk"] + 2 * disk["largest"] + 32 * 2**20
+        assert bound < 0.4 * disk["masters"], mib  # the share in 16 bits would be 0.5
         assert disk["growth"] < bound, f"rank {rank}, disk: {mib}"
         for kind, m in result.items():
             mib = {k: round(v / 2**20, 1) if k != "s" else round(v, 2) for k, v in m.items()}

@@ -185,12 +185,19 @@ def test_the_minimum_budget_is_the_minimum() -> None:
 
 @pytest.mark.slow
 def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
+    cli = importlib.import_module("chunkmem.plan")
+    # The shipped shape is LLaMA 7B. Planning all its 32 layers takes about 25 s here (PyTorch's
+    # meta kernels run in Python), so the command line plans its widths at two layers, given as a
+    # user gives a config: a config.json.
+    assert 6.7e9 < sum(p.numel() for p in cli.build_meta_model("llama-7b", 512).parameters()) < 6.8e9
+    (tmp_path / "config.json").write_text(json.dumps({**cli.SHAPES["llama-7b"], "num_hidden_layers": 2}))
+    argv = ["--hf-config", str(tmp_path), "--device-budget", "24GiB", "--batch", "1x512", "--world-size", "8", "--json"]
     # ``python -m chunkmem.plan``, forked from the tests' fork server (its imports done).
-    argv = ["--hf-config", "llama-7b", "--device-budget", "24GiB", "--batch", "1x512", "--world-size", "8", "--json"]
     done = run_main("chunkmem.plan", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
-    assert 6.7e9 < result["parameters"] < 6.8e9  # LLaMA 7B
+    hidden, mlp, vocab = 4096, 11008, 32000  # embeddings and head untied; four attention and three MLP matrices
+    assert result["parameters"] == 2 * vocab * hidden + 2 * (4 * hidden**2 + 3 * hidden * mlp + 2 * hidden) + hidden
     # Gradients are reduce-scattered once per step: the fp32 model's bytes, all chunks padded.
     assert result["reduce_scatter_bytes_per_step"] >= 4 * result["parameters"]
     assert result["fits"] and result["peak_device_bytes"] <= 24 * 2**30
