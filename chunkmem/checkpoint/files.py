@@ -1,13 +1,11 @@
-"""The single-file format: a ``torch.save`` file and its manifest beside it, replaced together.
+"""The single-file format: a plain ``torch.save`` file and its manifest beside it
+(``<file>.chunkmem.json``), replaced together.
 
-A save writes the file and its manifest (``<file>.chunkmem.json``, see
-:mod:`~chunkmem.checkpoint.manifest`) into a workspace chunkmem owns beside the target
-(:mod:`~chunkmem.checkpoint.workspace`: a random name, a marker, a lock held while the save runs),
-flushes both to disk, then renames the manifest into place, then the file. The new manifest also
-describes the file it replaces (``previous``), so a reader between the two renames, or a save
-killed between them, finds the old file verified; before them the old pair is untouched, after
-them the new pair is whole. The file itself stays a plain ``torch.save`` file that plain PyTorch
-loads. Reads use ``torch.load(weights_only=True)`` and check the same inode they load.
+A save writes and flushes both in a workspace (:mod:`.workspace`), then renames the manifest into
+place, then the file. The new manifest also describes the file it replaces (``previous``), so a
+reader between the two renames, or a save killed between them, finds the old file verified; before
+them the old pair is untouched, after them the new pair is whole. Reads use
+``torch.load(weights_only=True)`` and check the same inode they load.
 """
 
 from __future__ import annotations
@@ -136,9 +134,7 @@ def _current_manifest(target: Path) -> Manifest | None:
 
 
 def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> Manifest:
-    """Write ``obj`` and its manifest so that a reader, or a save killed at any point, finds the
-    old pair or the new one: both are written into a workspace, then the manifest (which also
-    describes the file it replaces, as ``previous``) is renamed into place, then the file."""
+    """Write ``obj`` and its manifest (see the module's docstring); the manifest written."""
     target = Path(path)
     written: list[Manifest] = []
 

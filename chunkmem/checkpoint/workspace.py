@@ -1,21 +1,13 @@
-"""Where a save writes before its result replaces the target (a directory chunkmem owns), how what it
-wrote is made durable, and what a failed write says.
+"""Where a save writes before its result replaces the target, and what both formats share: durable
+writes, the error a failed write raises (:func:`write_error`), and reading again while saves
+replace what a load reads (:func:`read_while_replaced`).
 
-A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/`` (a random token),
-a directory chunkmem owns (:mod:`chunkmem.tiers.owned_dir`, as the disk tier's scratch space): its marker
-file names the target and the token, and the saving process holds its lock for as long as the
-workspace lives, so a workspace is *dead* exactly when its save was killed. Cleanup removes only
-dead workspaces; anything else beside a checkpoint, whatever its name, is never removed, renamed or
-overwritten.
-
-A workspace also keeps the previous checkpoint while a save swaps the new one in without an atomic
-exchange (``previous`` inside it): a save killed between its two renames leaves the previous
-checkpoint there, and the next save or load to the same target puts it back.
-
-A write that fails is named by :func:`write_error`, whatever the format: what could not be written
-and why, the space left on its disk, and that the previous checkpoint at the target is unchanged.
-A load reads again while saves replace what it reads (:func:`read_while_replaced`), whatever the
-format.
+A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/``, a directory chunkmem
+owns (:mod:`chunkmem.tiers.owned_dir`): its marker names the target and the token, and the saving
+process holds its lock while the workspace lives, so a workspace is *dead* exactly when its save
+was killed. Only dead workspaces are ever removed. A workspace also holds the previous checkpoint
+(``previous``) while a save swaps a directory in without an atomic exchange: a save killed between
+its two renames leaves it there, and the next save to the same target puts it back.
 """
 
 from __future__ import annotations
