@@ -1,4 +1,4 @@
-"""Checkpoints you can trust, in plain PyTorch's own formats (README.md, "Checkpoints").
+"""Checkpoints you can trust, in plain PyTorch's own formats (README.md, "Training loop").
 
 The model file is the wrapped module's full fp32 ``state_dict``, the optimizer file a full
 ``Optimizer.state_dict`` over the original parameters (gathered to rank 0 chunk by chunk); with

@@ -133,10 +133,9 @@ def _current_manifest(target: Path) -> Manifest | None:
     return None if manifest is None else manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
 
 
-def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> Manifest:
-    """Write ``obj`` and its manifest (see the module's docstring); the manifest written."""
+def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> None:
+    """Write ``obj`` and its manifest (see the module's docstring)."""
     target = Path(path)
-    written: list[Manifest] = []
 
     def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
         digest = _write_into(obj, workspace / "data")
@@ -144,11 +143,9 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> 
         keep_file(target, record.step, previous)
         manifest = record.manifest(file=target.name, digest=digest, previous=previous)
         write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
-        written.append(manifest)
         return [(workspace / "manifest", manifest_path(target)), (workspace / "data", target)]
 
     _replace(target, obj, fill)
-    return written[0]
 
 
 # --- reading ----------------------------------------------------------------------------------

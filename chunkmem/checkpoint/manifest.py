@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..optim import ChunkOptimizer
 
 __all__ = [
+    "A_KIND",
     "DCP_LAYOUT",
     "DIRECTORY_FORMAT",
     "MANIFEST_NAME",
@@ -52,7 +53,6 @@ __all__ = [
     "check_kind",
     "check_saved_for_model",
     "check_saved_for_optimizer",
-    "describe_difference",
     "digest_of",
     "manifest_for_load",
     "manifest_path",
@@ -258,19 +258,15 @@ def manifest_for_load(target: Path, verify: bool, directory: bool = False) -> Ma
     return manifest
 
 
-_A_KIND: dict[str, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
-
-
-def a_kind(kind: Kind) -> str:
-    """The kind with its article, for messages ("an optimizer", not "a optimizer")."""
-    return _A_KIND[kind]
+A_KIND: dict[Kind, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
+"""Each kind with its article, for messages ("an optimizer", not "a optimizer")."""
 
 
 def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
     """Refuse a checkpoint that another kind of save wrote."""
     if manifest.kind != kind:
         raise CheckpointMismatchError(
-            f"{target} holds {a_kind(manifest.kind)} state (written by save_{manifest.kind}), not {a_kind(kind)} "
+            f"{target} holds {A_KIND[manifest.kind]} state (written by save_{manifest.kind}), not {A_KIND[kind]} "
             f"state; load it with load_{manifest.kind}"
         )
 

@@ -54,6 +54,7 @@ from .dcp_reader import data_files, read_metadata
 from .kept import check_keepable, keep_directory
 from .loadable import check_loadable
 from .manifest import (
+    A_KIND,
     DCP_LAYOUT,
     DIRECTORY_FORMAT,
     MANIFEST_NAME,
@@ -61,7 +62,6 @@ from .manifest import (
     Kind,
     Manifest,
     Record,
-    a_kind,
     check_digest,
     check_kind,
     digest_of,
@@ -91,7 +91,7 @@ WRITE_INTO = "checkpoint"
 
 
 # --- the directory on disk --------------------------------------------------------------------
-def check_replaceable(target: Path, kind: Kind) -> Manifest | None:
+def _check_replaceable(target: Path, kind: Kind) -> Manifest | None:
     """Refuse a target that is a file, or a directory that is not empty and not exactly a chunkmem
     checkpoint of the same kind (a save replaces the whole directory, so it never deletes what an
     earlier save of this kind did not write: another kind's checkpoint, files put there since).
@@ -121,7 +121,7 @@ def check_replaceable(target: Path, kind: Kind) -> Manifest | None:
     assert manifest is not None and manifest.files is not None, f"{MANIFEST_NAME} is present"
     if manifest.kind != kind:
         raise CheckpointWriteError(
-            f"cannot write a sharded {kind} checkpoint at {target}: it holds {a_kind(manifest.kind)} checkpoint, "
+            f"cannot write a sharded {kind} checkpoint at {target}: it holds {A_KIND[manifest.kind]} checkpoint, "
             f"which this save would replace. Give each state its own directory (e.g. {target / kind})."
         )
     extra = sorted(present - set(manifest.files) - {MANIFEST_NAME})
@@ -155,7 +155,7 @@ def install(workspace: Workspace, target: Path, manifest: Manifest) -> None:
     """On the first rank: write the manifest into the new directory (durably), then put it in
     place of ``target`` atomically; the previous checkpoint is kept (:mod:`.kept`) when it holds
     another step, else deleted with the workspace."""
-    replaced = check_replaceable(target, manifest.kind)
+    replaced = _check_replaceable(target, manifest.kind)
     if replaced is not None and replaced.step != manifest.step:
         check_keepable(target)
     new = workspace / WRITE_INTO
@@ -251,7 +251,7 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
         nonlocal workspace
         if comm.rank == 0:
             try:
-                workspace = open_workspace(target, lambda: check_replaceable(target, record.kind), WRITE_INTO)
+                workspace = open_workspace(target, lambda: _check_replaceable(target, record.kind), WRITE_INTO)
             except OSError as error:
                 raise _write_error(target, error) from error
 
@@ -308,19 +308,16 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
 
         on_first_rank(comm, f"{what} (finishing)", finish, CheckpointWriteError, subject)
         workspace = None
-    except ChunkmemError:
-        # Raised on every rank at the same step: rank 0 removes what was written, and no rank
-        # returns before it has (a caller may look at the directory at once). A rank that cannot
-        # be reached any more has failed already, and the original error is what matters.
+    except BaseException as error:
+        # A ChunkmemError is raised on every rank at the same step: rank 0 removes what was
+        # written, and no rank returns before it has (a caller may look at the directory at once).
+        # A rank that cannot be reached any more has failed already: the original error matters.
         if workspace is not None:
             workspace.remove()
-            workspace = None
-        with contextlib.suppress(Exception):
-            comm.barrier()
+        if isinstance(error, ChunkmemError):
+            with contextlib.suppress(Exception):
+                comm.barrier()
         raise
-    finally:
-        if workspace is not None:
-            workspace.remove()
 
 
 # --- loading ----------------------------------------------------------------------------------
