@@ -1,10 +1,7 @@
-"""What chunkmem records about a checkpoint, and the checks a load makes of it.
+"""What chunkmem records about a checkpoint (a :class:`Manifest`, beside a file or inside a sharded
+directory), and the checks a load makes of it.
 
-Beside a checkpoint file ``<name>`` chunkmem writes ``<name>.chunkmem.json``; inside a sharded
-checkpoint directory, ``chunkmem.json``. Both are a :class:`Manifest`: what kind of state the
-checkpoint holds, the size and SHA-256 of its file (or of every other file of the directory), the
-step it was saved at and a fingerprint of the model, sealed by a checksum over all of it. The
-checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
+The checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
 manifest is what lets a load refuse a corrupted, truncated, swapped or mismatched checkpoint before
 anything is written. What a checkpoint was saved for (the model's fingerprint, the tensors it lists)
 is checked here too, with a readable account of how two tensor lists differ.

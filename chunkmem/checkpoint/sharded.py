@@ -73,10 +73,10 @@ from .workspace import (
     PREVIOUS,
     Pinned,
     Workspace,
-    first_line,
     fsync_directory,
     interrupted_saves,
     open_workspace,
+    read_error,
     read_while_replaced,
     write_durably,
     write_error,
@@ -215,15 +215,6 @@ def verify_files(directory: Path, manifest: Manifest, rank: int, world_size: int
 
 def _write_error(target: Path, error: BaseException) -> ChunkmemError:
     return write_error(target, error, "the sharded checkpoint")
-
-
-def _read_error(target: Path, error: BaseException) -> ChunkmemError:
-    if isinstance(error, ChunkmemError):
-        return error
-    return CheckpointCorruptedError(
-        f"cannot read checkpoint directory {target} ({type(error).__name__}: {first_line(error)}); it is damaged or "
-        "not a checkpoint of this state. Load an intact copy or an earlier checkpoint."
-    )
 
 
 def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseException], ChunkmemError]) -> T | None:
@@ -381,10 +372,11 @@ def load_directory(
         manifest, metadata = _open(comm, target, kind, verify)
         return manifest, plan(manifest, metadata)
 
+    def failed(error: BaseException) -> ChunkmemError:
+        return read_error(f"checkpoint directory {target}", error, "it is damaged or not a checkpoint of this state")
+
     def read(reading: Reading[T]) -> T | None:
-        done = _through_dcp(
-            lambda: dcp_load(comm, target, reading.targets, what), comm.rank, lambda e: _read_error(target, e)
-        )
+        done = _through_dcp(lambda: dcp_load(comm, target, reading.targets, what), comm.rank, failed)
         return None if done is None else reading.finish()
 
     def attempt(pinned: Pinned) -> tuple[T, Manifest | None]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
+from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
 from ..tiers.owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ __all__ = [
     "fsync_directory",
     "interrupted_saves",
     "open_workspace",
+    "read_error",
     "read_while_replaced",
     "write_durably",
     "write_error",
@@ -181,6 +182,17 @@ def write_error(target: Path, error: BaseException, what: str, need: int | None 
     return CheckpointWriteError(
         f"could not write {what} {target}: {type(error).__name__}: {first_line(error)}.{hint} The previous "
         f"checkpoint at {target}, if any, is unchanged."
+    )
+
+
+def read_error(what: str, error: BaseException, meaning: str) -> ChunkmemError:
+    """The error for a read of ``what`` (``"checkpoint file x.pt"``) that failed with ``error``, with
+    what that ``meaning`` is. chunkmem's own errors are raised as they are."""
+    if isinstance(error, ChunkmemError):
+        return error
+    return CheckpointCorruptedError(
+        f"cannot read {what} ({type(error).__name__}: {first_line(error)}); {meaning}. Load an intact copy or an "
+        "earlier checkpoint."
     )
 
 
