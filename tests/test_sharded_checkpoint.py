@@ -32,7 +32,7 @@ from chunkmem import (
     ChunkmemError,
     StateDictMismatchError,
 )
-from chunkmem.checkpoint import directory, sharded
+from chunkmem.checkpoint import sharded
 from placement import StaticPlacementConfig
 
 SAVED_AT = 3  # steps before the save; two more after it
@@ -380,7 +380,7 @@ def test_a_save_replaces_the_previous_directory_and_cleans_up_after_killed_saves
         # Where directories cannot be exchanged in one step, the previous one is moved into the
         # workspace first; a save killed between the two renames leaves it there, and the next
         # save puts it back.
-        monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
+        monkeypatch.setattr(sharded, "_exchange", lambda first, second: False)
         interrupted = dead_workspace(target, move_previous=True)
         with pytest.raises(CheckpointCorruptedError, match=r"does not exist; a save to it was interrupted"):
             booster.load_model(chunked, target)
@@ -394,7 +394,7 @@ def test_a_save_replaces_the_previous_directory_and_cleans_up_after_killed_saves
         assert json.loads((target / "chunkmem.json").read_text()) == second  # put back by that save
         assert not interrupted.exists()
         monkeypatch.undo()
-        monkeypatch.setattr(directory, "_exchange", lambda first, second: False)
+        monkeypatch.setattr(sharded, "_exchange", lambda first, second: False)
         booster.save_model(chunked, target, shard=True)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
         booster.load_model(chunked, target)

@@ -1,22 +1,10 @@
-"""Checkpoints you can trust, in plain PyTorch's own formats.
+"""Checkpoints you can trust, in plain PyTorch's own formats (README.md, "Training loop").
 
-* The model file is the wrapped module's full fp32 ``state_dict`` and the optimizer file a full
-  ``Optimizer.state_dict`` over the original parameters: they load into chunkmem at any world size,
-  chunk size or placement, and into plain PyTorch (``torch.load`` + ``load_state_dict``).
-* Saving is a collective: the state is gathered chunk by chunk to rank 0 only (other ranks never
-  hold more than one chunk), rank 0 writes atomically, and every rank raises if the write failed.
-* Beside each file, a manifest (``<file>.chunkmem.json``) records its checksum, the step and a
-  fingerprint of the model. Loading verifies them and refuses a corrupted, truncated or swapped
-  file, a file saved for another model, or model and optimizer files from different steps, with a
-  message naming the file and the fix. A file without a manifest (from plain PyTorch) loads only with
-  ``verify=False``, and is logged as unverified.
-* Loads are transactional: every rank reads and checks its file, the ranks agree, and only then is
-  anything written. A refused load leaves model, optimizer and scheduler exactly as they were.
-* Sharded checkpoints (``shard=True``) are directories written with ``torch.distributed.checkpoint``:
-  every rank writes its own pieces (no rank gathers anything), with a manifest (``chunkmem.json``)
-  holding every file's checksum, the step and the model's fingerprint; the directory replaces the
-  previous one atomically. A load recognises a directory and reads it at any world size, chunk size
-  or placement, with the same verification and the same transaction (see ``sharded``).
+The model file is the wrapped module's full fp32 ``state_dict``, the optimizer file a full
+``Optimizer.state_dict`` over the original parameters (gathered to rank 0 chunk by chunk); with
+``shard=True`` either is a ``torch.distributed.checkpoint`` directory to which every rank writes its
+own pieces (:mod:`.sharded`). Both load at any world size, chunk size or placement, verified against
+their manifest (:mod:`.manifest`), and a refused load changes nothing.
 
 The verbs here say what each kind of state is (how it is gathered or listed in pieces, checked,
 staged and installed); :mod:`.pipeline` does the rest, the same for every kind and both formats.

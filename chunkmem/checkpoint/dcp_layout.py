@@ -71,21 +71,7 @@ from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
 from .dcp_reader import SafeFileSystemReader
 
-__all__ = [
-    "Blob",
-    "Box",
-    "Entry",
-    "FlatRange",
-    "PieceLoadPlanner",
-    "PieceSavePlanner",
-    "Whole",
-    "as_meta",
-    "boxes",
-    "dcp_load",
-    "dcp_save",
-    "read_whole",
-    "whole",
-]
+__all__ = ["Blob", "Entry", "FlatRange", "Whole", "as_meta", "dcp_load", "dcp_save", "read_whole", "whole"]
 
 Shape = tuple[int, ...]
 

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptedError
-from .workspace import first_line
+from .workspace import read_error
 
 __all__ = ["SafeFileSystemReader", "data_files", "read_metadata", "unpickle_metadata"]
 
@@ -342,11 +342,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             except CheckpointCorruptedError:
                 raise
             except Exception as error:
-                raise CheckpointCorruptedError(
-                    f"cannot read checkpoint file {Path(self.path) / name} ({type(error).__name__}: "
-                    f"{first_line(error)}). Nothing from it was run. It is damaged or was not written by "
-                    "torch.distributed.checkpoint; load an intact copy or an earlier checkpoint."
-                ) from error
+                meaning = "nothing from it was run: it is damaged or was not written by torch.distributed.checkpoint"
+                raise read_error(f"checkpoint file {Path(self.path) / name}", error, meaning) from error
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -1,13 +1,11 @@
-"""The single-file format: a ``torch.save`` file and its manifest beside it, replaced together.
+"""The single-file format: a plain ``torch.save`` file and its manifest beside it
+(``<file>.chunkmem.json``), replaced together.
 
-A save writes the file and its manifest (``<file>.chunkmem.json``, see
-:mod:`~chunkmem.checkpoint.manifest`) into a workspace chunkmem owns beside the target
-(:mod:`~chunkmem.checkpoint.workspace`: a random name, a marker, a lock held while the save runs),
-flushes both to disk, then renames the manifest into place, then the file. The new manifest also
-describes the file it replaces (``previous``), so a reader between the two renames, or a save
-killed between them, finds the old file verified; before them the old pair is untouched, after
-them the new pair is whole. The file itself stays a plain ``torch.save`` file that plain PyTorch
-loads. Reads use ``torch.load(weights_only=True)`` and check the same inode they load.
+A save writes and flushes both in a workspace (:mod:`.workspace`), then renames the manifest into
+place, then the file. The new manifest also describes the file it replaces (``previous``), so a
+reader between the two renames, or a save killed between them, finds the old file verified; before
+them the old pair is untouched, after them the new pair is whole. Reads use
+``torch.load(weights_only=True)`` and check the same inode they load.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +35,9 @@ from .manifest import (
 from .workspace import (
     Pinned,
     Workspace,
-    first_line,
     fsync_directory,
     open_workspace,
+    read_error,
     read_while_replaced,
     write_durably,
     write_error,
@@ -95,14 +92,22 @@ def _write_into(obj: Any, path: Path) -> FileDigest:
     return writer.digest()
 
 
-def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path, Path]]]) -> None:
-    """Let ``fill`` write into a fresh workspace of ``target`` and say what to rename where, then
-    rename in that order and flush the directory. Failures name ``target``; the workspace goes."""
+def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record | None) -> None:
+    """``torch.save`` ``obj`` into a fresh workspace of ``path`` and, with a ``record``, its manifest,
+    then rename them into place (the manifest first: see the module's docstring) and flush the
+    directory. Failures name ``path``; the workspace goes."""
+    target = Path(path)
     workspace: Workspace | None = None
     try:
         workspace = open_workspace(target)
-        for source, destination in fill(workspace):
-            os.replace(source, destination)
+        digest = _write_into(obj, workspace / "data")
+        if record is not None:
+            previous = _current_manifest(target)
+            keep_file(target, record.step, previous)
+            manifest = record.manifest(file=target.name, digest=digest, previous=previous)
+            write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
+            os.replace(workspace / "manifest", manifest_path(target))
+        os.replace(workspace / "data", target)
         fsync_directory(target.parent)
     except (OSError, RuntimeError) as error:
         raise write_error(target, error, "checkpoint file", _nbytes(obj)) from error
@@ -114,14 +119,8 @@ def _replace(target: Path, obj: Any, fill: Callable[[Workspace], list[tuple[Path
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to ``path`` so that readers see either the old file or the whole new one.
     Raises :class:`CheckpointWriteError` (an ``OSError``) naming the file when the write fails."""
-    target = Path(path)
-
-    def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
-        _write_into(obj, workspace / "data")
-        return [(workspace / "data", target)]
-
-    _replace(target, obj, fill)
-    return target
+    write_checkpoint(obj, path, None)
+    return Path(path)
 
 
 def _current_manifest(target: Path) -> Manifest | None:
@@ -135,26 +134,6 @@ def _current_manifest(target: Path) -> Manifest | None:
     return None if manifest is None else manifest.model_copy(update={"previous": None, "checksum": None, "version": 2})
 
 
-def write_checkpoint(obj: Any, path: str | os.PathLike[str], record: Record) -> Manifest:
-    """Write ``obj`` and its manifest so that a reader, or a save killed at any point, finds the
-    old pair or the new one: both are written into a workspace, then the manifest (which also
-    describes the file it replaces, as ``previous``) is renamed into place, then the file."""
-    target = Path(path)
-    written: list[Manifest] = []
-
-    def fill(workspace: Workspace) -> list[tuple[Path, Path]]:
-        digest = _write_into(obj, workspace / "data")
-        previous = _current_manifest(target)
-        keep_file(target, record.step, previous)
-        manifest = record.manifest(file=target.name, digest=digest, previous=previous)
-        write_durably(workspace / "manifest", manifest.model_dump_json(indent=1))
-        written.append(manifest)
-        return [(workspace / "manifest", manifest_path(target)), (workspace / "data", target)]
-
-    _replace(target, obj, fill)
-    return written[0]
-
-
 # --- reading ----------------------------------------------------------------------------------
 def _load(target: Path) -> Any:
     try:
@@ -165,9 +144,8 @@ def _load(target: Path) -> Any:
                 raise
             return torch.load(target, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointCorruptedError(
-            f"cannot read checkpoint file {target} ({type(error).__name__}: {first_line(error)}); it is truncated, "
-            "damaged or not a torch.save file. Load an intact copy or an earlier checkpoint."
+        raise read_error(
+            f"checkpoint file {target}", error, "it is truncated, damaged or not a torch.save file"
         ) from error
 
 

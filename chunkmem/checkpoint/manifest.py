@@ -1,10 +1,7 @@
-"""What chunkmem records about a checkpoint, and the checks a load makes of it.
+"""What chunkmem records about a checkpoint (a :class:`Manifest`, beside a file or inside a sharded
+directory), and the checks a load makes of it.
 
-Beside a checkpoint file ``<name>`` chunkmem writes ``<name>.chunkmem.json``; inside a sharded
-checkpoint directory, ``chunkmem.json``. Both are a :class:`Manifest`: what kind of state the
-checkpoint holds, the size and SHA-256 of its file (or of every other file of the directory), the
-step it was saved at and a fingerprint of the model, sealed by a checksum over all of it. The
-checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
+The checkpoint itself stays in plain PyTorch's formats (a ``torch.save`` file, a DCP directory); the
 manifest is what lets a load refuse a corrupted, truncated, swapped or mismatched checkpoint before
 anything is written. What a checkpoint was saved for (the model's fingerprint, the tensors it lists)
 is checked here too, with a readable account of how two tensor lists differ.
@@ -39,6 +36,7 @@ if TYPE_CHECKING:
     from ..optim import ChunkOptimizer
 
 __all__ = [
+    "A_KIND",
     "DCP_LAYOUT",
     "DIRECTORY_FORMAT",
     "MANIFEST_NAME",
@@ -52,7 +50,6 @@ __all__ = [
     "check_kind",
     "check_saved_for_model",
     "check_saved_for_optimizer",
-    "describe_difference",
     "digest_of",
     "manifest_for_load",
     "manifest_path",
@@ -258,19 +255,15 @@ def manifest_for_load(target: Path, verify: bool, directory: bool = False) -> Ma
     return manifest
 
 
-_A_KIND: dict[str, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
-
-
-def a_kind(kind: Kind) -> str:
-    """The kind with its article, for messages ("an optimizer", not "a optimizer")."""
-    return _A_KIND[kind]
+A_KIND: dict[Kind, str] = {"model": "a model", "optimizer": "an optimizer", "lr_scheduler": "an lr_scheduler"}
+"""Each kind with its article, for messages ("an optimizer", not "a optimizer")."""
 
 
 def check_kind(target: Path, manifest: Manifest, kind: Kind) -> None:
     """Refuse a checkpoint that another kind of save wrote."""
     if manifest.kind != kind:
         raise CheckpointMismatchError(
-            f"{target} holds {a_kind(manifest.kind)} state (written by save_{manifest.kind}), not {a_kind(kind)} "
+            f"{target} holds {A_KIND[manifest.kind]} state (written by save_{manifest.kind}), not {A_KIND[kind]} "
             f"state; load it with load_{manifest.kind}"
         )
 

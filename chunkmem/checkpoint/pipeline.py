@@ -1,13 +1,6 @@
 """One pipeline for every kind of state, in two formats: a single file (:mod:`.files`) or a sharded
-directory (:mod:`.sharded`, written and read with ``torch.distributed.checkpoint``, which is
-imported only when a sharded checkpoint is saved or loaded).
-
-Saving records the step and the model's fingerprint with the state (a :class:`Record`) and writes
-it: gathered to rank 0 and written there, or each rank writing its own pieces; what a save replaced
-is kept until its set is whole again (:mod:`.kept`). Loading reads and
-verifies the checkpoint on every rank, checks what it was saved for (this model, the step of what
-was loaded with it), lets the state's own checks stage it, has the ranks agree, and only then
-installs it and continues from its step. What a state is, how it is checked and installed, is the
+directory (:mod:`.sharded`, which imports ``torch.distributed.checkpoint``: it is imported only when
+a sharded checkpoint is saved or loaded). What a state is, how it is checked and installed, is the
 caller's (the verbs of :mod:`chunkmem.checkpoint`); everything else is the same for every state.
 """
 
@@ -19,11 +12,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CheckpointError, CheckpointWriteError
 from ..ranks.agreement import agree, on_first_rank
-from .directory import is_sharded
 from .files import read_checkpoint, write_checkpoint
 from .kept import check_pairing, drop_kept
 from .loadable import check_loadable
 from .manifest import Kind, Manifest, Record, TensorEntry, model_fingerprint
+from .workspace import interrupted_saves
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -98,7 +91,10 @@ def load(
                 conflicts = progress.pairing_conflicts(kind, manifest.step)
                 check_pairing(_NOUN[kind], manifest.step, target, conflicts, progress.reloading(kind))
 
-    if plan is not None and is_sharded(target):
+    # a directory, or a path a directory save was interrupted at (its previous checkpoint waits in
+    # the save's workspace)
+    sharded = target.is_dir() or (not target.exists() and bool(interrupted_saves(target)))
+    if plan is not None and sharded:
         from .sharded import load_directory
 
         assert comm is not None, "a model and an optimizer have their ranks"

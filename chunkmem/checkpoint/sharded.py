@@ -1,17 +1,25 @@
-"""Sharded saves and loads: the steps every rank takes, and where the ranks agree.
+"""The sharded format: a directory written by ``torch.distributed.checkpoint`` (DCP: one data file
+per saving rank and DCP's ``.metadata``) and its manifest, ``chunkmem.json``, which records the size
+and SHA-256 of every other file in it. It replaces the previous directory atomically and is
+verified (the ranks share the work) before DCP reads anything.
 
 Saving (a collective; no rank gathers anything, each writes its own pieces):
 
-1. rank 0 cleans up after killed saves and creates the temporary directory (agreed);
-2. every rank learns its name, checks that it sees it (a filesystem all ranks share) and lists
-   its pieces (agreed);
+1. rank 0 cleans up after killed saves, checks that the target may be replaced and creates the
+   workspace (:mod:`.workspace`) whose ``checkpoint/`` the ranks write into (agreed);
+2. every rank checks that it sees that directory (a filesystem all ranks share) and lists its
+   pieces (agreed);
 3. DCP writes each rank's pieces into it, then each rank hashes the files it wrote (agreed; DCP
    itself reports a failure on any rank to every rank);
-4. rank 0 checks that it sees every file at the size its writer hashed, writes the manifest and
-   swaps the directory into place (agreed).
+4. rank 0 checks that it sees every file at the size its writer hashed, writes the manifest last
+   and swaps the directory into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere the
+   previous directory is first moved into the workspace, then the new one into place, and a save
+   killed between the two renames is repaired by the next one) (agreed).
 
-A failure at any step raises the same error on every rank, the temporary directory is removed and
-the previous checkpoint at the target is unchanged.
+A failure at any step raises the same error on every rank, the workspace is removed and the
+previous checkpoint at the target is unchanged. Only an empty directory or a chunkmem checkpoint of
+the same kind holding nothing but its own files is ever replaced: anything else is refused, never
+deleted.
 
 Loading (a collective):
 
@@ -26,6 +34,10 @@ Loading (a collective):
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +51,10 @@ from ..ranks.agreement import agree, on_first_rank
 from ..ranks.comm import Communicator
 from .dcp_layout import Blob, Entry, dcp_load, dcp_save
 from .dcp_reader import data_files, read_metadata
-from .directory import DCP_METADATA, WRITE_INTO, inside, install, make_workspace, verify_files
+from .kept import check_keepable, keep_directory
 from .loadable import check_loadable
 from .manifest import (
+    A_KIND,
     DCP_LAYOUT,
     DIRECTORY_FORMAT,
     MANIFEST_NAME,
@@ -49,28 +62,159 @@ from .manifest import (
     Kind,
     Manifest,
     Record,
+    check_digest,
     check_kind,
     digest_of,
     manifest_for_load,
+    plain_name,
+    read_manifest,
 )
-from .workspace import Pinned, Workspace, first_line, interrupted_saves, read_while_replaced, write_error
+from .workspace import (
+    PREVIOUS,
+    Pinned,
+    Workspace,
+    fsync_directory,
+    interrupted_saves,
+    open_workspace,
+    read_error,
+    read_while_replaced,
+    write_durably,
+    write_error,
+)
 
 __all__ = ["Reading", "load_directory", "save_directory"]
 
 T = TypeVar("T")
+DCP_METADATA = ".metadata"
+WRITE_INTO = "checkpoint"
+"""The entry of a save's workspace that the ranks write the new directory into."""
+
+
+# --- the directory on disk --------------------------------------------------------------------
+def _check_replaceable(target: Path, kind: Kind) -> Manifest | None:
+    """Refuse a target that is a file, or a directory that is not empty and not exactly a chunkmem
+    checkpoint of the same kind (a save replaces the whole directory, so it never deletes what an
+    earlier save of this kind did not write: another kind's checkpoint, files put there since).
+    Returns the manifest of the checkpoint it would replace, if any."""
+    if not target.exists():
+        return None
+    if not target.is_dir() or target.is_symlink():
+        raise CheckpointWriteError(
+            f"cannot write a sharded checkpoint at {target}: a file is there (a sharded checkpoint is a directory). "
+            "Choose another path, or remove the file."
+        )
+    present = {entry.name for entry in target.iterdir()}
+    if not present:
+        return None
+    if MANIFEST_NAME not in present:
+        raise CheckpointWriteError(
+            f"cannot write a sharded checkpoint at {target}: the directory holds files that are not a chunkmem "
+            f"checkpoint (it has no {MANIFEST_NAME}), and saving replaces the whole directory. Choose another path, "
+            "or empty it."
+        )
+    try:
+        manifest = read_manifest(target, directory=True)
+    except CheckpointCorruptedError as error:
+        raise CheckpointWriteError(
+            f"cannot replace the checkpoint at {target}: {error}. Remove the directory to save there."
+        ) from error
+    assert manifest is not None and manifest.files is not None, f"{MANIFEST_NAME} is present"
+    if manifest.kind != kind:
+        raise CheckpointWriteError(
+            f"cannot write a sharded {kind} checkpoint at {target}: it holds {A_KIND[manifest.kind]} checkpoint, "
+            f"which this save would replace. Give each state its own directory (e.g. {target / kind})."
+        )
+    extra = sorted(present - set(manifest.files) - {MANIFEST_NAME})
+    if extra:
+        raise CheckpointWriteError(
+            f"cannot replace the checkpoint at {target}: it also holds {extra[:3]}, which the checkpoint does not list "
+            "and saving would delete. Move them elsewhere, or save to another path."
+        )
+    return manifest
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where
+    the system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def install(workspace: Workspace, target: Path, manifest: Manifest) -> None:
+    """On the first rank: write the manifest into the new directory (durably), then put it in
+    place of ``target`` atomically; the previous checkpoint is kept (:mod:`.kept`) when it holds
+    another step, else deleted with the workspace."""
+    replaced = _check_replaceable(target, manifest.kind)
+    if replaced is not None and replaced.step != manifest.step:
+        check_keepable(target)
+    new = workspace / WRITE_INTO
+    write_durably(new / MANIFEST_NAME, manifest.model_dump_json(indent=1))
+    fsync_directory(new)
+    old = new
+    if not target.exists():
+        os.rename(new, target)
+    elif not _exchange(new, target):
+        old = workspace / PREVIOUS
+        os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except OSError:
+            os.rename(old, target)
+            raise
+    fsync_directory(target.parent)
+    keep_directory(target, old, replaced, manifest.step)
+    workspace.remove()
+
+
+def inside(directory: Path, name: str) -> Path:
+    """``directory / name``, refused when it leads out of ``directory`` (a path or a link)."""
+    path = directory / name
+    if not plain_name(name) or (path.is_symlink() and path.resolve().parent != directory.resolve()):
+        raise CheckpointCorruptedError(
+            f"checkpoint directory {directory} refers to {name!r}, which is not a file of the directory (a path or a "
+            "link leading out of it); nothing outside a checkpoint is read. Load an intact copy or an earlier "
+            "checkpoint."
+        )
+    return path
+
+
+def verify_files(directory: Path, manifest: Manifest, rank: int, world_size: int) -> None:
+    """Check this rank's share of the files against the manifest: DCP's ``.metadata`` on every
+    rank (each unpickles it), the data files round robin, so that together the ranks read each
+    file once."""
+    files = manifest.files or {}
+    if DCP_METADATA not in files:
+        raise CheckpointCorruptedError(
+            f"the manifest of {directory} lists no {DCP_METADATA}: it is not a DCP checkpoint"
+        )
+    data = sorted(name for name in files if name != DCP_METADATA)
+    for name in [DCP_METADATA, *data[rank::world_size]]:
+        path = inside(directory, name)
+        try:
+            actual = digest_of(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptedError(
+                f"checkpoint file {path} is missing: the manifest of {directory} lists it. The directory was damaged "
+                "or partly copied; load an intact copy or an earlier checkpoint."
+            ) from None
+        except OSError as error:
+            raise CheckpointCorruptedError(f"cannot read checkpoint file {path}: {error}") from error
+        check_digest(path, actual, files[name], directory / MANIFEST_NAME, directory)
 
 
 def _write_error(target: Path, error: BaseException) -> ChunkmemError:
     return write_error(target, error, "the sharded checkpoint")
-
-
-def _read_error(target: Path, error: BaseException) -> ChunkmemError:
-    if isinstance(error, ChunkmemError):
-        return error
-    return CheckpointCorruptedError(
-        f"cannot read checkpoint directory {target} ({type(error).__name__}: {first_line(error)}); it is damaged or "
-        "not a checkpoint of this state. Load an intact copy or an earlier checkpoint."
-    )
 
 
 def _through_dcp(call: Callable[[], T], rank: int, convert: Callable[[BaseException], ChunkmemError]) -> T | None:
@@ -98,7 +242,7 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
         nonlocal workspace
         if comm.rank == 0:
             try:
-                workspace = make_workspace(target, record.kind)
+                workspace = open_workspace(target, lambda: _check_replaceable(target, record.kind), WRITE_INTO)
             except OSError as error:
                 raise _write_error(target, error) from error
 
@@ -155,19 +299,16 @@ def save_directory(comm: Communicator, target: Path, record: Record, build: Call
 
         on_first_rank(comm, f"{what} (finishing)", finish, CheckpointWriteError, subject)
         workspace = None
-    except ChunkmemError:
-        # Raised on every rank at the same step: rank 0 removes what was written, and no rank
-        # returns before it has (a caller may look at the directory at once). A rank that cannot
-        # be reached any more has failed already, and the original error is what matters.
+    except BaseException as error:
+        # A ChunkmemError is raised on every rank at the same step: rank 0 removes what was
+        # written, and no rank returns before it has (a caller may look at the directory at once).
+        # A rank that cannot be reached any more has failed already: the original error matters.
         if workspace is not None:
             workspace.remove()
-            workspace = None
-        with contextlib.suppress(Exception):
-            comm.barrier()
+        if isinstance(error, ChunkmemError):
+            with contextlib.suppress(Exception):
+                comm.barrier()
         raise
-    finally:
-        if workspace is not None:
-            workspace.remove()
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -231,10 +372,11 @@ def load_directory(
         manifest, metadata = _open(comm, target, kind, verify)
         return manifest, plan(manifest, metadata)
 
+    def failed(error: BaseException) -> ChunkmemError:
+        return read_error(f"checkpoint directory {target}", error, "it is damaged or not a checkpoint of this state")
+
     def read(reading: Reading[T]) -> T | None:
-        done = _through_dcp(
-            lambda: dcp_load(comm, target, reading.targets, what), comm.rank, lambda e: _read_error(target, e)
-        )
+        done = _through_dcp(lambda: dcp_load(comm, target, reading.targets, what), comm.rank, failed)
         return None if done is None else reading.finish()
 
     def attempt(pinned: Pinned) -> tuple[T, Manifest | None]:

@@ -1,21 +1,13 @@
-"""Where a save writes before its result replaces the target (a directory chunkmem owns), how what it
-wrote is made durable, and what a failed write says.
+"""Where a save writes before its result replaces the target, and what both formats share: durable
+writes, the error a failed write raises (:func:`write_error`), and reading again while saves
+replace what a load reads (:func:`read_while_replaced`).
 
-A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/`` (a random token),
-a directory chunkmem owns (:mod:`chunkmem.tiers.owned_dir`, as the disk tier's scratch space): its marker
-file names the target and the token, and the saving process holds its lock for as long as the
-workspace lives, so a workspace is *dead* exactly when its save was killed. Cleanup removes only
-dead workspaces; anything else beside a checkpoint, whatever its name, is never removed, renamed or
-overwritten.
-
-A workspace also keeps the previous checkpoint while a save swaps the new one in without an atomic
-exchange (``previous`` inside it): a save killed between its two renames leaves the previous
-checkpoint there, and the next save or load to the same target puts it back.
-
-A write that fails is named by :func:`write_error`, whatever the format: what could not be written
-and why, the space left on its disk, and that the previous checkpoint at the target is unchanged.
-A load reads again while saves replace what it reads (:func:`read_while_replaced`), whatever the
-format.
+A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/``, a directory chunkmem
+owns (:mod:`chunkmem.tiers.owned_dir`): its marker names the target and the token, and the saving
+process holds its lock while the workspace lives, so a workspace is *dead* exactly when its save
+was killed. Only dead workspaces are ever removed. A workspace also holds the previous checkpoint
+(``previous``) while a save swaps a directory in without an atomic exchange: a save killed between
+its two renames leaves it there, and the next save to the same target puts it back.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import CheckpointError, CheckpointWriteError, ChunkmemError
+from ..errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError, ChunkmemError
 from ..tiers.owned_dir import OwnedDir, if_dead, in_use, remove_if_dead
 
 if TYPE_CHECKING:
@@ -47,6 +39,7 @@ __all__ = [
     "fsync_directory",
     "interrupted_saves",
     "open_workspace",
+    "read_error",
     "read_while_replaced",
     "write_durably",
     "write_error",
@@ -189,6 +182,17 @@ def write_error(target: Path, error: BaseException, what: str, need: int | None 
     return CheckpointWriteError(
         f"could not write {what} {target}: {type(error).__name__}: {first_line(error)}.{hint} The previous "
         f"checkpoint at {target}, if any, is unchanged."
+    )
+
+
+def read_error(what: str, error: BaseException, meaning: str) -> ChunkmemError:
+    """The error for a read of ``what`` (``"checkpoint file x.pt"``) that failed with ``error``, with
+    what that ``meaning`` is. chunkmem's own errors are raised as they are."""
+    if isinstance(error, ChunkmemError):
+        return error
+    return CheckpointCorruptedError(
+        f"cannot read {what} ({type(error).__name__}: {first_line(error)}); {meaning}. Load an intact copy or an "
+        "earlier checkpoint."
     )
 
 
