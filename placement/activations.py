@@ -109,12 +109,14 @@ class ActivationPlacement(BaseModel):
     (``placement.choose_activations``; the plan is ``model.activation_plan``). A budget that cannot
     hold model data and one block's saved bytes is refused at the end of the first step with the
     minimum. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
-    in ``Stats.peak_device_bytes``); offloaded calls copy with ``max_prefetch`` 0 (one call fetched at
-    a time) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
+    in ``Stats.peak_device_bytes``); offloaded calls are fetched up to ``max_prefetch`` calls ahead of
+    their backward (the plan's ``prefetch``: the depth with the least estimated time whose room fits,
+    reserved in the budget) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
     max_prefetch: Annotated[int, Field(ge=0, strict=True)] = 1
     """How many offloaded block calls, next in backward order, are copied back to the device
     ahead of their backward, when a block's backward starts (0: each is copied back when its
-    backward first needs it). Each costs that block's saved bytes on the device early."""
+    backward first needs it). Each costs that block's saved bytes on the device early. For
+    ``auto`` blocks the most: their plan chooses the depth, within the budget."""
     min_offload_bytes: Annotated[int, Field(ge=0, strict=True)] = 1024
     """Saved tensors whose storage is smaller than this many bytes stay on the device (a copy
     costs more than their room: layer-norm statistics, scalars)."""

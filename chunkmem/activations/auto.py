@@ -6,7 +6,9 @@ ranks (the maximum) at its end: the ledger holds those figures, never a rank's o
 At the next training forward, once every measured call's backward ran (or its graph was dropped) on
 every rank (agreed: a rank that still holds a measured graph delays the choice on all), the times and
 rates are agreed too and ``placement.choose_activations`` decides each call's placement from then
-on; the policy keeps the plan's reserve free of model data. Calls are numbered within each forward of the
+on, and how many offloaded calls are fetched ahead of their backward (up to ``max_prefetch``; the
+measured calls are fetched one at a time); the policy keeps the plan's reserve (one block's
+working set and the fetches ahead) free of model data. Calls are numbered within each forward of the
 model: the ``i``-th call of a forward is placed as the ``i``-th measured call was chosen.
 
 At the end of every training forward the ranks agree (one small all-gather) how many auto calls
@@ -59,8 +61,11 @@ class AutoBlocks:
         copies: Stats,
         settle: Callable[[], None],
         recompute: Recompute,
+        max_prefetch: int,
     ) -> None:
+        """``offload`` fetches nothing ahead until the plan says how many (up to ``max_prefetch``)."""
         self._offload = offload
+        self._max_prefetch = max_prefetch
         self._account = account
         self._comm = comm
         self._layer = comm.layer
@@ -294,10 +299,13 @@ class AutoBlocks:
         budget = self._policy.budget
         assert budget is not None, "auto blocks need a device budget (checked when boosting)"
         try:
-            plan = choose_activations(measures, rates, budget, self._policy.placement_need().minimum)
+            plan = choose_activations(
+                measures, rates, budget, self._policy.placement_need().minimum, self._max_prefetch
+            )
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         self._policy.reserve_for_activations(plan.reserve)
+        self._offload.set_prefetch(plan.prefetch)
         self._plan = plan
 
 

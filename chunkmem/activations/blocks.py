@@ -121,7 +121,14 @@ class ActivationBlocks:
             self._account = DeviceActivations(ledger, room, comm.rank)
             offload = ActivationOffload(self._transfers, layer.device, 0, config.min_offload_bytes, self._account)
             self._auto = AutoBlocks(
-                offload, self._account, comm, policy, self._copies, self._measured_copies, self._recompute
+                offload,
+                self._account,
+                comm,
+                policy,
+                self._copies,
+                self._measured_copies,
+                self._recompute,
+                config.max_prefetch,
             )
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():

@@ -130,6 +130,8 @@ class Plan:
     model_need_bytes: int = 0
     """What the placement of model data needs on the device at least (``placement_need().minimum``):
     the ``model_bytes`` the ``auto`` choice is made with."""
+    activation_max_prefetch: int = 0
+    """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
 
     def _calls(self, how: BlockPlacement) -> list[BlockForecast]:
         return [c for c in self.activation_calls if c.how is how]
@@ -173,15 +175,19 @@ class Plan:
         """The choice ``choose_activations`` makes for the ``auto`` calls at ``device_budget``, from
         their planned saved bytes and the timings a meta run cannot know: each call's forward time
         (in forward order) and the copy rates, as measured on the device (the first step of a run
-        measures them, and the offloads' own host time, taken as 0 here). ``BudgetTooSmallError``
-        below ``activation_min_device_budget``."""
+        measures them, and the offloads' own host time, taken as 0 here), with how many offloaded
+        calls it fetches ahead (up to ``activation_max_prefetch``) and the room that takes
+        (``ActivationPlan.prefetch`` and ``reserve``). ``BudgetTooSmallError`` below
+        ``activation_min_device_budget``."""
         calls = self._calls(BlockPlacement.AUTO)
         if len(forward_seconds) != len(calls):
             raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
         if self.device_budget is None:
             raise ValueError("auto_choice: auto blocks are placed under a device_budget; the plan has none")
         measures = [BlockMeasure(c.name, c.saved_bytes, t) for c, t in zip(calls, forward_seconds, strict=True)]
-        return choose_activations(measures, rates, self.device_budget, self.model_need_bytes)
+        return choose_activations(
+            measures, rates, self.device_budget, self.model_need_bytes, self.activation_max_prefetch
+        )
 
     @property
     def transfer_seconds_per_step(self) -> float:

@@ -465,4 +465,5 @@ def plan(
         repeated_block=repeated.describe() if repeated is not None else None,
         activation_min_device_budget=auto_minimum,
         model_need_bytes=model_need,
+        activation_max_prefetch=plugin.activations.max_prefetch if plugin.activations is not None else 0,
     )

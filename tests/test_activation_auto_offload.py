@@ -1,0 +1,160 @@
+"""The calls an ``ActivationPlacement(auto=...)`` plan offloads are fetched ``max_prefetch`` calls
+ahead of their backward, within the one device budget: the plan reserves room for the fetches
+ahead and the ledger's peak stays within the budget; the fetches happen in the order the depth
+implies (the bytes fetched when each block's backward begins, observed through a gradient hook on
+the block's output); training equals plain PyTorch bit for bit (one rank) and keeping (two ranks);
+the planner's choice for the same timings is the run's plan."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_ranks
+from models import adamw_two_groups, boost
+from test_activation_budget import BATCH, BLOCKS, PER_BLOCK, WIDTH, Stack, _data, _loss, _model_minimum, _plain
+from test_activations import _assert_identical
+
+from chunkmem import ChunkPlugin, plan
+from placement import ActivationChoice, ActivationPlacement, BlockMeasure, CopyRates, StaticPlacementConfig
+
+OFF, KEEP = ActivationChoice.OFFLOAD, ActivationChoice.KEEP
+FORWARD = 1.0  # seconds a call's forward takes, as the timings below say
+# Each way a call's copy takes half a forward: the copy out hides behind the call's forward, the
+# copy back only behind the backward of a call fetched ahead of it.
+RATES = CopyRates(to_host=2 * PER_BLOCK / FORWARD, to_device=2 * PER_BLOCK / FORWARD, overlap=True)
+
+
+@contextmanager
+def _timed() -> Iterator[None]:
+    """The plan chosen from the timings above, not from what this CPU measured (restored after:
+    ranks run in pooled processes)."""
+    import chunkmem.activations.auto as auto
+
+    choose = auto.choose_activations
+
+    def timed(measures: Any, rates: CopyRates, *args: Any) -> Any:
+        return choose([BlockMeasure(m.name, m.saved_bytes, FORWARD) for m in measures], RATES, *args)
+
+    auto.choose_activations = timed
+    try:
+        yield
+    finally:
+        auto.choose_activations = choose
+
+
+def _fetched_when_backward_begins(j: int, offloaded: list[int], depth: int) -> int:
+    """How many offloaded calls are fetched when call ``j``'s backward begins: every offloaded call
+    whose backward began (those after ``j``), and the ``depth`` offloaded calls next in backward
+    order after the last of them (fetched when its backward began)."""
+    began = [i for i in offloaded if i > j]
+    if not began:
+        return 0
+    last = min(began)
+    return sum(1 for i in offloaded if i >= last) + min(depth, sum(1 for i in offloaded if i < last))
+
+
+def _prefetching(rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Train the stack under ``model data + 3 blocks`` with the timings above: each step, the bytes
+    fetched (``activation_h2d_bytes`` since its forward ended) when each block's backward begins."""
+    budget = _model_minimum() + 3 * PER_BLOCK
+    stack = Stack()
+    seen: list[tuple[int, int]] = []  # (block, h2d bytes) when its backward begins
+    box: list[Any] = []
+
+    def watch(index: int) -> Any:
+        def forward_hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+            if out.requires_grad:
+                out.register_hook(lambda grad: seen.append((index, box[0].stats().activation_h2d_bytes)))
+
+        return forward_hook
+
+    for index, block in enumerate(stack.blocks):
+        block.register_forward_hook(watch(index))
+    activations = ActivationPlacement(auto=["Block"], max_prefetch=1)
+    with _timed():
+        chunked, optimizer, booster = boost(
+            stack,
+            adamw_two_groups,
+            chunk_size=8_000,
+            placement=StaticPlacementConfig(device_budget=budget),
+            activations=activations,
+        )
+        box.append(chunked)
+        losses, fetched = [], []
+        for x in _data(rank, world_size):
+            loss = _loss(chunked, x.clone())  # a rank's rows alone: each call saves what it does at one rank
+            base, seen[:] = chunked.stats().activation_h2d_bytes, []
+            booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            fetched.append({index: h2d - base for index, h2d in seen})
+    return {
+        "losses": losses,
+        "state": chunked.state_dict(),
+        "stats": chunked.stats(),
+        "plan": chunked.activation_plan,
+        "fetched": fetched,
+        "budget": budget,
+    }
+
+
+def _assert_prefetched(run: dict[str, Any], depth: int) -> None:
+    chosen = run["plan"]
+    offloaded = [i for i, choice in enumerate(chosen.choices) if choice is OFF]
+    # The first step measures, fetching each call when its backward needs it; then the plan's depth.
+    for step, fetched in enumerate(run["fetched"]):
+        expected = {
+            j: PER_BLOCK
+            * _fetched_when_backward_begins(j, offloaded if step else list(range(BLOCKS)), depth if step else 0)
+            for j in range(BLOCKS)
+        }
+        assert fetched == expected, step
+    stats = run["stats"]
+    assert stats.peak_device_bytes <= run["budget"]
+    steps = len(run["fetched"])
+    assert (
+        stats.activation_h2d_bytes == stats.activation_d2h_bytes == PER_BLOCK * (BLOCKS + (steps - 1) * len(offloaded))
+    )
+
+
+@pytest.mark.slow  # the fast tier's case: the choice's depth and room (test_activation_budget)
+def test_auto_offloaded_calls_are_fetched_ahead_within_the_budget_bit_for_bit() -> None:
+    run = _prefetching()
+    chosen = run["plan"]
+    # Fetched one call ahead, the copies back hide: three calls offloaded, the last (whose copy
+    # back nothing hides) kept, and room for two calls' fetches beside it.
+    assert (chosen.choices, chosen.prefetch, chosen.reserve) == ((OFF, OFF, OFF, KEEP), 1, 2 * PER_BLOCK)
+    _assert_prefetched(run, depth=1)
+    _assert_identical(run, _plain(set()))
+    # The planner, from the same timings, makes the run's plan.
+    with torch.device("meta"):
+        meta = Stack()
+    plugin = ChunkPlugin(
+        precision="fp32",
+        chunk_size=8_000,
+        placement=StaticPlacementConfig(device_budget=run["budget"]),
+        activations=ActivationPlacement(auto=["Block"]),
+    )
+    predicted = plan(meta, plugin, {"x": torch.zeros(BATCH, WIDTH)}, optimizer=torch.optim.AdamW, device="cpu")
+    assert predicted.auto_choice([FORWARD] * BLOCKS, RATES) == chosen
+
+
+def _two_ranks(rank: int, world_size: int) -> None:
+    """Each rank's half of the batch saves what the whole batch does at one rank."""
+    from test_activation_budget import _train
+
+    run = _prefetching(rank, world_size)
+    assert (run["plan"].choices, run["plan"].prefetch) == ((OFF, OFF, OFF, KEEP), 1)
+    _assert_prefetched(run, depth=1)
+    _assert_identical(run, _train(None, None, rank, world_size))
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_fetch_ahead_alike_and_train_as_keep() -> None:
+    run_ranks(_two_ranks, 2)
