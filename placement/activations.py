@@ -129,8 +129,9 @@ class ActivationPlacement(BaseModel):
     required) through that window and read back through it before the block's backward. The host
     copies and the window are accounted in the ledger (``Stats.peak_host_bytes``), the disk
     traffic in ``Stats.activation_disk_write_bytes`` / ``activation_disk_read_bytes``. ``None``
-    (default): every offloaded storage is copied to host memory, without a cap. Applies to
-    ``offload`` blocks only (refused with ``auto`` blocks)."""
+    (default): every offloaded storage is copied to host memory, without a cap. Applies to the
+    ``offload`` blocks and to the calls of ``auto`` blocks that are offloaded (every call in the
+    first step, then those the plan offloads), in one budget, by the same rule."""
 
     def placement_of(self, module: object) -> BlockPlacement | None:
         """How ``module``'s saved tensors are placed (``None``: it is no named block)."""
@@ -172,15 +173,11 @@ class ActivationPlacement(BaseModel):
     def _host_budget_for_offload(self) -> ActivationPlacement:
         if self.host_budget is None:
             return self
-        if not self.offload:
+        if not self.offload and not self.auto:
             raise ValueError(
-                "host_budget caps the host memory of the offload blocks' copies, but offload names no block class: "
-                "name the blocks to offload (offload=[...]), or drop host_budget"
-            )
-        if self.auto:
-            raise ValueError(
-                "host_budget is not supported with auto blocks yet (their offloaded calls are copied to host memory "
-                "without a cap): drop host_budget, or name those classes in offload instead of auto"
+                "host_budget caps the host memory of the offload blocks' copies (and of the auto blocks' offloaded "
+                "calls), but neither offload nor auto names a block class: name the blocks to offload (offload=[...]) "
+                "or to place under the budget (auto=[...]), or drop host_budget"
             )
         if self.host_budget < MIN_HOST_BUDGET:
             raise ValueError(

@@ -228,9 +228,11 @@ class AutoBlocks:
     def _offloaded(self, call: BlockCall, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             with self._offload.hooks(call):
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
         finally:
             self._offload.settle(call)  # also after a failed forward: what it copied leaves the ledger
+        self._offload.finish(call)  # its writes to disk (beyond host_budget), agreed over ranks
+        return out
 
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any

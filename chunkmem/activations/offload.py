@@ -128,7 +128,7 @@ class ActivationOffload:
 
     def hooks(self, call: BlockCall) -> Any:
         """The saved-tensor hooks for one call of an offloaded block."""
-        self._recycle()
+        self.recycle()
         self._pending.append(weakref.ref(call))
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
 
@@ -175,7 +175,8 @@ class ActivationOffload:
         began = time.perf_counter()
         try:
             for copy in call.made:
-                self._transfers.before_host_read(copy.host)
+                if copy.host is not None:  # a copy to disk was waited for piece by piece
+                    self._transfers.before_host_read(copy.host)
         finally:
             call.host_seconds[0] += time.perf_counter() - began
             if call.hold is not None:
@@ -184,9 +185,14 @@ class ActivationOffload:
 
     def finish(self, call: BlockCall) -> None:
         """The call's forward is done: with a host budget, its writes to disk are waited for and
-        agreed over ranks (raising on every rank when one failed anywhere)."""
-        if self._disk is not None:
+        agreed over ranks (raising on every rank when one failed anywhere); the offload's host time."""
+        if self._disk is None:
+            return
+        began = time.perf_counter()
+        try:
             self._disk.settle([c.disk for c in call.made if c.disk is not None], call.block, call.failure)
+        finally:
+            call.host_seconds[0] += time.perf_counter() - began
 
     def _copy_out(self, tensor: torch.Tensor, block: str) -> _Copy:
         """The whole storage of ``tensor`` copied to host memory, or, beyond the host budget, to disk."""
@@ -203,7 +209,7 @@ class ActivationOffload:
             copy.held = weakref.finalize(copy, self._disk.give_host, nbytes)
         return copy
 
-    def _recycle(self) -> None:
+    def recycle(self) -> None:
         """Host buffers read by the last backward's fetches go back to the pool (and out of the
         host budget)."""
         for copy in self._fetched:

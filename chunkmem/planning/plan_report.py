@@ -8,7 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from placement import ActivationPlan, BlockMeasure, BlockPlacement, CopyRates, choose_activations
+from placement import (
+    ActivationChoice,
+    ActivationPlan,
+    BlockMeasure,
+    BlockPlacement,
+    CopyRates,
+    choose_activations,
+    disk_bytes_per_call,
+)
 from placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast
@@ -132,6 +140,9 @@ class Plan:
     the ``model_bytes`` the ``auto`` choice is made with."""
     activation_max_prefetch: int = 0
     """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
+    activation_host_budget: int | None = None
+    """``ActivationPlacement.host_budget``: the host memory offloaded calls' copies take at most."""
+    """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
 
     def _calls(self, how: BlockPlacement) -> list[BlockForecast]:
         return [c for c in self.activation_calls if c.how is how]
@@ -152,8 +163,28 @@ class Plan:
     @property
     def activation_disk_write_bytes_per_step(self) -> int:
         """Of those copies, what goes on to the disk tier per step, beyond ``ActivationPlacement.host_budget``
-        (``Stats.activation_disk_write_bytes``); read back the same (``activation_disk_read_bytes``)."""
-        return self.grad_accum * sum(c.disk_bytes for c in self._calls(BlockPlacement.OFFLOAD))
+        (``Stats.activation_disk_write_bytes``); read back the same (``activation_disk_read_bytes``). With
+        ``auto`` blocks, a step whose forwards are like the first (every ``auto`` call offloaded); a
+        forward under the ``auto`` choice: ``activation_disk_bytes_per_forward(choice)``."""
+        return self.grad_accum * self.activation_disk_bytes_per_forward()
+
+    def activation_disk_bytes_per_forward(self, choice: ActivationPlan | None = None) -> int:
+        """What one training forward writes to the disk tier (and its backward reads back), beyond
+        ``ActivationPlacement.host_budget``: the ``offload`` blocks' copies and those of the ``auto``
+        calls ``choice`` offloads (``None``: every ``auto`` call, as in the first training forward),
+        by the runtime's rule (``placement.disk_bytes_per_call``, in the order saved)."""
+        if self.activation_host_budget is None:
+            return 0
+        auto = iter(choice.choices) if choice is not None else None
+        offloaded = []
+        for call in self.activation_calls:
+            if call.how is BlockPlacement.AUTO:
+                chosen = next(auto) if auto is not None else ActivationChoice.OFFLOAD
+                if chosen is ActivationChoice.OFFLOAD:
+                    offloaded.append(call.copied)
+            elif call.how is BlockPlacement.OFFLOAD:
+                offloaded.append(call.copied)
+        return sum(disk_bytes_per_call(offloaded, self.activation_host_budget))
 
     @property
     def activation_disk_read_bytes_per_step(self) -> int:
