@@ -63,15 +63,10 @@ def _fetched_when_backward_begins(j: int, offloaded: list[int], depth: int) -> i
     return sum(1 for i in offloaded if i >= last) + min(depth, sum(1 for i in offloaded if i < last))
 
 
-def _prefetching(rank: int = 0, world_size: int = 1, host_budget: int | None = None, disk: str = "") -> dict[str, Any]:
-    """Train the stack under ``model data + 3 blocks`` with the timings above: each step, the bytes
-    fetched (``activation_h2d_bytes`` since its forward ended) when each block's backward begins,
-    and the host bytes of the activations' copies when its forward ended (with ``host_budget``,
-    beyond which copies go to ``disk``)."""
-    budget = _model_minimum() + 3 * PER_BLOCK
-    stack = Stack()
-    seen: list[tuple[int, int]] = []  # (block, h2d bytes) when its backward begins
-    box: list[Any] = []
+def _watched(stack: Stack, box: list[Any]) -> list[tuple[int, int]]:
+    """(block, ``activation_h2d_bytes`` of the boosted model in ``box``) when each block's backward
+    begins: a gradient hook on the block's output runs just before the block's own backward."""
+    seen: list[tuple[int, int]] = []
 
     def watch(index: int) -> Any:
         def forward_hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
@@ -82,6 +77,30 @@ def _prefetching(rank: int = 0, world_size: int = 1, host_budget: int | None = N
 
     for index, block in enumerate(stack.blocks):
         block.register_forward_hook(watch(index))
+    return seen
+
+
+def test_offload_blocks_fetch_each_call_max_prefetch_calls_ahead_of_its_backward() -> None:
+    """The window slides by one call per backward (it used to fetch in batches: the calls fetched
+    ahead by one block's backward were not followed by more until a call was met unfetched)."""
+    stack = Stack()
+    box: list[Any] = []
+    seen = _watched(stack, box)
+    box.append(boost(stack, adamw_two_groups, activations=ActivationPlacement(offload=["Block"], max_prefetch=2))[0])
+    _loss(box[0], _data()[0]).backward()
+    expected = {j: PER_BLOCK * _fetched_when_backward_begins(j, list(range(BLOCKS)), 2) for j in range(BLOCKS)}
+    assert dict(seen) == expected == {3: 0, 2: 3 * PER_BLOCK, 1: 4 * PER_BLOCK, 0: 4 * PER_BLOCK}
+
+
+def _prefetching(rank: int = 0, world_size: int = 1, host_budget: int | None = None, disk: str = "") -> dict[str, Any]:
+    """Train the stack under ``model data + 3 blocks`` with the timings above: each step, the bytes
+    fetched (``activation_h2d_bytes`` since its forward ended) when each block's backward begins,
+    and the host bytes of the activations' copies when its forward ended (with ``host_budget``,
+    beyond which copies go to ``disk``)."""
+    budget = _model_minimum() + 3 * PER_BLOCK
+    stack = Stack()
+    box: list[Any] = []
+    seen = _watched(stack, box)
     activations = ActivationPlacement(auto=["Block"], max_prefetch=1, host_budget=host_budget)
     with _timed():
         chunked, optimizer, booster = boost(
