@@ -91,7 +91,7 @@ class ActivationPlan:
     kept_bytes: int
     """Saved bytes of the kept calls (on the device from their forward to their backward)."""
     reserve: int
-    """Device bytes kept free of model data for the working set of one block."""
+    """Device bytes kept free of model data for the working set of one block and the fetches ahead."""
     seconds: float
     """The model's estimate of the time the choice adds to a step (0 when everything is kept)."""
     prefetch: int = 0

@@ -142,7 +142,6 @@ class Plan:
     """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
     activation_host_budget: int | None = None
     """``ActivationPlacement.host_budget``: the host memory offloaded calls' copies take at most."""
-    """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
 
     def _calls(self, how: BlockPlacement) -> list[BlockForecast]:
         return [c for c in self.activation_calls if c.how is how]
@@ -175,11 +174,11 @@ class Plan:
         by the runtime's rule (``placement.disk_bytes_per_call``, in the order saved)."""
         if self.activation_host_budget is None:
             return 0
-        auto = iter(choice.choices) if choice is not None else None
-        offloaded = []
+        offloaded, auto = [], 0
         for call in self.activation_calls:
             if call.how is BlockPlacement.AUTO:
-                chosen = next(auto) if auto is not None else ActivationChoice.OFFLOAD
+                chosen = choice.choice(auto) if choice is not None else ActivationChoice.OFFLOAD
+                auto += 1
                 if chosen is ActivationChoice.OFFLOAD:
                     offloaded.append(call.copied)
             elif call.how is BlockPlacement.OFFLOAD:
