@@ -265,8 +265,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_bytes,
         default=None,
         metavar="BYTES",
-        help="ActivationPlacement.host_budget: the offload blocks' copies beyond it go to disk, e.g. 8GiB; the plan "
-        "predicts the bytes written and read back per step",
+        help="ActivationPlacement.host_budget: the offload blocks' (and offloaded auto calls') copies beyond it go to "
+        "disk, e.g. 8GiB; the plan predicts the bytes written and read back per step",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser

@@ -4,7 +4,7 @@ Pure decisions: nothing here moves a tensor or imports ``chunkmem``.
 """
 
 from .actions import Action, Verb
-from .activation_host import HostRoom
+from .activation_host import HostRoom, disk_bytes_per_call
 from .activation_plan import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, choose_activations
 from .activations import ActivationPlacement, BlockClass, BlockPlacement, block_class_name, matches_block
 from .auto import AutoPolicy
@@ -78,6 +78,7 @@ __all__ = [
     "WorkingSet",
     "block_class_name",
     "choose_activations",
+    "disk_bytes_per_call",
     "load_placement_config",
     "make_policy",
     "matches_block",

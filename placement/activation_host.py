@@ -10,11 +10,15 @@ copies held already; otherwise it goes to disk, whatever its size (the window is
 storage larger than the budget goes through it piece by piece). Greedy in the order storages are
 saved: within one training forward the first blocks' storages fill host memory, the later ones go to
 disk. Host copies are held until the next forward begins (the offload's pool gets them back then).
+One budget holds the copies of every offloaded call of a forward: the ``offload`` blocks' and the
+``auto`` blocks' calls that are offloaded, in the order saved.
 """
 
 from __future__ import annotations
 
-__all__ = ["MIN_HOST_BUDGET", "HostRoom"]
+from collections.abc import Sequence
+
+__all__ = ["MIN_HOST_BUDGET", "HostRoom", "disk_bytes_per_call"]
 
 MIN_HOST_BUDGET = 4096
 """The smallest ``host_budget`` (its window is then two pieces of 512 bytes)."""
@@ -51,3 +55,11 @@ class HostRoom:
         if nbytes > self.held:
             raise RuntimeError(f"HostRoom.give: {nbytes} bytes let go, but only {self.held} are held")
         self.held -= nbytes
+
+
+def disk_bytes_per_call(storages: Sequence[Sequence[int]], budget: int) -> list[int]:
+    """The bytes each offloaded call of one forward writes to disk under a host ``budget``: its
+    copied storages' sizes (``storages``, per call in forward order, each in the order saved), the
+    room empty when the forward begins."""
+    room = HostRoom(budget)
+    return [sum(n for n in call if not room.take(n)) for call in storages]

@@ -15,16 +15,19 @@ The model (estimates, not guarantees of time; the byte bounds are what the runti
 * **offload** costs the host time its hooks took in the first step (packing, fetching, waits)
   and the part of the two copies (device to host in the forward, back in the backward) that does
   not hide behind compute: on an asynchronous device the copy out hides behind the call's own
-  forward and the copy back behind the backward of the call after it (about twice a forward); on a
-  synchronous one (the CPU) nothing hides, and the copies are part of the hooks' time. It holds
-  the call's saved bytes on the device while they are copied out and once fetched back, at most
-  one call's at a time.
+  forward and, fetched ``prefetch`` offloaded calls ahead of its backward, the copy back behind the
+  backward of the ``prefetch`` calls after it (about twice their forward; fetched when its backward
+  needs it, behind nothing); on a synchronous one (the CPU) nothing hides, and the copies are part
+  of the hooks' time. It holds the call's saved bytes on the device while they are copied out and
+  once fetched back: in the backward the call and the ``prefetch`` offloaded calls fetched ahead.
 
 The budget: ``model + kept + reserve <= budget``, where ``model`` is what the placement of model
 data needs at least (what stays on the device and the largest working set of one op) and
 ``reserve`` the largest call's saved bytes (one block's working set: the call being saved or
-copied, or a recomputation in the backward). The choice keeps, among the calls that fit, those whose
-cheapest other way costs the most time per byte.
+copied, or a recomputation in the backward) plus the ``prefetch`` largest saved bytes of the
+offloaded calls (those fetched ahead). The choice keeps, among the calls that fit, those whose
+cheapest other way costs the most time per byte; it is made for each depth up to
+``max_prefetch`` and the one with the least estimated time is taken (on a tie the shallower).
 """
 
 from __future__ import annotations
@@ -88,9 +91,12 @@ class ActivationPlan:
     kept_bytes: int
     """Saved bytes of the kept calls (on the device from their forward to their backward)."""
     reserve: int
-    """Device bytes kept free of model data for the working set of one block."""
+    """Device bytes kept free of model data for the working set of one block and the fetches ahead."""
     seconds: float
     """The model's estimate of the time the choice adds to a step (0 when everything is kept)."""
+    prefetch: int = 0
+    """How many offloaded calls, next in backward order, are fetched back when an offloaded call's
+    backward starts (its room is in ``reserve``; 0 when no call is offloaded)."""
 
     def choice(self, index: int) -> ActivationChoice:
         """The choice for the ``index``-th block call of a forward (calls past the measured ones
@@ -110,14 +116,17 @@ class ActivationPlan:
         return out
 
 
-def _offload_seconds(measure: BlockMeasure, after: BlockMeasure | None, rates: CopyRates) -> float:
+def _offload_seconds(index: int, measures: Sequence[BlockMeasure], rates: CopyRates, prefetch: int) -> float:
+    measure = measures[index]
     if rates.to_host <= 0 or rates.to_device <= 0:
         return float("inf")  # nothing measured: never preferred
     out = measure.saved_bytes / rates.to_host
     back = measure.saved_bytes / rates.to_device
     if not rates.overlap:  # the copies ran on the host, inside the hooks' time
         return max(measure.offload_seconds, out + back)
-    behind = 2 * after.forward_seconds if after is not None else 0.0
+    # Fetched ``prefetch`` offloaded calls ahead, the copy back runs beside the backward of at least
+    # the ``prefetch`` calls after it in forward order (about twice their forward); 0: beside nothing.
+    behind = 2 * sum(m.forward_seconds for m in measures[index + 1 : index + 1 + prefetch])
     return measure.offload_seconds + max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
 
 
@@ -127,13 +136,70 @@ def activation_minimum(saved_bytes: Sequence[int], model_bytes: int) -> int:
     return model_bytes + max(saved_bytes, default=0)
 
 
+def _in_flight(saved: Sequence[int], offloaded: Sequence[bool], prefetch: int) -> int:
+    """Room for the fetches ahead: the ``prefetch`` largest saved bytes of the offloaded calls."""
+    return sum(sorted((s for s, o in zip(saved, offloaded, strict=True) if o), reverse=True)[:prefetch])
+
+
+def _choose_at(
+    measures: Sequence[BlockMeasure], rates: CopyRates, room: int, largest: int, prefetch: int
+) -> ActivationPlan | None:
+    """The plan that fetches ``prefetch`` offloaded calls ahead, keeping what fits ``room`` (the
+    budget less model data) beside one block's working set and the fetches ahead; ``None`` when not
+    even keeping nothing fits."""
+    n = len(measures)
+    saved = [m.saved_bytes for m in measures]
+    # The cheaper way of not keeping each call, and what it costs.
+    others: list[tuple[ActivationChoice, float]] = []
+    for i, m in enumerate(measures):
+        offload = _offload_seconds(i, measures, rates, prefetch)
+        if offload < m.forward_seconds:
+            others.append((ActivationChoice.OFFLOAD, offload))
+        else:
+            others.append((ActivationChoice.RECOMPUTE, m.forward_seconds))
+    keep = [False] * n
+
+    def reserve() -> int:
+        offloaded = [not keep[i] and others[i][0] is ActivationChoice.OFFLOAD for i in range(n)]
+        return largest + _in_flight(saved, offloaded, prefetch)
+
+    if reserve() > room:
+        return None
+    # Keep the calls whose other way costs the most per byte, while they fit (ties: the earlier
+    # call, whose bytes wait longest for their backward either way; so every rank agrees). A kept
+    # call is not fetched: the room for the fetches ahead may shrink as calls are kept.
+    order = sorted(range(n), key=lambda i: (-others[i][1] / max(1, saved[i]), i))
+    kept = 0
+    for i in order:
+        keep[i] = True
+        if kept + saved[i] + reserve() <= room:
+            kept += saved[i]
+        else:
+            keep[i] = False
+    choices = tuple(ActivationChoice.KEEP if keep[i] else others[i][0] for i in range(n))
+    return ActivationPlan(
+        blocks=tuple(m.name for m in measures),
+        choices=choices,
+        saved_bytes=tuple(saved),
+        kept_bytes=kept,
+        reserve=reserve(),
+        seconds=sum(others[i][1] for i in range(n) if not keep[i]),
+        prefetch=prefetch if ActivationChoice.OFFLOAD in choices else 0,
+    )
+
+
 def choose_activations(
-    measures: Sequence[BlockMeasure], rates: CopyRates, budget: int, model_bytes: int
+    measures: Sequence[BlockMeasure], rates: CopyRates, budget: int, model_bytes: int, max_prefetch: int = 0
 ) -> ActivationPlan:
     """The plan for ``measures`` (block calls in forward order) under ``budget`` with
-    ``model_bytes`` of model data at least; ``BudgetTooSmallError`` naming the minimum when even
-    keeping nothing does not fit."""
-    n = len(measures)
+    ``model_bytes`` of model data at least, its offloaded calls fetched up to ``max_prefetch``
+    calls ahead of their backward; ``BudgetTooSmallError`` naming the minimum when even keeping
+    nothing does not fit.
+
+    Each depth from 0 to ``max_prefetch`` that fits is planned (the deeper, the more room the
+    fetches ahead take from kept calls, the more of the copies back hide behind compute on an
+    asynchronous device); the plan with the least estimated time is chosen, on a tie the shallower
+    (on a synchronous device fetching ahead hides nothing)."""
     reserve = max((m.saved_bytes for m in measures), default=0)
     minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes)
     if minimum > budget:
@@ -147,31 +213,10 @@ def choose_activations(
             budget,
             minimum,
         )
-    # The cheaper way of not keeping each call, and what it costs.
-    others: list[tuple[ActivationChoice, float]] = []
-    for i, m in enumerate(measures):
-        offload = _offload_seconds(m, measures[i + 1] if i + 1 < n else None, rates)
-        if offload < m.forward_seconds:
-            others.append((ActivationChoice.OFFLOAD, offload))
-        else:
-            others.append((ActivationChoice.RECOMPUTE, m.forward_seconds))
-    room = budget - model_bytes - reserve
-    # Keep the calls whose other way costs the most per byte, while they fit (ties: the earlier
-    # call, whose bytes wait longest for their backward either way; so every rank agrees).
-    order = sorted(range(n), key=lambda i: (-others[i][1] / max(1, measures[i].saved_bytes), i))
-    keep = [False] * n
-    kept = 0
-    for i in order:
-        if kept + measures[i].saved_bytes <= room:
-            keep[i] = True
-            kept += measures[i].saved_bytes
-    choices = tuple(ActivationChoice.KEEP if keep[i] else others[i][0] for i in range(n))
-    seconds = sum(others[i][1] for i in range(n) if not keep[i])
-    return ActivationPlan(
-        blocks=tuple(m.name for m in measures),
-        choices=choices,
-        saved_bytes=tuple(m.saved_bytes for m in measures),
-        kept_bytes=kept,
-        reserve=reserve,
-        seconds=seconds,
-    )
+    best: ActivationPlan | None = None
+    for depth in range(max_prefetch + 1):
+        plan = _choose_at(measures, rates, budget - model_bytes, reserve, depth)
+        if plan is not None and (best is None or plan.seconds < best.seconds):
+            best = plan
+    assert best is not None, "fetching nothing ahead fits the minimum"
+    return best

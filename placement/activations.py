@@ -109,12 +109,14 @@ class ActivationPlacement(BaseModel):
     (``placement.choose_activations``; the plan is ``model.activation_plan``). A budget that cannot
     hold model data and one block's saved bytes is refused at the end of the first step with the
     minimum. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
-    in ``Stats.peak_device_bytes``); offloaded calls copy with ``max_prefetch`` 0 (one call fetched at
-    a time) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
+    in ``Stats.peak_device_bytes``); offloaded calls are fetched up to ``max_prefetch`` calls ahead of
+    their backward (the plan's ``prefetch``: the depth with the least estimated time whose room fits,
+    reserved in the budget) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
     max_prefetch: Annotated[int, Field(ge=0, strict=True)] = 1
     """How many offloaded block calls, next in backward order, are copied back to the device
     ahead of their backward, when a block's backward starts (0: each is copied back when its
-    backward first needs it). Each costs that block's saved bytes on the device early."""
+    backward first needs it). Each costs that block's saved bytes on the device early. For
+    ``auto`` blocks the most: their plan chooses the depth, within the budget."""
     min_offload_bytes: Annotated[int, Field(ge=0, strict=True)] = 1024
     """Saved tensors whose storage is smaller than this many bytes stay on the device (a copy
     costs more than their room: layer-norm statistics, scalars)."""
@@ -127,8 +129,9 @@ class ActivationPlacement(BaseModel):
     required) through that window and read back through it before the block's backward. The host
     copies and the window are accounted in the ledger (``Stats.peak_host_bytes``), the disk
     traffic in ``Stats.activation_disk_write_bytes`` / ``activation_disk_read_bytes``. ``None``
-    (default): every offloaded storage is copied to host memory, without a cap. Applies to
-    ``offload`` blocks only (refused with ``auto`` blocks)."""
+    (default): every offloaded storage is copied to host memory, without a cap. Applies to the
+    ``offload`` blocks and to the calls of ``auto`` blocks that are offloaded (every call in the
+    first step, then those the plan offloads), in one budget, by the same rule."""
 
     def placement_of(self, module: object) -> BlockPlacement | None:
         """How ``module``'s saved tensors are placed (``None``: it is no named block)."""
@@ -170,15 +173,11 @@ class ActivationPlacement(BaseModel):
     def _host_budget_for_offload(self) -> ActivationPlacement:
         if self.host_budget is None:
             return self
-        if not self.offload:
+        if not self.offload and not self.auto:
             raise ValueError(
-                "host_budget caps the host memory of the offload blocks' copies, but offload names no block class: "
-                "name the blocks to offload (offload=[...]), or drop host_budget"
-            )
-        if self.auto:
-            raise ValueError(
-                "host_budget is not supported with auto blocks yet (their offloaded calls are copied to host memory "
-                "without a cap): drop host_budget, or name those classes in offload instead of auto"
+                "host_budget caps the host memory of the offload blocks' copies (and of the auto blocks' offloaded "
+                "calls), but neither offload nor auto names a block class: name the blocks to offload (offload=[...]) "
+                "or to place under the budget (auto=[...]), or drop host_budget"
             )
         if self.host_budget < MIN_HOST_BUDGET:
             raise ValueError(

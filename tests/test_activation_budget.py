@@ -310,12 +310,17 @@ def test_recompute_where_compute_is_cheaper_than_the_copies_and_offload_where_th
     plan = choose_activations(_measures(0.5, 3.0), serial, budget=2 * MB, model_bytes=MB)
     assert plan.choices == (ActivationChoice.RECOMPUTE, ActivationChoice.OFFLOAD)
     assert plan.seconds == 0.5 + 2.0
-    # Asynchronous copies hide behind the call's forward (out: 1 s against 1.0 and 0.7 s) and the
-    # next call's backward (back: 1 s against twice its forward, 1.4 s; the last call has none).
+    # Asynchronous copies hide behind the call's forward (out: 1 s against 1.0 and 0.7 s) and, fetched
+    # one call ahead, the next call's backward (back: 1 s against twice its forward, 1.4 s; the last
+    # call has none); the budget has room for that fetch.
     overlapped = CopyRates(to_host=MB, to_device=MB, overlap=True)
-    plan = choose_activations(_measures(1.0, 0.7, 0.7), overlapped, budget=2 * MB, model_bytes=MB)
+    plan = choose_activations(_measures(1.0, 0.7, 0.7), overlapped, budget=3 * MB, model_bytes=MB, max_prefetch=1)
     assert plan.choices == (ActivationChoice.OFFLOAD, ActivationChoice.OFFLOAD, ActivationChoice.RECOMPUTE)
-    assert plan.seconds == pytest.approx(0.0 + 0.3 + 0.7)
+    assert plan.seconds == pytest.approx(0.0 + 0.3 + 0.7) and (plan.prefetch, plan.reserve) == (1, 2 * MB)
+    # Without room for it (or fetched when the backward needs it), the copy back hides behind nothing.
+    plan = choose_activations(_measures(1.0, 0.7, 0.7), overlapped, budget=2 * MB, model_bytes=MB, max_prefetch=1)
+    assert plan.choices == (ActivationChoice.RECOMPUTE, ActivationChoice.RECOMPUTE, ActivationChoice.RECOMPUTE)
+    assert (plan.prefetch, plan.reserve) == (0, MB)
 
 
 def test_the_offloads_own_host_time_counts_against_it() -> None:
@@ -366,9 +371,9 @@ def _every_call_offloaded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ..
 
     choose, inputs = auto.choose_activations, []
 
-    def offload_all(measures: Any, rates: CopyRates, budget: int, model_bytes: int) -> Any:
+    def offload_all(measures: Any, rates: CopyRates, *args: Any) -> Any:
         inputs.append((measures, rates))
-        plan = choose(measures, rates, budget, model_bytes)
+        plan = choose(measures, rates, *args)
         return dataclasses.replace(plan, choices=(ActivationChoice.OFFLOAD,) * len(plan.choices), kept_bytes=0)
 
     monkeypatch.setattr(auto, "choose_activations", offload_all)

@@ -48,8 +48,7 @@ def test_the_host_budget_is_refused_where_it_cannot_apply_naming_the_field(tmp_p
     assert ActivationPlacement(offload=["Block"], host_budget="8KiB").host_budget == 8192
     with pytest.raises(ValidationError, match="host_budget caps the host memory of the offload blocks' copies"):
         ActivationPlacement(recompute=["Block"], host_budget=8192)
-    with pytest.raises(ValidationError, match="host_budget is not supported with auto blocks"):
-        ActivationPlacement(offload=["Block"], auto=["Other"], host_budget=8192)
+    assert ActivationPlacement(auto=["Block"], host_budget=8192).host_budget == 8192  # their offloaded calls
     with pytest.raises(ValidationError, match="host_budget=4095 bytes is below the minimum of 4096"):
         ActivationPlacement(offload=["Block"], host_budget=4095)
     with pytest.raises(DiskTierError, match=r"ChunkPlugin has no disk_dir: pass ChunkPlugin\(disk_dir=...\)"):
@@ -181,4 +180,4 @@ def test_the_cli_takes_the_host_budget_and_shows_the_disk_bytes(
     assert 0 < planned.activation_disk_write_bytes_per_step < planned.activation_d2h_bytes_per_step
     with pytest.raises(SystemExit):
         plan_cli.main([*base, "--activation-host-budget", "64KiB"])
-    assert "offload names no block class" in capsys.readouterr().err
+    assert "neither offload nor auto names a block class" in capsys.readouterr().err

@@ -6,7 +6,9 @@ ranks (the maximum) at its end: the ledger holds those figures, never a rank's o
 At the next training forward, once every measured call's backward ran (or its graph was dropped) on
 every rank (agreed: a rank that still holds a measured graph delays the choice on all), the times and
 rates are agreed too and ``placement.choose_activations`` decides each call's placement from then
-on; the policy keeps the plan's reserve free of model data. Calls are numbered within each forward of the
+on, and how many offloaded calls are fetched ahead of their backward (up to ``max_prefetch``; the
+measured calls are fetched one at a time); the policy keeps the plan's reserve (one block's
+working set and the fetches ahead) free of model data. Calls are numbered within each forward of the
 model: the ``i``-th call of a forward is placed as the ``i``-th measured call was chosen.
 
 At the end of every training forward the ranks agree (one small all-gather) how many auto calls
@@ -59,8 +61,11 @@ class AutoBlocks:
         copies: Stats,
         settle: Callable[[], None],
         recompute: Recompute,
+        max_prefetch: int,
     ) -> None:
+        """``offload`` fetches nothing ahead until the plan says how many (up to ``max_prefetch``)."""
         self._offload = offload
+        self._max_prefetch = max_prefetch
         self._account = account
         self._comm = comm
         self._layer = comm.layer
@@ -223,9 +228,11 @@ class AutoBlocks:
     def _offloaded(self, call: BlockCall, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             with self._offload.hooks(call):
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
         finally:
             self._offload.settle(call)  # also after a failed forward: what it copied leaves the ledger
+        self._offload.finish(call)  # its writes to disk (beyond host_budget), agreed over ranks
+        return out
 
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
@@ -294,10 +301,13 @@ class AutoBlocks:
         budget = self._policy.budget
         assert budget is not None, "auto blocks need a device budget (checked when boosting)"
         try:
-            plan = choose_activations(measures, rates, budget, self._policy.placement_need().minimum)
+            plan = choose_activations(
+                measures, rates, budget, self._policy.placement_need().minimum, self._max_prefetch
+            )
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         self._policy.reserve_for_activations(plan.reserve)
+        self._offload.set_prefetch(plan.prefetch)
         self._plan = plan
 
 

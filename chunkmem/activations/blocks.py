@@ -113,15 +113,26 @@ class ActivationBlocks:
         self._offload = ActivationOffload(
             self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk
         )
+        self._offloads = [self._offload]  # the auto blocks' too (one host budget)
         self._auto: AutoBlocks | None = None
         self._account: DeviceActivations | None = None
         if config.auto:
             assert budget is not None and budget.policy.budget is not None, "a device budget (checked when boosting)"
             ledger, room, policy = budget
             self._account = DeviceActivations(ledger, room, comm.rank)
-            offload = ActivationOffload(self._transfers, layer.device, 0, config.min_offload_bytes, self._account)
+            offload = ActivationOffload(
+                self._transfers, layer.device, 0, config.min_offload_bytes, self._account, disk=self._disk
+            )
+            self._offloads.append(offload)
             self._auto = AutoBlocks(
-                offload, self._account, comm, policy, self._copies, self._measured_copies, self._recompute
+                offload,
+                self._account,
+                comm,
+                policy,
+                self._copies,
+                self._measured_copies,
+                self._recompute,
+                config.max_prefetch,
             )
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
@@ -164,7 +175,11 @@ class ActivationBlocks:
         return self._auto.plan if self._auto is not None else None
 
     def begin_forward(self) -> None:
-        """The model's forward starts (the auto blocks number their calls, and may decide)."""
+        """The model's forward starts: the host copies the last backward read go back (and out of a
+        host budget, which both offloads share: its room is the same for every forward); the auto
+        blocks number their calls, and may decide."""
+        for offload in self._offloads:
+            offload.recycle()
         if self._auto is not None:
             self._auto.begin_forward()
 

@@ -3,9 +3,11 @@ call, predicted from one forward of the model on the meta device (``chunkmem.pla
 
 Each call is counted by the runtime's own rule (``counting.SavedCount``): ``saved_bytes`` what
 autograd saves apart from model memory, each storage once per call; ``offload_bytes`` what an
-offload copies to the host in its forward and back in its backward; ``disk_bytes`` the part of
-those an ``ActivationPlacement.host_budget`` sends on to the disk tier (``placement.HostRoom``, the
-runtime's rule, over the copies of one training forward in the order saved).
+offload copies to the host in its forward and back in its backward (``copied``: each storage's
+bytes, in the order saved); ``disk_bytes`` the part of those an ``ActivationPlacement.host_budget``
+sends on to the disk tier (``placement.disk_bytes_per_call``, the runtime's rule, over the copies
+of one training forward in the order saved: the ``offload`` blocks' calls and, as in the first
+training forward, every ``auto`` call).
 
 Only the forward runs: saved tensors are packed there, and a recomputed call is recomputed once in
 the backward (``recompute_calls``). The forward runs the model's own code on meta tensors, so an op
@@ -18,12 +20,12 @@ the figure as an upper bound.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from placement import ActivationPlacement, BlockPlacement, HostRoom
+from placement import ActivationPlacement, BlockPlacement, disk_bytes_per_call
 
 from .counting import Saved, SavedCount
 
@@ -45,7 +47,11 @@ class BlockForecast:
     """Of those, the bytes an offload copies to the host and back (storages of at least
     ``min_offload_bytes``, once per storage version)."""
     disk_bytes: int = 0
-    """Of those, the bytes written to the disk tier and read back (beyond ``host_budget``)."""
+    """Of those, the bytes written to the disk tier and read back (beyond ``host_budget``; an
+    ``auto`` call's as in the first training forward, where every ``auto`` call is offloaded)."""
+    copied: tuple[int, ...] = ()
+    """The bytes of each storage an offload of the call copies, in the order saved (``offload_bytes``
+    is their sum)."""
 
 
 @dataclass(eq=False)
@@ -54,7 +60,7 @@ class _Call:
     how: BlockPlacement
     module: torch.nn.Module
     count: SavedCount
-    disk_bytes: int = 0
+    copied: list[int] = field(default_factory=list)
 
 
 def forecast(
@@ -64,13 +70,11 @@ def forecast(
     recording), in forward order."""
     calls: list[_Call] = []
     open_calls: list[tuple[_Call, Any]] = []
-    room = HostRoom(int(config.host_budget)) if config.host_budget is not None else None
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         call = open_calls[-1][0]
-        copied = call.count.add(tensor) is Saved.COPY and call.how is BlockPlacement.OFFLOAD
-        if copied and room is not None and not room.take(nbytes := tensor.untyped_storage().nbytes()):
-            call.disk_bytes += nbytes
+        if call.count.add(tensor) is Saved.COPY:
+            call.copied.append(tensor.untyped_storage().nbytes())
         return tensor
 
     def enter(name: str, how: BlockPlacement) -> Callable[..., None]:
@@ -101,4 +105,12 @@ def forecast(
             handle.remove()
         while open_calls:  # a forward that raised inside a block
             open_calls.pop()[1].__exit__(None, None, None)
-    return tuple(BlockForecast(c.name, c.how, c.count.saved_bytes, c.count.copied_bytes, c.disk_bytes) for c in calls)
+    offloaded = [c for c in calls if c.how is not BlockPlacement.RECOMPUTE]
+    disk = [0] * len(offloaded)
+    if config.host_budget is not None:
+        disk = disk_bytes_per_call([c.copied for c in offloaded], int(config.host_budget))
+    disk_of = {id(c): d for c, d in zip(offloaded, disk, strict=True)}
+    return tuple(
+        BlockForecast(c.name, c.how, c.count.saved_bytes, c.count.copied_bytes, disk_of.get(id(c), 0), tuple(c.copied))
+        for c in calls
+    )

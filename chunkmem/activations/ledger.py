@@ -16,7 +16,8 @@ What a call holds (``CallHold``), and when:
   of the last tensor the call saved (its backward ran, or the graph was dropped).
 * **offloaded** (as planned): its saved bytes from the call's start until its copies to the host are
   done (the call's end), then its small storages until the call is gone, and its copied bytes from
-  the fetch before its backward until the call is gone.
+  its fetch (when its backward begins, or up to the plan's ``prefetch`` offloaded calls earlier)
+  until the call is gone.
 * **measured** (the first step, every call offloaded): nothing during its forward (what it saves
   then is the working set of one block), then, once its figures are agreed at its end, its small
   storages and, from the fetch, its copied bytes, until the call is gone.

@@ -12,8 +12,9 @@ block to pinned host memory during the forward and back to the device before its
   stride (so the tensor comes back with its own strides, bit for bit).
 * **Unpack** (backward): the block call's copies are fetched on a fetch stream (after the host
   waited for the copies into the host buffers), the compute stream waits for the fetch, and the
-  view is rebuilt on the device copy. The next ``max_prefetch`` block calls in backward order are
-  fetched at the same time.
+  view is rebuilt on the device copy. When a call's backward begins (its first unpack), the next
+  ``max_prefetch`` block calls in backward order are fetched too, those not fetched yet: the window
+  slides by one call per backward, so each call is fetched ``max_prefetch`` calls ahead of its own.
 * Host buffers go back to the pool at the next forward, once the fetches that read them are done.
 * With ``ActivationPlacement.host_budget`` (an ``ActivationDisk``), a storage whose copy does not fit
   the budget goes to the disk tier instead (``placement.HostRoom`` decides, in the order saved) and
@@ -75,6 +76,7 @@ class BlockCall:
     copies: dict[tuple[int, int], _Copy] = field(default_factory=dict)  # (storage, version) -> its latest copy
     made: list[_Copy] = field(default_factory=list)  # every copy, in the order made
     fetched: bool = False
+    began: bool = False  # its backward began (its first saved tensor was unpacked)
     ready: Event | None = None  # after the fetch, on the fetch stream
     failure: BaseException | None = None  # a disk failure in its forward (raised at its end, agreed)
     host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
@@ -111,8 +113,14 @@ class ActivationOffload:
         self._max_prefetch = max_prefetch
         self._min_bytes = min_bytes
         self._fetch_stream = self._layer.new_stream()
-        self._pending: list[weakref.ref[BlockCall]] = []  # calls not fetched yet, in forward order
+        self._pending: list[weakref.ref[BlockCall]] = []  # calls whose backward has not begun, in forward order
         self._fetched: list[_Copy] = []  # copies a fetch read, their host buffers back to the pool next
+
+    def set_prefetch(self, calls: int) -> None:
+        """Fetch ``calls`` calls ahead from now on (the ``auto`` plan's depth)."""
+        if calls < 0:
+            raise ValueError(f"set_prefetch: a negative depth {calls}")
+        self._max_prefetch = calls
 
     def waiting(self) -> int:
         """Calls whose saved tensors wait on the host for their backward (their graph lives)."""
@@ -120,7 +128,7 @@ class ActivationOffload:
 
     def hooks(self, call: BlockCall) -> Any:
         """The saved-tensor hooks for one call of an offloaded block."""
-        self._recycle()
+        self.recycle()
         self._pending.append(weakref.ref(call))
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
 
@@ -167,7 +175,8 @@ class ActivationOffload:
         began = time.perf_counter()
         try:
             for copy in call.made:
-                self._transfers.before_host_read(copy.host)
+                if copy.host is not None:  # a copy to disk was waited for piece by piece
+                    self._transfers.before_host_read(copy.host)
         finally:
             call.host_seconds[0] += time.perf_counter() - began
             if call.hold is not None:
@@ -176,9 +185,14 @@ class ActivationOffload:
 
     def finish(self, call: BlockCall) -> None:
         """The call's forward is done: with a host budget, its writes to disk are waited for and
-        agreed over ranks (raising on every rank when one failed anywhere)."""
-        if self._disk is not None:
+        agreed over ranks (raising on every rank when one failed anywhere); the offload's host time."""
+        if self._disk is None:
+            return
+        began = time.perf_counter()
+        try:
             self._disk.settle([c.disk for c in call.made if c.disk is not None], call.block, call.failure)
+        finally:
+            call.host_seconds[0] += time.perf_counter() - began
 
     def _copy_out(self, tensor: torch.Tensor, block: str) -> _Copy:
         """The whole storage of ``tensor`` copied to host memory, or, beyond the host budget, to disk."""
@@ -195,7 +209,7 @@ class ActivationOffload:
             copy.held = weakref.finalize(copy, self._disk.give_host, nbytes)
         return copy
 
-    def _recycle(self) -> None:
+    def recycle(self) -> None:
         """Host buffers read by the last backward's fetches go back to the pool (and out of the
         host budget)."""
         for copy in self._fetched:
@@ -212,23 +226,26 @@ class ActivationOffload:
         if not isinstance(saved, _Saved):  # stayed on the device: as it is, or in the ledger's handle
             return DeviceActivations.unpack(saved)
         call = saved.call
-        if not call.fetched:
-            self._fetch_around(call)
+        if not call.began:
+            self._begin_backward(call)
         self._layer.wait_event(call.ready)
         device = saved.copy.device
         assert device is not None, "a fetched call has device copies"
         self._layer.record_stream(device, self._layer.current_stream())
         return device.as_strided(saved.size, saved.stride, saved.offset)
 
-    def _fetch_around(self, call: BlockCall) -> None:
-        """Fetch ``call`` and the next ``max_prefetch`` unfetched calls in backward order (those
-        before it in forward order)."""
-        live = [c for c in (ref() for ref in self._pending) if c is not None and not c.fetched]
+    def _begin_backward(self, call: BlockCall) -> None:
+        """``call``'s backward begins: it is fetched if it was not, and so are the ``max_prefetch``
+        calls next in backward order (those before it in forward order whose backward has not
+        begun), each once: a window that slides by one call per backward."""
+        call.began = True
+        live = [c for c in (ref() for ref in self._pending) if c is not None]
         position = next((i for i, c in enumerate(live) if c is call), len(live))
         ahead = live[max(0, position - self._max_prefetch) : position]
         for each in [call, *reversed(ahead)]:
-            self._fetch(each)
-        self._pending = [weakref.ref(c) for c in live if not c.fetched]
+            if not each.fetched:
+                self._fetch(each)
+        self._pending = [weakref.ref(c) for c in live if not c.began]
 
     def _fetch(self, call: BlockCall) -> None:
         began = time.perf_counter()

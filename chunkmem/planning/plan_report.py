@@ -8,7 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from placement import ActivationPlan, BlockMeasure, BlockPlacement, CopyRates, choose_activations
+from placement import (
+    ActivationChoice,
+    ActivationPlan,
+    BlockMeasure,
+    BlockPlacement,
+    CopyRates,
+    choose_activations,
+    disk_bytes_per_call,
+)
 from placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast
@@ -130,6 +138,10 @@ class Plan:
     model_need_bytes: int = 0
     """What the placement of model data needs on the device at least (``placement_need().minimum``):
     the ``model_bytes`` the ``auto`` choice is made with."""
+    activation_max_prefetch: int = 0
+    """``ActivationPlacement.max_prefetch``: the most offloaded calls the ``auto`` choice fetches ahead."""
+    activation_host_budget: int | None = None
+    """``ActivationPlacement.host_budget``: the host memory offloaded calls' copies take at most."""
 
     def _calls(self, how: BlockPlacement) -> list[BlockForecast]:
         return [c for c in self.activation_calls if c.how is how]
@@ -150,8 +162,28 @@ class Plan:
     @property
     def activation_disk_write_bytes_per_step(self) -> int:
         """Of those copies, what goes on to the disk tier per step, beyond ``ActivationPlacement.host_budget``
-        (``Stats.activation_disk_write_bytes``); read back the same (``activation_disk_read_bytes``)."""
-        return self.grad_accum * sum(c.disk_bytes for c in self._calls(BlockPlacement.OFFLOAD))
+        (``Stats.activation_disk_write_bytes``); read back the same (``activation_disk_read_bytes``). With
+        ``auto`` blocks, a step whose forwards are like the first (every ``auto`` call offloaded); a
+        forward under the ``auto`` choice: ``activation_disk_bytes_per_forward(choice)``."""
+        return self.grad_accum * self.activation_disk_bytes_per_forward()
+
+    def activation_disk_bytes_per_forward(self, choice: ActivationPlan | None = None) -> int:
+        """What one training forward writes to the disk tier (and its backward reads back), beyond
+        ``ActivationPlacement.host_budget``: the ``offload`` blocks' copies and those of the ``auto``
+        calls ``choice`` offloads (``None``: every ``auto`` call, as in the first training forward),
+        by the runtime's rule (``placement.disk_bytes_per_call``, in the order saved)."""
+        if self.activation_host_budget is None:
+            return 0
+        offloaded, auto = [], 0
+        for call in self.activation_calls:
+            if call.how is BlockPlacement.AUTO:
+                chosen = choice.choice(auto) if choice is not None else ActivationChoice.OFFLOAD
+                auto += 1
+                if chosen is ActivationChoice.OFFLOAD:
+                    offloaded.append(call.copied)
+            elif call.how is BlockPlacement.OFFLOAD:
+                offloaded.append(call.copied)
+        return sum(disk_bytes_per_call(offloaded, self.activation_host_budget))
 
     @property
     def activation_disk_read_bytes_per_step(self) -> int:
@@ -173,15 +205,19 @@ class Plan:
         """The choice ``choose_activations`` makes for the ``auto`` calls at ``device_budget``, from
         their planned saved bytes and the timings a meta run cannot know: each call's forward time
         (in forward order) and the copy rates, as measured on the device (the first step of a run
-        measures them, and the offloads' own host time, taken as 0 here). ``BudgetTooSmallError``
-        below ``activation_min_device_budget``."""
+        measures them, and the offloads' own host time, taken as 0 here), with how many offloaded
+        calls it fetches ahead (up to ``activation_max_prefetch``) and the room that takes
+        (``ActivationPlan.prefetch`` and ``reserve``). ``BudgetTooSmallError`` below
+        ``activation_min_device_budget``."""
         calls = self._calls(BlockPlacement.AUTO)
         if len(forward_seconds) != len(calls):
             raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
         if self.device_budget is None:
             raise ValueError("auto_choice: auto blocks are placed under a device_budget; the plan has none")
         measures = [BlockMeasure(c.name, c.saved_bytes, t) for c, t in zip(calls, forward_seconds, strict=True)]
-        return choose_activations(measures, rates, self.device_budget, self.model_need_bytes)
+        return choose_activations(
+            measures, rates, self.device_budget, self.model_need_bytes, self.activation_max_prefetch
+        )
 
     @property
     def transfer_seconds_per_step(self) -> float:

@@ -336,6 +336,11 @@ def _activation_calls(
         return forecast(local, config, lambda: local(**inputs)), found
 
 
+def _activation_host_budget(plugin: ChunkPlugin) -> int | None:
+    activations = plugin.activations
+    return None if activations is None or activations.host_budget is None else int(activations.host_budget)
+
+
 def _auto_minimum(calls: tuple[BlockForecast, ...], model_need: int) -> int | None:
     """The refusal's minimum with ``auto`` blocks: model data's need and the largest call's saved bytes."""
     auto = [c.saved_bytes for c in calls if c.how is BlockPlacement.AUTO]
@@ -465,4 +470,6 @@ def plan(
         repeated_block=repeated.describe() if repeated is not None else None,
         activation_min_device_budget=auto_minimum,
         model_need_bytes=model_need,
+        activation_max_prefetch=plugin.activations.max_prefetch if plugin.activations is not None else 0,
+        activation_host_budget=_activation_host_budget(plugin),
     )
