@@ -15,7 +15,9 @@ being what gathers read, need no copy (as an fp32 master under fp32 compute).
   ``offload_param``): a device copy in compute dtype, refreshed once per optimizer step.
 * Master on disk, parameter shard on disk (``offload_param_disk_frac``): a gather reads the 16-bit
   copy (``ParamOnDisk``), or with fp32 compute the master's own region, from disk into a staging
-  buffer; nothing gathers read stays in host memory.
+  buffer; nothing gathers read stays in host memory. A frozen chunk of values alone may read them in
+  place from the user's weights files instead (``InPlaceShard``): never written, no disk bytes of
+  its own.
 
 Copies are caches keyed by the master's version, which the optimizer bumps after each update.
 Every copy between host and device goes through :class:`HostTransfers` (counted, timed, and
@@ -41,7 +43,8 @@ from .param_on_disk import ParamOnDisk, read_for_gather
 from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
-    from ..tiers.disk import SidesFile
+    from ..tiers.disk import DiskFile, SidesFile
+    from .values_in_place import InPlaceShard
 
 __all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
 
@@ -64,7 +67,11 @@ class ShardStore:
         kind: ShardKind,
         host_device: torch.device = _CPU,
         disk: SidesFile | None = None,
+        in_place: InPlaceShard | None = None,
     ) -> None:
+        if in_place is not None and (kind is not ShardKind.FROZEN_VALUES or shard is not Location.DISK or disk is None):
+            raise ValueError(f"{label}: only a frozen chunk of values alone, its shard on disk, reads them in place")
+        self._in_place = in_place
         if master is Location.DEVICE and shard is Location.HOST:
             raise ValueError(
                 f"{label}: a master shard on the device is the parameter shard, so the parameter shard "
@@ -333,7 +340,13 @@ class ShardStore:
             self._transfers.copy(slot, self._master, Direction.TO_DEVICE)
         else:
             assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
-            read_for_gather(self._disk, self._disk_offset, slot, self._transfers, self._ledger, self._host_device)
+            file, offset, in_place = self._disk, self._disk_offset, self._in_place
+            read = (
+                (lambda staged: in_place.read(self._file_in_place, staged))
+                if in_place is not None
+                else (lambda staged: file.read(staged, offset, param=True))
+            )
+            read_for_gather(read, slot, self._transfers, self._ledger, self._host_device)
 
     def _host_compute(self) -> torch.Tensor:
         if self._host_cast is None:
@@ -368,11 +381,21 @@ class ShardStore:
         finally:
             storage.resize_(0)
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Its values are read in place from the user's weights files (``InPlaceShard``)."""
+        return self._in_place is not None
+
     def readable_master(self) -> torch.Tensor:
         """The master's values to read without changing them: the master in memory, or, while it
-        is on disk, a view mapped from its region of the disk file."""
+        is on disk, a view mapped from its region of the disk file (read from the weights files
+        into memory when read in place)."""
         if self._master_resident or self._disk is None:
             return self._master
+        if self._in_place is not None:
+            values = torch.empty(self._numel, dtype=self._values_dtype)
+            self._in_place.read(self._file_in_place, values).result()
+            return values
         return self._disk.view(self._disk_offset, self._numel, self._values_dtype)
 
     def staging_for_master(self, numel: int) -> torch.Tensor:
@@ -386,8 +409,11 @@ class ShardStore:
         """Move the master to its disk region, once, after it got its values (boost): its 16-bit
         copy is made first (gathers read that) and its memory is freed."""
         file = self._disk
-        if file is None or self._disk_offset >= 0:
+        if file is None or self._disk_offset >= 0 or not self._master_resident:
             raise RuntimeError(f"{self._label}: move_master_to_disk is for a master bound for disk, once")
+        if self._in_place is not None:  # its values stay in the weights files: nothing to write
+            self._drop_master_memory()
+            return
         self._host_compute()
         written = self.write_param(changed=True)
         self.settle_param()  # accounted as written, or kept in memory
@@ -395,10 +421,21 @@ class ShardStore:
             written.result()  # a write that failed at boost raises
         self._disk_offset = file.region(self._master_bytes)
         file.write(self._master, self._disk_offset, param=self._master_is_param).result()
+        self._drop_master_memory()
+        self._ledger.alloc(Location.DISK, self._values_kind, self._master_bytes)
+
+    def _drop_master_memory(self) -> None:
         self._master.untyped_storage().resize_(0)
         self._master_resident = False
         self._ledger.free(Location.HOST, self._values_kind, self._master_bytes)
-        self._ledger.alloc(Location.DISK, self._values_kind, self._master_bytes)
+
+    @property
+    def _file_in_place(self) -> DiskFile:
+        """The disk tier's file whose I/O threads read a shard in place (a plan reads nothing in place)."""
+        from ..tiers.disk import DiskFile
+
+        assert isinstance(self._disk, DiskFile), f"{self._label}: a shard read in place has the disk tier's file"
+        return self._disk
 
     def fetch_master(self) -> Future[None] | None:
         """Start reading the master from disk into memory (``None``: it is in memory)."""
@@ -409,6 +446,8 @@ class ShardStore:
         self._master.untyped_storage().resize_(self._master_bytes)
         self._master_resident = True
         self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        if self._in_place is not None:
+            return self._in_place.read(self._file_in_place, self._master)
         return file.read(self._master, self._disk_offset)
 
     @property
@@ -439,16 +478,36 @@ class ShardStore:
         file = self._disk
         if file is None or not self._master_resident:
             return None
+        if changed and self._in_place is not None:
+            self._require_values_in_place()
         if changed:
             self._version += 1  # what mark_updated does: the copies are stale
             self._host_compute()
         self._master_resident = False
         self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
         storage = self._master.untyped_storage()
-        if not changed:
+        if not changed or self._in_place is not None:
             storage.resize_(0)
             return None
         return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)
+
+    def _require_values_in_place(self) -> None:
+        """A load gave a chunk read in place values: those of its weights files (a checkpoint of
+        the same base) change nothing; others cannot be kept, as the user's files are never
+        written. Refused so, its memory dropped (the values in the files stay its values)."""
+        assert self._in_place is not None, f"{self._label}: reads its values in place"
+        current = torch.empty(self._numel, dtype=self._values_dtype)
+        self._in_place.read(self._file_in_place, current).result()
+        if torch.equal(current, self._master):
+            return
+        self._master_resident = False
+        self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        self._master.untyped_storage().resize_(0)
+        raise ValueError(
+            f"{self._label}: its frozen values are read in place from the weights files it was boosted with "
+            "(weights=), and the values loaded differ from them; chunkmem never writes those files. Boost with "
+            "weights= pointing at the weights this checkpoint holds (or save them with save_pretrained first)"
+        )
 
     def master_write_failed(self) -> None:
         """The write ``evict_master`` started failed: the master kept its memory and values."""
