@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from test_param_disk import ON_DISK, train_counted
 from test_peft import adamw, plain_peft, train
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind
+from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, plan
 from chunkmem.tiers.disk import DISK_BLOCK
 
 WIDTH = 64
@@ -120,6 +120,10 @@ def _run(rank: int, world_size: int, weights: str, out: str, change: bool) -> di
     return result
 
 
+def adamw_over(params: Any) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
 def _plain(world_size: int) -> tuple[list[list[float]], Any]:
     return plain_peft("bf16", batches(STEPS), torch.device("cpu"), world_size, build=lambda: tiny(torch.float32))
 
@@ -159,6 +163,13 @@ def test_a_bf16_base_is_read_in_place_trains_like_plain_pytorch_and_writes_nothi
         assert 9 * shard_bytes + 4 * 4 <= result["scratch"] <= 9 * shard_bytes + 4 * 4 + 5 * DISK_BLOCK
         # Every gather reads one shard's bytes: from the scratch file for the adapter, the weights file for the base.
         assert result["reads"] == [g * shard_bytes for g in result["gathers"]]
+    if world_size == 1:  # a plan sees no files: it predicts the copy; its reads are the run's (full chunks)
+        with torch.device("meta"):
+            meta = tiny()
+        ids = batches(1)[0]
+        plugin = ChunkPlugin(placement=ON_DISK, precision="bf16", chunk_size=CHUNK)
+        predicted = plan(meta, plugin, {"input_ids": ids, "labels": ids}, optimizer=adamw_over, device="cpu")
+        assert predicted.disk_param_read_bytes_per_step == results[0]["reads"][-1]
 
 
 def test_a_file_in_another_dtype_is_copied_as_before(tmp_path: Path) -> None:

@@ -153,6 +153,8 @@ def choose_in_place(
             return None
         path, offset = found
         extents.append(Extent(path, offset, piece.shard.start * itemsize, piece.numel * itemsize))
+    if not extents:  # padding only on this rank: nothing is read from a file, so it is copied as any other
+        return None
     for extent in extents:
         files.open(extent.path)
     return InPlaceShard(label, sorted(extents, key=lambda e: e.shard_offset), files)
