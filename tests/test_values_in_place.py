@@ -139,8 +139,7 @@ def _assert_plain(results: list[dict[str, Any]]) -> None:
             assert torch.equal(result["reloaded"][name], value), name
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multirank)])
 def test_a_bf16_base_is_read_in_place_trains_like_plain_pytorch_and_writes_nothing(
     world_size: int, tmp_path: Path
 ) -> None:

@@ -43,7 +43,7 @@ from .param_on_disk import ParamOnDisk, read_for_gather
 from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
-    from ..tiers.disk import DiskFile, SidesFile
+    from ..tiers.disk import SidesFile
     from .values_in_place import InPlaceShard
 
 __all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
@@ -342,7 +342,7 @@ class ShardStore:
             assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
             file, offset, in_place = self._disk, self._disk_offset, self._in_place
             read = (
-                (lambda staged: in_place.read(self._file_in_place, staged))
+                (lambda staged: in_place.read(file, staged))
                 if in_place is not None
                 else (lambda staged: file.read(staged, offset, param=True))
             )
@@ -393,9 +393,7 @@ class ShardStore:
         if self._master_resident or self._disk is None:
             return self._master
         if self._in_place is not None:
-            values = torch.empty(self._numel, dtype=self._values_dtype)
-            self._in_place.read(self._file_in_place, values).result()
-            return values
+            return self._in_place.values(self._disk, self._numel, self._values_dtype)
         return self._disk.view(self._disk_offset, self._numel, self._values_dtype)
 
     def staging_for_master(self, numel: int) -> torch.Tensor:
@@ -429,14 +427,6 @@ class ShardStore:
         self._master_resident = False
         self._ledger.free(Location.HOST, self._values_kind, self._master_bytes)
 
-    @property
-    def _file_in_place(self) -> DiskFile:
-        """The disk tier's file whose I/O threads read a shard in place (a plan reads nothing in place)."""
-        from ..tiers.disk import DiskFile
-
-        assert isinstance(self._disk, DiskFile), f"{self._label}: a shard read in place has the disk tier's file"
-        return self._disk
-
     def fetch_master(self) -> Future[None] | None:
         """Start reading the master from disk into memory (``None``: it is in memory)."""
         if self._master_resident:
@@ -447,7 +437,7 @@ class ShardStore:
         self._master_resident = True
         self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
         if self._in_place is not None:
-            return self._in_place.read(self._file_in_place, self._master)
+            return self._in_place.read(file, self._master)
         return file.read(self._master, self._disk_offset)
 
     @property
@@ -478,9 +468,9 @@ class ShardStore:
         file = self._disk
         if file is None or not self._master_resident:
             return None
-        if changed and self._in_place is not None:
-            self._require_values_in_place()
-        if changed:
+        # Read in place, the values are the files', never written: a load of others is refused.
+        refused = changed and self._in_place is not None and not self._in_place.holds(file, self._master)
+        if changed and not refused:
             self._version += 1  # what mark_updated does: the copies are stale
             self._host_compute()
         self._master_resident = False
@@ -488,26 +478,11 @@ class ShardStore:
         storage = self._master.untyped_storage()
         if not changed or self._in_place is not None:
             storage.resize_(0)
+            if refused:
+                assert self._in_place is not None, "only a shard read in place refuses values"
+                raise self._in_place.refuse_other_values()
             return None
         return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)
-
-    def _require_values_in_place(self) -> None:
-        """A load gave a chunk read in place values: those of its weights files (a checkpoint of
-        the same base) change nothing; others cannot be kept, as the user's files are never
-        written. Refused so, its memory dropped (the values in the files stay its values)."""
-        assert self._in_place is not None, f"{self._label}: reads its values in place"
-        current = torch.empty(self._numel, dtype=self._values_dtype)
-        self._in_place.read(self._file_in_place, current).result()
-        if torch.equal(current, self._master):
-            return
-        self._master_resident = False
-        self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
-        self._master.untyped_storage().resize_(0)
-        raise ValueError(
-            f"{self._label}: its frozen values are read in place from the weights files it was boosted with "
-            "(weights=), and the values loaded differ from them; chunkmem never writes those files. Boost with "
-            "weights= pointing at the weights this checkpoint holds (or save them with save_pretrained first)"
-        )
 
     def master_write_failed(self) -> None:
         """The write ``evict_master`` started failed: the master kept its memory and values."""

@@ -32,7 +32,7 @@ from .param_values import ParamValues
 from .shard_kind import ShardKind
 
 if TYPE_CHECKING:
-    from ..tiers.disk import DiskFile
+    from ..tiers.disk import SidesFile
 
 __all__ = ["Extent", "InPlaceShard", "WeightFiles", "choose_in_place"]
 
@@ -102,9 +102,32 @@ class InPlaceShard:
         """Bytes a read takes from the files: the pieces, not the padding."""
         return sum(e.nbytes for e in self._extents)
 
-    def read(self, disk: DiskFile, tensor: torch.Tensor) -> Future[None]:
-        """Fill ``tensor`` (the shard, contiguous on the CPU) on ``disk``'s I/O threads."""
+    def read(self, disk: SidesFile | None, tensor: torch.Tensor) -> Future[None]:
+        """Fill ``tensor`` (the shard, contiguous on the CPU) on the I/O threads of ``disk``, the
+        disk tier's file (a plan, whose file reads nothing, reads nothing in place)."""
+        from ..tiers.disk import DiskFile
+
+        assert isinstance(disk, DiskFile), f"{self._label}: a shard read in place has the disk tier's file"
         return disk.read_with(tensor, self._fill)
+
+    def values(self, disk: SidesFile | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The shard's ``numel`` values, read now into a new tensor (a checkpoint reads them)."""
+        values = torch.empty(numel, dtype=dtype)
+        self.read(disk, values).result()
+        return values
+
+    def holds(self, disk: SidesFile | None, values: torch.Tensor) -> bool:
+        """Whether the files hold ``values`` (a load of the same base changes nothing)."""
+        return torch.equal(self.values(disk, values.numel(), values.dtype), values)
+
+    def refuse_other_values(self) -> ValueError:
+        """What a load of other values than the files' raises: they cannot be kept, as the user's
+        files are never written."""
+        return ValueError(
+            f"{self._label}: its frozen values are read in place from the weights files it was boosted with "
+            "(weights=), and the values loaded differ from them; chunkmem never writes those files. Boost with "
+            "weights= pointing at the weights this checkpoint holds (save them with save_pretrained first)"
+        )
 
     def _fill(self, view: memoryview) -> int:
         end = 0
