@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from test_param_disk import ON_DISK, train_counted
 from test_peft import adamw, plain_peft, train
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, plan
+from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, StateDictMismatchError, plan
 from chunkmem.tiers.disk import DISK_BLOCK
 
 WIDTH = 64
@@ -115,8 +115,9 @@ def _run(rank: int, world_size: int, weights: str, out: str, change: bool) -> di
     booster.load_model(chunked, checkpoint)
     result["reloaded"] = chunked.state_dict()
     other = {name: value + 1 if name == "head.weight" else value for name, value in result["state"].items()}
-    with pytest.raises(ValueError, match="read in place") if result["in_place"] else nullcontext():
+    with pytest.raises(StateDictMismatchError, match=r"head\.weight") if result["in_place"] else nullcontext():
         chunked.load_state_dict(other)
+    result["refused"] = chunked.state_dict()  # nothing written
     return result
 
 
@@ -137,6 +138,8 @@ def _assert_plain(results: list[dict[str, Any]]) -> None:
         for name, value in result["state"].items():
             assert torch.equal(result["loaded"][name], value), name
             assert torch.equal(result["reloaded"][name], value), name
+            if result["in_place"]:  # a load of other base values is refused on every rank and writes nothing
+                assert torch.equal(result["refused"][name], value), name
 
 
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.multirank)])

@@ -44,6 +44,7 @@ from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
+    from .chunk_layout import ShardPiece
     from .values_in_place import InPlaceShard
 
 __all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
@@ -386,6 +387,14 @@ class ShardStore:
         """Its values are read in place from the user's weights files (``InPlaceShard``)."""
         return self._in_place is not None
 
+    def holds_in_place(self, pieces: list[tuple[ShardPiece, torch.Tensor]]) -> bool:
+        """Whether the weights files this shard is read in place from hold ``pieces``' values
+        (``True`` for a shard not read in place)."""
+        if self._in_place is None:
+            return True
+        current = self._in_place.values(self._disk, self._numel, self._values_dtype)
+        return all(torch.equal(current[piece.shard], values.to(current.dtype)) for piece, values in pieces)
+
     def readable_master(self) -> torch.Tensor:
         """The master's values to read without changing them: the master in memory, or, while it
         is on disk, a view mapped from its region of the disk file (read from the weights files
@@ -468,19 +477,14 @@ class ShardStore:
         file = self._disk
         if file is None or not self._master_resident:
             return None
-        # Read in place, the values are the files', never written: a load of others is refused.
-        refused = changed and self._in_place is not None and not self._in_place.holds(file, self._master)
-        if changed and not refused:
+        if changed:
             self._version += 1  # what mark_updated does: the copies are stale
             self._host_compute()
         self._master_resident = False
         self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
         storage = self._master.untyped_storage()
-        if not changed or self._in_place is not None:
+        if not changed or self._in_place is not None:  # read in place: a load gave it the files' values
             storage.resize_(0)
-            if refused:
-                assert self._in_place is not None, "only a shard read in place refuses values"
-                raise self._in_place.refuse_other_values()
             return None
         return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)
 

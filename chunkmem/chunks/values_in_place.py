@@ -116,19 +116,6 @@ class InPlaceShard:
         self.read(disk, values).result()
         return values
 
-    def holds(self, disk: SidesFile | None, values: torch.Tensor) -> bool:
-        """Whether the files hold ``values`` (a load of the same base changes nothing)."""
-        return torch.equal(self.values(disk, values.numel(), values.dtype), values)
-
-    def refuse_other_values(self) -> ValueError:
-        """What a load of other values than the files' raises: they cannot be kept, as the user's
-        files are never written."""
-        return ValueError(
-            f"{self._label}: its frozen values are read in place from the weights files it was boosted with "
-            "(weights=), and the values loaded differ from them; chunkmem never writes those files. Boost with "
-            "weights= pointing at the weights this checkpoint holds (save them with save_pretrained first)"
-        )
-
     def _fill(self, view: memoryview) -> int:
         end = 0
         for extent in self._extents:  # in shard order
