@@ -333,11 +333,13 @@ class ChunkPlugin:
         _check_host_budget_on_cpu(self.placement, device, policy.host_need(layout))
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
-        disk = self._open_disk(layout, specs, comm, stats, backing)
+        # Frozen chunks on disk whose values lie as they are in the weights files: read there, not copied.
+        in_place = manager.choose_in_place([p.param_on_disk and p.optim_on_disk for p in layout.placements])
+        disk = self._open_disk(layout, specs, comm, stats, backing, set(in_place))
 
         places = SidePlaces(layout, disk)  # where each chunk's optimizer side lives, decided once
         values.prepare_buffers(model)
-        manager.close_all(places.placement, places.disk_file)
+        manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
         activations = (
@@ -365,18 +367,28 @@ class ChunkPlugin:
         return boosted, wrapped_optim
 
     def _open_disk(
-        self, layout: Layout, specs: list[ChunkSpec], comm: Communicator, stats: Stats, backing: Backing
+        self,
+        layout: Layout,
+        specs: list[ChunkSpec],
+        comm: Communicator,
+        stats: Stats,
+        backing: Backing,
+        in_place: set[int],
     ) -> SidesFile | None:
-        """The disk tier's file for this rank, when the layout puts optimizer sides on disk."""
+        """The disk tier's file for this rank, when the layout puts optimizer sides on disk; the
+        shards of the chunks ``in_place``, read from the weights files, take no room there (its I/O
+        threads read them)."""
         nbytes = layout.disk_bytes(tuple(specs))
         if nbytes == 0:
             return None
+        nbytes -= sum(specs[i].shard_copy_bytes for i in in_place)
         chunks = sum(1 for p in layout.placements if p.optim_on_disk)
         trained = sum(1 for p, s in zip(layout.placements, specs, strict=True) if p.optim_on_disk and s.trainable)
         params = sum(1 for p in layout.placements if p.param_on_disk)
         # Each chunk's master (a frozen chunk's values), gradient, states and 16-bit parameter shard
-        # get a region of their own, each rounded up to a block; a frozen chunk has only the first.
-        nbytes += DISK_BLOCK * (chunks + 2 * trained + params)
+        # get a region of their own, each rounded up to a block; a frozen chunk has only the first,
+        # none when read in place.
+        nbytes += DISK_BLOCK * (chunks + 2 * trained + params - 2 * len(in_place))
         return backing.disk_file(nbytes, chunks, comm, stats, self.disk_dir)
 
     @staticmethod

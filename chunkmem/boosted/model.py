@@ -70,6 +70,24 @@ def _refuse_compiling(compiling: bool) -> bool:
     return False
 
 
+def _check_values_in_place(pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]], source: str) -> None:
+    """Chunks read in place from the weights files keep those values (the files are never
+    written): a state with other values for them is refused before anything is written."""
+    chunks = {chunk.chunk_id: chunk for chunk, _, _ in pieces if chunk.store.reads_in_place}
+    by_chunk: dict[int, list[tuple[ShardPiece, torch.Tensor]]] = {}
+    for chunk, piece, values in pieces:
+        if chunk.chunk_id in chunks:
+            by_chunk.setdefault(chunk.chunk_id, []).append((piece, values))
+    differ = [chunks[i] for i, loaded in by_chunk.items() if not chunks[i].store.holds_in_place(loaded)]
+    if differ:
+        names = [info.name for chunk in differ for info in chunk.tensors]
+        raise StateDictMismatchError(
+            f"{source} gives frozen parameters {names} other values than the weights files they are read in place "
+            "from (weights=); chunkmem never writes those files. Boost with weights= pointing at the weights this "
+            "state holds (save them with save_pretrained first)"
+        )
+
+
 def _holding_values(value: Any) -> torch.Tensor | str:
     """A state dict's entry, or what it is instead of a tensor with values."""
     if not isinstance(value, torch.Tensor):
@@ -355,6 +373,7 @@ class ChunkedModel(torch.nn.Module):
             piece = chunk.piece(info)
             if piece is not None:
                 pieces.append((chunk, piece, state_dict[name].reshape(-1)[piece.param]))
+        _check_values_in_place(pieces, source)
         return StagedModelLoad(pieces, buffers, missing, unexpected)
 
     def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:

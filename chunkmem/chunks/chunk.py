@@ -37,6 +37,7 @@ from .tensor_state import TensorInfo, TensorState
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
+    from .values_in_place import InPlaceShard
 
 __all__ = ["Chunk"]
 
@@ -137,12 +138,18 @@ class Chunk:
         self.layout.append(info, self._where())
 
     def close(
-        self, master: Location, shard: Location, values: ParamValues | None = None, disk: SidesFile | None = None
+        self,
+        master: Location,
+        shard: Location,
+        values: ParamValues | None = None,
+        disk: SidesFile | None = None,
+        in_place: InPlaceShard | None = None,
     ) -> None:
         """Copy this rank's slice of every parameter into a master shard placed at ``master`` and
         point the parameters at placeholders: their original storage can be freed. The slices are
         read from ``values`` (default: the parameters' own data, on any device), one parameter at
-        a time; parameters with no element in this rank's shard are not read at all."""
+        a time; parameters with no element in this rank's shard are not read at all. A shard read
+        ``in_place`` from the weights files copies nothing."""
         source = values if values is not None else LiveValues()
         self.layout.require_open("close", self._where())
         store = ShardStore(
@@ -157,14 +164,16 @@ class Chunk:
             self.layout.shard_kind,
             host_device=self._comm.host_device,
             disk=disk,
+            in_place=in_place,
         )
-        master_tensor = store.master
-        master_tensor.zero_()
-        with torch.no_grad():
-            for info in self.layout.tensors:
-                piece = self.layout.piece(info)
-                if piece is not None:
-                    master_tensor[piece.shard].copy_(source.read(info, piece))
+        if in_place is None:
+            master_tensor = store.master
+            master_tensor.zero_()
+            with torch.no_grad():
+                for info in self.layout.tensors:
+                    piece = self.layout.piece(info)
+                    if piece is not None:
+                        master_tensor[piece.shard].copy_(source.read(info, piece))
         store.mark_updated()
         if store.master_on_disk:
             store.move_master_to_disk()

@@ -21,9 +21,11 @@ from .chunk import Chunk
 from .param_values import LiveValues, ParamValues
 from .search import group_key
 from .tensor_state import TensorInfo
+from .values_in_place import WeightFiles, choose_in_place
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
+    from .values_in_place import InPlaceShard
 
 __all__ = ["ChunkManager"]
 
@@ -167,18 +169,32 @@ class ChunkManager:
             raise UnmanageableParameter(f"{where} has layout {param.layout}; only dense parameters can be managed")
 
     # --- building the shards ----------------------------------------------------------------
+    def choose_in_place(self, param_on_disk: Sequence[bool]) -> dict[int, InPlaceShard]:
+        """The chunks whose shard this rank reads in place from the weights files, chosen once at
+        boost (``choose_in_place``); ``param_on_disk``: the placement's, by chunk id."""
+        files = WeightFiles(self._comm.rank)
+        chosen = {}
+        for chunk in self._chunks:
+            label = f"chunk {chunk.chunk_id} (rank {self._comm.rank})"
+            found = choose_in_place(label, chunk.layout, param_on_disk[chunk.chunk_id], self._values, files)
+            if found is not None:
+                chosen[chunk.chunk_id] = found
+        return chosen
+
     def close_all(
         self,
         placement: Callable[[Chunk], tuple[Location, Location]],
         disk: Callable[[Chunk], SidesFile | None] | None = None,
+        in_place: Callable[[int], InPlaceShard | None] | None = None,
     ) -> None:
         """Shard every chunk, one at a time (a model larger than the device still wraps), with its
         master and parameter shard where ``placement`` says, its master on the disk file ``disk``
-        gives (if any), its values read from ``values``."""
+        gives (if any), its values read from ``values`` (or, ``in_place``, left in the weights
+        files)."""
         for chunk in self._chunks:
             master, shard = placement(chunk)
             sides = disk(chunk) if disk is not None else None
-            chunk.close(master, shard, self._values, sides)
+            chunk.close(master, shard, self._values, sides, in_place(chunk.chunk_id) if in_place else None)
             if sides is not None:
                 return_freed_host_memory()  # what was just written to disk and freed
         self._values.release()

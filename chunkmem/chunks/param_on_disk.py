@@ -17,6 +17,7 @@ With fp32 compute the master is what gathers read, so the master itself lives on
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -56,22 +57,22 @@ _TABLE: dict[str, Transition[ParamOnDiskState]] = {
 
 
 def read_for_gather(
-    file: SidesFile,
-    offset: int,
+    read: Callable[[torch.Tensor], Future[None]],
     slot: torch.Tensor,
     transfers: HostTransfers,
     ledger: MemoryLedger,
     host_device: torch.device,
 ) -> None:
-    """Read ``slot.numel()`` values of ``slot``'s dtype at ``offset`` of ``file`` into a staging
-    buffer and copy them into ``slot`` (on the device). The buffer goes back to the pool once the
+    """Read ``slot.numel()`` values of ``slot``'s dtype into a staging buffer (``read`` fills it:
+    from a region of the disk tier's file, or in place from weights files) and copy them into
+    ``slot`` (on the device). The buffer goes back to the pool once the
     copy has read it (so the pool hands out no buffer a copy still reads); it is accounted as host
     staging meanwhile. A failed read raises ``DiskTierError`` (naming the file)."""
     staged = transfers.staging(slot.numel(), slot.dtype, host_device)
     nbytes = staged.numel() * staged.element_size()
     ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
     try:
-        file.read(staged, offset, param=True).result()
+        read(staged).result()
         transfers.copy(slot, staged, Direction.TO_DEVICE)
         transfers.before_host_write(staged)  # the pool's next user writes it
     finally:
@@ -165,4 +166,7 @@ class ParamOnDisk:
         if self._kept is not None:
             self._transfers.copy(slot, self._kept, Direction.TO_DEVICE)
             return
-        read_for_gather(self._file, self._offset, slot, self._transfers, self._ledger, self._host_device)
+        file, offset = self._file, self._offset
+        read_for_gather(
+            lambda staged: file.read(staged, offset, param=True), slot, self._transfers, self._ledger, self._host_device
+        )

@@ -10,6 +10,7 @@ from ever holding the whole model.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -34,6 +35,11 @@ class ParamValues(Protocol):
         1-D tensor on any device."""
         ...
 
+    def location(self, info: TensorInfo, piece: ShardPiece) -> tuple[Path, int] | None:
+        """The file and byte offset where ``piece``'s elements lie as they are, in the parameter's
+        dtype, one after the other (a frozen chunk may read them in place); ``None``: nowhere."""
+        ...
+
     def prepare_buffers(self, model: torch.nn.Module) -> None:
         """Give values to the model's buffers that have none (on the meta device) before they are
         placed; raise, naming the buffer, where that is impossible."""
@@ -56,6 +62,9 @@ class LiveValues:
 
     def read(self, info: TensorInfo, piece: ShardPiece) -> torch.Tensor:
         return info.param.data.reshape(-1)[piece.param]
+
+    def location(self, info: TensorInfo, piece: ShardPiece) -> tuple[Path, int] | None:
+        return None  # in memory: closing the chunk copies them
 
     def prepare_buffers(self, model: torch.nn.Module) -> None:
         return None

@@ -15,7 +15,9 @@ being what gathers read, need no copy (as an fp32 master under fp32 compute).
   ``offload_param``): a device copy in compute dtype, refreshed once per optimizer step.
 * Master on disk, parameter shard on disk (``offload_param_disk_frac``): a gather reads the 16-bit
   copy (``ParamOnDisk``), or with fp32 compute the master's own region, from disk into a staging
-  buffer; nothing gathers read stays in host memory.
+  buffer; nothing gathers read stays in host memory. A frozen chunk of values alone may read them in
+  place from the user's weights files instead (``InPlaceShard``): never written, no disk bytes of
+  its own.
 
 Copies are caches keyed by the master's version, which the optimizer bumps after each update.
 Every copy between host and device goes through :class:`HostTransfers` (counted, timed, and
@@ -42,6 +44,8 @@ from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
+    from .chunk_layout import ShardPiece
+    from .values_in_place import InPlaceShard
 
 __all__ = ["MASTER_DTYPE", "ShardStore", "SourceKind"]
 
@@ -64,7 +68,11 @@ class ShardStore:
         kind: ShardKind,
         host_device: torch.device = _CPU,
         disk: SidesFile | None = None,
+        in_place: InPlaceShard | None = None,
     ) -> None:
+        if in_place is not None and (kind is not ShardKind.FROZEN_VALUES or shard is not Location.DISK or disk is None):
+            raise ValueError(f"{label}: only a frozen chunk of values alone, its shard on disk, reads them in place")
+        self._in_place = in_place
         if master is Location.DEVICE and shard is Location.HOST:
             raise ValueError(
                 f"{label}: a master shard on the device is the parameter shard, so the parameter shard "
@@ -333,7 +341,13 @@ class ShardStore:
             self._transfers.copy(slot, self._master, Direction.TO_DEVICE)
         else:
             assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
-            read_for_gather(self._disk, self._disk_offset, slot, self._transfers, self._ledger, self._host_device)
+            file, offset, in_place = self._disk, self._disk_offset, self._in_place
+            read = (
+                (lambda staged: in_place.read(file, staged))
+                if in_place is not None
+                else (lambda staged: file.read(staged, offset, param=True))
+            )
+            read_for_gather(read, slot, self._transfers, self._ledger, self._host_device)
 
     def _host_compute(self) -> torch.Tensor:
         if self._host_cast is None:
@@ -368,11 +382,27 @@ class ShardStore:
         finally:
             storage.resize_(0)
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Its values are read in place from the user's weights files (``InPlaceShard``)."""
+        return self._in_place is not None
+
+    def holds_in_place(self, pieces: list[tuple[ShardPiece, torch.Tensor]]) -> bool:
+        """Whether the weights files this shard is read in place from hold ``pieces``' values
+        (``True`` for a shard not read in place)."""
+        if self._in_place is None:
+            return True
+        current = self._in_place.values(self._disk, self._numel, self._values_dtype)
+        return all(torch.equal(current[piece.shard], values.to(current.dtype)) for piece, values in pieces)
+
     def readable_master(self) -> torch.Tensor:
         """The master's values to read without changing them: the master in memory, or, while it
-        is on disk, a view mapped from its region of the disk file."""
+        is on disk, a view mapped from its region of the disk file (read from the weights files
+        into memory when read in place)."""
         if self._master_resident or self._disk is None:
             return self._master
+        if self._in_place is not None:
+            return self._in_place.values(self._disk, self._numel, self._values_dtype)
         return self._disk.view(self._disk_offset, self._numel, self._values_dtype)
 
     def staging_for_master(self, numel: int) -> torch.Tensor:
@@ -386,8 +416,11 @@ class ShardStore:
         """Move the master to its disk region, once, after it got its values (boost): its 16-bit
         copy is made first (gathers read that) and its memory is freed."""
         file = self._disk
-        if file is None or self._disk_offset >= 0:
+        if file is None or self._disk_offset >= 0 or not self._master_resident:
             raise RuntimeError(f"{self._label}: move_master_to_disk is for a master bound for disk, once")
+        if self._in_place is not None:  # its values stay in the weights files: nothing to write
+            self._drop_master_memory()
+            return
         self._host_compute()
         written = self.write_param(changed=True)
         self.settle_param()  # accounted as written, or kept in memory
@@ -395,10 +428,13 @@ class ShardStore:
             written.result()  # a write that failed at boost raises
         self._disk_offset = file.region(self._master_bytes)
         file.write(self._master, self._disk_offset, param=self._master_is_param).result()
+        self._drop_master_memory()
+        self._ledger.alloc(Location.DISK, self._values_kind, self._master_bytes)
+
+    def _drop_master_memory(self) -> None:
         self._master.untyped_storage().resize_(0)
         self._master_resident = False
         self._ledger.free(Location.HOST, self._values_kind, self._master_bytes)
-        self._ledger.alloc(Location.DISK, self._values_kind, self._master_bytes)
 
     def fetch_master(self) -> Future[None] | None:
         """Start reading the master from disk into memory (``None``: it is in memory)."""
@@ -409,6 +445,8 @@ class ShardStore:
         self._master.untyped_storage().resize_(self._master_bytes)
         self._master_resident = True
         self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
+        if self._in_place is not None:
+            return self._in_place.read(file, self._master)
         return file.read(self._master, self._disk_offset)
 
     @property
@@ -445,7 +483,7 @@ class ShardStore:
         self._master_resident = False
         self._ledger.free(Location.HOST, MemoryKind.STAGING, self._master_bytes)
         storage = self._master.untyped_storage()
-        if not changed:
+        if not changed or self._in_place is not None:  # read in place: a load gave it the files' values
             storage.resize_(0)
             return None
         return file.write(self._master, self._disk_offset, then=lambda: storage.resize_(0), param=self._master_is_param)

@@ -5,6 +5,10 @@ A rank reads only the elements of its shard. A piece of a flattened tensor is a 
 plus partial rows at both ends (rows along the first dimension): the covering rows are read with
 ``get_slice`` and cut. Each read opens the file and closes it again, so the pages it mapped are
 released at once and a rank never holds more of the file than one slice.
+
+``location`` says where a piece's bytes lie in its file (safetensors stores each tensor contiguous,
+little-endian, after an 8-byte header length and a JSON header): what a frozen chunk read in place
+(``chunkmem.tiers.weights_in_place``) reads for each gather.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -66,7 +71,9 @@ class SafetensorsWeights:
         self._file: dict[str, Path] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
         self._dtype: dict[str, str] = {}
+        self._data_offset: dict[str, int] = {}
         for file in files:
+            self._data_offset.update(_data_offsets(file))
             if not file.is_file():
                 raise FileNotFoundError(f"weights={str(path)!r}: the index names {file.name}, which does not exist")
             with _safe_open(file) as handle:
@@ -89,6 +96,18 @@ class SafetensorsWeights:
     def dtype_name(self, key: str) -> str:
         return self._dtype[key]
 
+    def location(self, key: str, start: int) -> tuple[Path, int] | None:
+        """The file holding ``key`` and the byte offset there of its flattened element ``start``
+        (``None``: a dtype torch does not know)."""
+        dtype = _DTYPES.get(self._dtype[key])
+        if dtype is None:
+            return None
+        return self._file[key], self._data_offset[key] + start * dtype.itemsize
+
+    def stored_dtype(self, key: str) -> torch.dtype | None:
+        """The dtype ``key`` is stored in (``None``: one torch does not know)."""
+        return _DTYPES.get(self._dtype[key])
+
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, 1-D, in its stored dtype."""
         shape = self._shape[key]
@@ -106,3 +125,12 @@ class SafetensorsWeights:
         """The whole tensor ``key`` (for buffers, which are small)."""
         with _safe_open(self._file[key]) as handle:
             return handle.get_tensor(key)
+
+
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Each tensor's first byte in ``file`` (the safetensors format: a little-endian u64 header
+    length, the JSON header with each tensor's ``data_offsets`` from the end of the header)."""
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return {key: 8 + length + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}

@@ -17,6 +17,7 @@ parameter moves.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -126,6 +127,14 @@ class MetaModelValues:
         else:
             values = param.data.reshape(-1)[piece.param]
         return values.to(param.dtype)
+
+    def location(self, info: TensorInfo, piece: ShardPiece) -> tuple[Path, int] | None:
+        """In the checkpoint, when it stores the parameter in its own dtype (bytes usable as they
+        are); ``None`` for a parameter replayed from its init or stored in another dtype."""
+        key = self._keys.get(id(info.param))
+        if key is None or self._weights is None or self._weights.stored_dtype(key) != info.param.dtype:
+            return None
+        return self._weights.location(key, piece.param.start)
 
     def _scratch_for(self, nbytes: int) -> torch.UntypedStorage:
         if self._scratch.numel() < nbytes:

@@ -224,6 +224,21 @@ class DiskFile(_Regions):
         well)."""
         return self._pool.submit(self._transfer, tensor, offset, True, then, param)
 
+    def read_with(self, tensor: torch.Tensor, fill: Callable[[memoryview], int]) -> Future[None]:
+        """Fill ``tensor`` (contiguous, on the CPU) with ``fill`` on an I/O thread: given the
+        tensor's bytes, it reads them from files of its own and returns how many it read, counted
+        and timed as a parameter read (a frozen chunk read in place from the user's weights)."""
+
+        def run() -> None:
+            begin = time.perf_counter()
+            nbytes = fill(_bytes_of(tensor))
+            seconds = time.perf_counter() - begin
+            with self._counting:
+                _count(self._stats, nbytes, False, True)
+                self._stats.disk_read_seconds += seconds
+
+        return self._pool.submit(run)
+
     def _transfer(
         self,
         tensor: torch.Tensor,
@@ -232,10 +247,8 @@ class DiskFile(_Regions):
         then: Callable[[], None] | None = None,
         param: bool = False,
     ) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError("the disk tier reads and writes contiguous CPU tensors")
-        view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+        view = _bytes_of(tensor)
+        nbytes = len(view)
         begin = time.perf_counter()
         done = 0
         try:
@@ -269,6 +282,14 @@ class DiskFile(_Regions):
 
     def close(self) -> None:
         self._closer()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor``'s memory, for ``os.preadv`` / ``os.pwritev`` to fill or send."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("the disk tier reads and writes contiguous CPU tensors")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _count(stats: Stats, nbytes: int, write: bool, param: bool) -> None:
