@@ -71,18 +71,21 @@ def train_counted(
 
 
 def assert_analytic_traffic(chunked: Any, stats: list[Any]) -> None:
-    """Every gather reads one shard of what gathers read; every step writes each trainable chunk's
-    shard once, a frozen chunk's never."""
+    """Every gather reads one shard of what gathers read (on the CPU straight into the gathered
+    buffer); every step writes each trainable chunk's shard once, a frozen chunk's never."""
     chunks = chunked.manager.chunks
     itemsize = chunks[0].compute_dtype.itemsize
     shards = {c.shard_numel for c in chunks}
     assert len(shards) == 1, shards  # equal chunks: a gather reads the same bytes whichever it is
     shard_bytes = shards.pop() * itemsize
     trainable = sum(c.shard_numel for c in chunks if c.trainable) * itemsize
+    on_host = chunked.manager.transfers.layer.computes_on_host
     for before, after in itertools.pairwise(stats):
         gathers = after.gathers + after.prefetches - before.gathers - before.prefetches
         assert gathers > 0
         assert after.disk_param_read_bytes - before.disk_param_read_bytes == gathers * shard_bytes
+        if on_host:  # the CPU: a read fills the gathered buffer itself, no staging buffer copied into it
+            assert after.h2d_bytes == before.h2d_bytes
         assert after.disk_param_write_bytes - before.disk_param_write_bytes == trainable
     # Between steps nothing of the model is in host memory: everything, what gathers read too, is on disk.
     assert stats[-1].host_bytes == 0
