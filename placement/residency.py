@@ -329,7 +329,12 @@ class DeviceResidency:
             return
         release = self._policy.after_op(
             ReleaseSnapshot(
-                position=position, phase=phase, finished=tuple(finished), in_backward=in_backward, trace=trace
+                position=position,
+                phase=phase,
+                finished=tuple(finished),
+                in_backward=in_backward,
+                residency=self,
+                trace=trace,
             )
         )
         for c in release:

@@ -300,6 +300,9 @@ class ReleaseSnapshot:
     in_backward: bool
     """The autograd engine is running: a forward op now is a recomputation (activation
     checkpointing) whose backward follows shortly."""
+    residency: Residency
+    """What is on the device now, the finished chunks included (read-only; see :class:`Residency`:
+    a policy lists its buffers only where it must, such as while recording)."""
     trace: ComputeTrace | None = None
     """The frozen trace while this iteration follows it; ``None`` while recording."""
 

@@ -6,10 +6,16 @@ from collections.abc import Sequence
 
 from .config import StaticPlacementConfig
 from .policy import PlacementPolicy, format_bytes
-from .snapshot import ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
+from .snapshot import BufferKind, ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace, Phase
 
-__all__ = ["StaticPolicy"]
+__all__ = ["RECORDING_WINDOW", "StaticPolicy"]
+
+RECORDING_WINDOW = 3
+"""Gathered chunks the static policy without a device budget keeps after their op while it
+records the trace (it cannot yet tell which will be used again): a LoRA layer's ops alternate
+between its base's chunk and the adapters' chunk, and a layer's norms may sit in the chunk of the
+layer before (parameters are packed in registration order, not in the order ops use them)."""
 
 
 def _first_fraction(specs: Sequence[ChunkSpec], frac: float) -> set[int]:
@@ -130,14 +136,33 @@ class StaticPolicy(PlacementPolicy):
     def after_op(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
         """Release a chunk once no op of the current pass uses it again (so it is gathered once
         per pass), except chunks kept gathered and those the next pass of the iteration starts
-        with. While recording there is no future to consult: release after every op, except
-        during recomputation, whose backward comes next and needs the same chunks."""
-        layout = self.layout_decided
-        finished = [c for c in snap.finished if not layout[c].keep_gathered]
+        with. While recording there is no future to consult, and gathering a chunk again costs a
+        read (from disk, too) or a collective: under a device budget keep every chunk until an op
+        needs its room (``before_op`` evicts the least recently used, as the auto policy does), so
+        a chunk is gathered once per step while the budget holds the model; without a budget keep
+        the ``RECORDING_WINDOW`` used last (``_beyond_window``). During recomputation keep
+        everything: its backward comes next and needs the same chunks."""
         trace = snap.trace
         if trace is None:
-            return () if snap.phase is Phase.FORWARD and snap.in_backward else tuple(finished)
+            recomputing = snap.phase is Phase.FORWARD and snap.in_backward
+            return () if recomputing or self._budget is not None else self._beyond_window(snap)
+        layout = self.layout_decided
+        finished = [c for c in snap.finished if not layout[c].keep_gathered]
         return tuple(c for c in finished if not self._needed_soon(trace, c, snap.position))
+
+    def _beyond_window(self, snap: ReleaseSnapshot) -> tuple[int, ...]:
+        """While recording without a budget: the idle gathered chunks other than the
+        ``RECORDING_WINDOW`` used last (ties, the chunks of one op, by chunk id so that every rank
+        agrees). Consecutive ops mostly share chunks, so a chunk is gathered (read from disk,
+        all-gathered) about once per pass instead of once per op, for a few chunks' memory."""
+        layout = self.layout_decided
+        idle = [
+            r
+            for r in snap.residency.buffers()
+            if r.kind is BufferKind.GATHERED and not r.held and not r.fetching and not layout[r.chunk_id].keep_gathered
+        ]
+        idle.sort(key=lambda r: (-r.last_use, r.chunk_id))
+        return tuple(r.chunk_id for r in idle[RECORDING_WINDOW:])
 
     def _needed_soon(self, trace: ComputeTrace, chunk_id: int, position: int) -> bool:
         """Used again in this pass, or among the first ``1 + max_prefetch`` chunks the next pass

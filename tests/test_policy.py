@@ -327,25 +327,50 @@ def test_adopt_layout_checks_length() -> None:
 # --- static after_op ------------------------------------------------------------------------------
 
 
-def test_static_after_op_releases_finished_chunks() -> None:
-    policy = static(None, shard_param_frac=0.5)
-    policy.layout(catalog(4), [])
+def test_static_after_op_releases_finished_chunks_not_used_again_in_the_pass() -> None:
+    policy = static(None, shard_param_frac=0.5)  # chunks 0, 1 and 2 kept gathered
+    policy.layout(catalog(6), [])
+    trace = trace_of([(F, (0, 1, 2, 3, 4, 5)), (F, (5, 4, 3)), (F, (4,)), (B, (3,)), (B, (5,))])
+    snap = ReleaseSnapshot(1, F, (0, 5, 3, 1, 4), False, ResidentSet(), trace)
+    # 4 is used again in the forward, 3 starts the backward; 5 goes.
+    assert policy.after_op(snap) == (5,)
+
+
+def test_static_after_op_while_recording_keeps_the_chunks_used_last() -> None:
+    """With no trace the static policy cannot tell which chunks come back: it keeps the
+    RECORDING_WINDOW (3) idle gathered chunks used last, and releases the rest, least recent
+    first; a tie (chunks of one op) breaks on chunk id. Held, arriving and kept chunks are not its
+    to release."""
+    policy = static(None, shard_param_frac=0.875)  # chunk 0 kept gathered
+    policy.layout(catalog(8), [])
+    gathered = ResidentSet(
+        (
+            resident(1, last_use=9),
+            resident(2, last_use=4),
+            resident(3, last_use=9),
+            resident(4, last_use=7),
+            resident(5, last_use=8),
+            resident(6, last_use=1, held=True),
+            resident(7, last_use=-1),
+            resident(4, kind=BufferKind.GRAD, last_use=7),
+        )
+    )
     for phase in (F, B):
-        snap = ReleaseSnapshot(position=3, phase=phase, finished=(0, 2, 3, 1), in_backward=phase is B)
-        # Kept-gathered chunks 0 and 1 stay; the others go, in the order given.
-        assert policy.after_op(snap) == (2, 3)
-    snap = ReleaseSnapshot(position=0, phase=F, finished=(2,), in_backward=False)
-    assert policy.after_op(snap) == (2,)
+        snap = ReleaseSnapshot(9, phase, (1, 3), phase is B, gathered)
+        assert policy.after_op(snap) == (4, 2, 7)
+    few = ResidentSet((resident(1, last_use=2), resident(2, last_use=1)))
+    assert policy.after_op(ReleaseSnapshot(2, F, (1,), False, few)) == ()
 
 
 def test_static_after_op_keeps_chunks_during_recomputation() -> None:
     policy = static(None)
-    policy.layout(catalog(4), [])
-    snap = ReleaseSnapshot(position=5, phase=F, finished=(0, 1, 2), in_backward=True)
+    policy.layout(catalog(5), [])
+    gathered = ResidentSet(tuple(resident(c, last_use=c) for c in range(5)))
+    snap = ReleaseSnapshot(5, F, (0, 1, 2), True, gathered)
     assert policy.after_op(snap) == ()
-    # The backward op itself (also inside the engine) does release.
-    snap = ReleaseSnapshot(position=6, phase=B, finished=(0, 1, 2), in_backward=True)
-    assert policy.after_op(snap) == (0, 1, 2)
+    # The backward op itself (also inside the engine) does release beyond the window.
+    snap = ReleaseSnapshot(6, B, (0, 1, 2), True, gathered)
+    assert policy.after_op(snap) == (1, 0)
 
 
 def test_auto_after_op_keeps_everything() -> None:
@@ -353,7 +378,7 @@ def test_auto_after_op_keeps_everything() -> None:
     policy.layout(catalog(3), [])
     for phase in (F, B):
         for in_backward in (False, True):
-            assert policy.after_op(ReleaseSnapshot(1, phase, (0, 1, 2), in_backward)) == ()
+            assert policy.after_op(ReleaseSnapshot(1, phase, (0, 1, 2), in_backward, ResidentSet())) == ()
 
 
 # --- auto layout ----------------------------------------------------------------------------------

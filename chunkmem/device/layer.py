@@ -91,6 +91,12 @@ class DeviceLayer:
 
     # --- host memory --------------------------------------------------------------------------
     @property
+    def computes_on_host(self) -> bool:
+        """The compute device is host memory, synchronously (the CPU, or the meta device of a plan
+        for it): a gathered buffer is host memory that the disk tier can read into directly."""
+        return not self.asynchronous and self.device.type in ("cpu", "meta")
+
+    @property
     def pins(self) -> bool:
         """Whether host buffers that cross to the device are pinned (page-locked)."""
         return False
