@@ -67,11 +67,11 @@ def read_for_gather(
     from a region of the disk tier's file, or in place from weights files) and copy them into
     ``slot`` (on the device). The buffer goes back to the pool once the
     copy has read it (so the pool hands out no buffer a copy still reads); it is accounted as host
-    staging meanwhile. Where the device computes on the host, ``slot`` is host memory: the read
+    staging meanwhile. Where the device computes on the host, ``slot`` is host memory: ``read``
     fills it directly (a copy of every shard read less: as much memory traffic as the op's own
     matmul with a few tokens). A failed read raises ``DiskTierError`` (naming the file)."""
     if transfers.layer.computes_on_host:
-        file.read(slot, offset, param=True).result()
+        read(slot).result()
         return
     staged = transfers.staging(slot.numel(), slot.dtype, host_device)
     nbytes = staged.numel() * staged.element_size()
