@@ -6,9 +6,6 @@ Every expected value is computed here from tensors saved before the chunk took t
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 from chunk_helpers import (
@@ -24,7 +21,6 @@ from chunk_helpers import (
     grads_for,
     make_params,
 )
-from tier import slow_cases
 
 from chunkmem import (
     Chunk,
@@ -161,47 +157,7 @@ def test_gathered_views_write_through_and_share_storage_w1() -> None:
     chunk.release()
 
 
-def test_master_moves_preserve_values_w1() -> None:
-    params = make_params()
-    originals = [p.detach().clone() for p in params]
-    capacity = 25
-    chunk, infos, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
-    chunk.close(DEV, DEV)
-    chunk.gather(async_op=False)
-    grads = grads_for(0)
-    chunk.prepare_grad()
-    for info, g in zip(infos, grads, strict=True):
-        backward_grad(chunk, info, g)
-    chunk.reduce_grad()
-    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == capacity * 4
-    chunk.release()
-
-    chunk.move_master(HOST)
-    torch.testing.assert_close(chunk.grad_shard, flat_padded(grads, capacity))
-    assert chunk.store.master_location is HOST
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == 0 and ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
-    assert ledger.bytes(HOST, MemoryKind.MASTER) == capacity * 4
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == capacity * 4
-    torch.testing.assert_close(chunk.store.master, flat_padded(originals, capacity), rtol=0, atol=0)
-    chunk.gather(async_op=False)
-    assert_values(params, originals, torch.bfloat16)
-    chunk.release()
-
-    chunk.move_master(DEV)
-    assert ledger.bytes(HOST) == 0
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == capacity * 4
-    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == capacity * 4
-    chunk.gather(async_op=False)
-    assert_values(params, originals, torch.bfloat16)
-    chunk.release()
-    torch.testing.assert_close(chunk.grad_shard, flat_padded(grads, capacity))
-    assert ledger.bytes(DEV) == 2 * capacity * 4
-    chunk.zero_grad()
-    assert not chunk.store.grad_allocated  # freed; its room stays reserved
-    assert ledger.bytes(DEV) == 2 * capacity * 4
-
-
-def test_move_shard_of_host_master_w1() -> None:
+def test_a_host_master_gathers_its_16_bit_copy_w1() -> None:
     params = make_params()
     originals = [p.detach().clone() for p in params]
     capacity = 25
@@ -214,24 +170,6 @@ def test_move_shard_of_host_master_w1() -> None:
     assert_values(params, originals, torch.bfloat16)
     assert stats.h2d_bytes == capacity * 2  # the bf16 cast crossed, not the fp32 master
     chunk.release()
-
-    chunk.move_shard(DEV)
-    assert chunk.store.shard_location is DEV
-    assert ledger.bytes(DEV, MemoryKind.SHARD_COPY) == capacity * 2
-    chunk.gather(async_op=False)
-    assert_values(params, originals, torch.bfloat16)
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0  # the device copy is the chunk at world size 1
-    chunk.release()
-    chunk.move_shard(HOST)
-    assert ledger.bytes(DEV) == 0
-    chunk.gather(async_op=False)
-    assert_values(params, originals, torch.bfloat16)
-    chunk.release()
-
-    device_master, *_ = build(Communicator(None, CPU), capacity, make_params(), chunk_id=1)
-    device_master.close(DEV, DEV)
-    with pytest.raises(ValueError, match="master first"):
-        device_master.move_shard(HOST)
 
 
 def test_placement_master_on_device_shard_on_host_is_rejected() -> None:
@@ -357,28 +295,3 @@ def test_scalar_parameter_w1() -> None:
     chunk.gather(async_op=False)
     assert scalar.item() == 2.5
     assert torch.equal(vector.data, torch.arange(3.0))
-
-
-@pytest.mark.parametrize("move", slow_cases(["move_shard", "move_master"], "move_shard"))
-def test_dropped_resident_shard_is_freed_w1(move: str) -> None:
-    params = make_params()
-    chunk, _, ledger, _ = build(Communicator(None, CPU), 25, params)
-    if move == "move_shard":
-        chunk.close(HOST, DEV)  # the fp32 device copy of the host master serves as the chunk
-    else:
-        chunk.close(DEV, DEV)  # the fp32 device master serves as the chunk
-    resident = chunk.store.resident_compute()
-    assert resident is not None
-    chunk.gather(async_op=False)
-    assert params[0].data.data_ptr() == resident.data_ptr()
-    dropped = weakref.ref(resident)
-    del resident
-    chunk.release()
-    if move == "move_shard":
-        chunk.move_shard(HOST)
-        assert ledger.bytes(DEV, MemoryKind.SHARD_COPY) == 0
-    else:
-        chunk.move_master(HOST)
-        assert ledger.bytes(DEV, MemoryKind.MASTER) == 0
-    gc.collect()
-    assert dropped() is None, "the ledger freed the device buffer but the chunk keeps it alive"

@@ -107,31 +107,27 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     chunk.zero_grad()
     chunk.release()
 
-    # Master to the host and back; values survive a re-gather each time.
-    chunk.move_master(HOST)
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == 0
-    assert ledger.bytes(HOST, MemoryKind.MASTER) == shard * 4
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    chunk.gather(async_op=False)
-    assert_values(params, originals)
-    chunk.release()
-    # Host master: the gradient buffer is reduced into the host shard.
-    chunk.prepare_grad()
-    chunk.gather(async_op=False)
-    for info, g in zip(infos, mine, strict=True):
-        backward_grad(chunk, info, g)
-    chunk.reduce_grad()
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    assert chunk.grad_shard.device.type == "cpu"
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
-    chunk.zero_grad()
-    chunk.release()
-    chunk.move_master(DEV)
-    assert ledger.bytes(HOST) == 0
-    chunk.gather(async_op=True)
-    chunk.wait()
-    assert_values(params, originals)
-    chunk.release()
+    # A host master (placed there at close): values survive a gather, and the gradient buffer is
+    # reduced into the host shard.
+    host_params = make_params()
+    host, host_infos, host_ledger, _ = build(comm, capacity, host_params, chunk_id=5)
+    host.close(HOST, HOST)
+    assert host_ledger.bytes(DEV, MemoryKind.MASTER) == 0
+    assert host_ledger.bytes(HOST, MemoryKind.MASTER) == shard * 4
+    assert host_ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
+    host.gather(async_op=False)
+    assert_values(host_params, originals)
+    host.release()
+    host.prepare_grad()
+    host.gather(async_op=False)
+    for info, g in zip(host_infos, mine, strict=True):
+        backward_grad(host, info, g)
+    host.reduce_grad()
+    assert host_ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
+    assert host.grad_shard.device.type == "cpu"
+    torch.testing.assert_close(host.grad_shard, mean[begin:end])
+    host.zero_grad()
+    host.release()
 
     # bf16 compute: the gather casts the fp32 master.
     bf_params = make_params(seed=1)
@@ -145,23 +141,18 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     bf.release()
     assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
-    # Host master and host shard, then the shard moved to the device and back.
-    bf.move_master(HOST)
-    assert bf.store.shard_location is DEV
-    bf.move_shard(HOST)
-    assert bf_ledger.bytes(DEV) == 0
-    bf.gather(async_op=True)
-    bf.wait()
-    assert_values(bf_params, bf_originals, torch.bfloat16)
-    bf.release()
-    bf.move_shard(DEV)
-    assert bf_ledger.bytes(DEV, MemoryKind.SHARD_COPY) == shard * 2
-    bf.gather(async_op=False)
-    assert_values(bf_params, bf_originals, torch.bfloat16)
-    assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
-    bf.release()
-    bf.move_shard(HOST)
-    assert bf_ledger.bytes(DEV) == 0
+    # A host master with its 16-bit copy on the host, and one with that copy kept on the device.
+    for shard_at, chunk_id in ((HOST, 6), (DEV, 7)):
+        placed_params = make_params(seed=1)
+        placed, _, placed_ledger, _ = build(comm, capacity, placed_params, dtype=torch.bfloat16, chunk_id=chunk_id)
+        placed.close(HOST, shard_at)
+        assert placed_ledger.bytes(DEV, MemoryKind.SHARD_COPY) == (shard * 2 if shard_at is DEV else 0)
+        placed.gather(async_op=True)
+        placed.wait()
+        assert_values(placed_params, bf_originals, torch.bfloat16)
+        assert placed_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
+        placed.release()
+        assert placed_ledger.bytes(DEV) == (shard * 2 if shard_at is DEV else 0)
 
     # A frozen chunk refuses gradients, naming the chunk, parameter and rank.
     frozen_params = make_params(trainable=False, seed=2)

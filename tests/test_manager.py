@@ -223,7 +223,7 @@ def test_close_all_places_each_chunk_as_asked() -> None:
     assert m.ledger.bytes(DEV, MemoryKind.MASTER) == sum(c // world * 4 for c in capacities[:2])
 
 
-def test_bytes_through_gather_release_and_moves_bf16() -> None:
+def test_bytes_through_gather_and_release_bf16() -> None:
     m, capacities, trainable = build_model(1, torch.bfloat16)
     close_all(m)
     ledger = m.ledger
@@ -245,33 +245,6 @@ def test_bytes_through_gather_release_and_moves_bf16() -> None:
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
     assert ledger.device_bytes == base
 
-    # Host placement of the first chunk moves its master and gradient shard to the host.
-    cap = first.capacity
-    assert first.trainable
-    first.move_master(HOST)
-    assert ledger.bytes(DEV, MemoryKind.MASTER) == master - cap * 4
-    assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == grads - cap * 4
-    assert ledger.bytes(HOST, MemoryKind.MASTER) == cap * 4
-    assert ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == cap * 4
-    assert ledger.bytes(HOST, MemoryKind.SHARD_COPY) == cap * 2
-    first.move_shard(HOST)
-    assert ledger.bytes(DEV, MemoryKind.SHARD_COPY) == 0
-    first.move_shard(DEV)
-    assert ledger.bytes(DEV, MemoryKind.SHARD_COPY) == cap * 2
-    first.move_shard(HOST)
-    # A host-sourced gather at world size 1 needs a device buffer.
-    first.gather(async_op=False)
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == cap * 2
-    first.release()
-    # A chunk with a gradient buffer cannot move its master.
-    first.prepare_grad()
-    with pytest.raises(RuntimeError, match="cannot move its master while gradients accumulate"):
-        first.move_master(DEV)
-    first.zero_grad()
-    first.move_master(DEV)
-    assert ledger.bytes(HOST) == 0
-    assert ledger.device_bytes == base
-
 
 def test_fp32_gather_at_world_size_one_aliases_the_master() -> None:
     """fp32 compute with the master on the device: the master is the chunk, no gathered buffer."""
@@ -284,27 +257,6 @@ def test_fp32_gather_at_world_size_one_aliases_the_master() -> None:
     assert m.ledger.device_bytes == before
     for chunk in m.chunks:
         chunk.release()
-
-
-def test_values_survive_manager_moves() -> None:
-    named = [(f"p{i}", param(n, trainable=t)) for i, (n, t) in enumerate(SIZES)]
-    originals = [p.detach().clone() for _, p in named]
-    m = manager(1, torch.bfloat16)
-    m.register(named, 1000)
-    close_all(m)
-    for chunk in m.chunks:
-        chunk.move_master(HOST)
-        chunk.move_shard(HOST)
-    for chunk in m.chunks:
-        chunk.gather(async_op=False)
-    for (name, p), original in zip(named, originals, strict=True):
-        assert torch.equal(p.data, original.bfloat16()), name
-    for chunk in m.chunks:
-        chunk.release()
-        chunk.move_master(DEV)
-        chunk.gather(async_op=False)
-    for (name, p), original in zip(named, originals, strict=True):
-        assert torch.equal(p.data, original.bfloat16()), name
 
 
 # --- packing properties --------------------------------------------------------------------------

@@ -211,20 +211,6 @@ class Chunk:
         and refuses to release one they hold), not a second count here."""
         self._residency.release()
 
-    def move_master(self, location: Location) -> None:
-        """Move the master shard (with its gradient shard) between the device and the host; the
-        chunk is released (the caller knows: its device residency does)."""
-        if self._grads.holds_buffer:
-            raise RuntimeError(f"{self._where()}: cannot move its master while gradients accumulate; reduce first")
-        self._residency.forget_resident_views()
-        self.store.move_master(location)
-
-    def move_shard(self, location: Location) -> None:
-        """Keep (DEVICE) or drop (HOST) the compute-dtype shard copy of a host master; the chunk is
-        released."""
-        self._residency.forget_resident_views()
-        self.store.move_shard(location)
-
     # --- tensor states ----------------------------------------------------------------------
     def _set_state(self, info: TensorInfo, target: TensorState) -> None:
         info.transition(target, self._comm.rank)

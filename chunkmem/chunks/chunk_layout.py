@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shard import MASTER_DTYPE
+from .master_buffer import MASTER_DTYPE
 from .shard_kind import ShardKind
 from .tensor_state import TensorInfo
 

@@ -155,15 +155,6 @@ class ChunkResidency:
             self._buffer.untyped_storage().resize_(0)
             self._ledger.free(Location.DEVICE, MemoryKind.GATHERED, self._layout.gathered_bytes)
 
-    def forget_resident_views(self) -> None:
-        """Before the shard moves (the chunk is released): a resident shard that served as the
-        gathered chunk (world size 1) may be dropped or moved, so hold no reference to it and its
-        memory is really freed."""
-        if self._full is not self._buffer:
-            self._full = self._buffer
-            self._view_source = None
-            self._views = []
-
     def _point_params_at(self, full: torch.Tensor) -> None:
         if self._view_source is not full:
             self._views = [full[t.offset : t.offset + t.numel].view(t.shape) for t in self._layout.tensors]

@@ -95,19 +95,6 @@ class GradShard:
             self._grad = None
             self._buffers.give_back(self._location)
 
-    def move(self, target: Location, direction: Direction) -> None:
-        """The master moves to ``target``: the reservation, and the shard if allocated, follow it."""
-        old_location = self._location
-        self._ledger.free(old_location, MemoryKind.GRAD_SHARD, self._nbytes)
-        self._ledger.alloc(target, MemoryKind.GRAD_SHARD, self._nbytes)
-        if self._grad is not None:
-            self._settle()
-            old_grad = self._grad
-            self._grad = self._buffers.take(target)
-            self._transfers.copy(self._grad, old_grad, direction)
-            self._buffers.give_back(old_location)
-        self._location = target
-
     def receive(
         self,
         reduced: torch.Tensor,

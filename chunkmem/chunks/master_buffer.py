@@ -18,7 +18,8 @@ _CPU = torch.device("cpu")
 class MasterSideBuffer:
     """A shard-sized buffer (fp32 unless ``dtype`` says) that lives where the master lives. With an
     asynchronous device its host buffer is pinned, allocated once for the store's life (pinning is
-    slow) and reused by every move back to the host; without one it is an ordinary allocation, freed
+    slow) and reused by every buffer taken there (a gradient shard freed and allocated again each
+    step); without one it is an ordinary allocation, freed
     when the buffer leaves."""
 
     def __init__(

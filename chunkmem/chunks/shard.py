@@ -253,54 +253,6 @@ class ShardStore:
 
     # --- verbs ------------------------------------------------------------------------------
 
-    def move_master(self, target: Location) -> None:
-        """Move the master (and with it where gradients and optimizer states live) between the
-        device and the host. Only before an optimizer holds views of the master (the chunkmem
-        optimizer is built after placement and never moves it)."""
-        if target is self._master_location:
-            return
-        if self._shard_location is Location.DISK:
-            raise ValueError(f"{self._label}: its parameter shard lives on disk, decided at boost; its master stays")
-        direction = Direction.TO_DEVICE if target is Location.DEVICE else Direction.TO_HOST
-        old, old_location = self._master, self._master_location
-        self._master = self._master_buffers.take(target)
-        self._transfers.copy(self._master, old, direction)
-        self._master_buffers.give_back(old_location)
-        if self._grads is not None:
-            self._grads.move(target, direction)
-        self._master_location = target
-        if target is Location.DEVICE:
-            self._drop_device_copy()
-            self._shard_location = Location.DEVICE
-            if self._host_cast is not None:
-                self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
-                self._host_cast = None
-        elif self._needs_host_cast and self._host_cast is None:
-            self._host_cast = self._host_empty(self._compute_dtype)
-            self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
-            self._host_cast_version = -1
-
-    def move_shard(self, target: Location) -> None:
-        """Keep (DEVICE) or drop (HOST) the compute-dtype shard on the device while the master is
-        on the host. Dropping never copies back: the host master is authoritative."""
-        if target is self._shard_location:
-            return
-        if Location.DISK in (target, self._shard_location):
-            raise ValueError(
-                f"{self._label}: a parameter shard goes to disk (or leaves it) only when placed at boost "
-                "(offload_param_disk_frac)"
-            )
-        if self._master_location is Location.DEVICE:
-            raise ValueError(
-                f"{self._label}: cannot move the parameter shard to the host while its master is on the "
-                "device (the master is the parameter shard); move the master first"
-            )
-        self._shard_location = target
-        if target is Location.HOST:
-            self._drop_device_copy()
-        else:
-            self._alloc_device_copy()
-
     def prepare_host_write(self) -> None:
         """The CPU is about to write the master (an optimizer step, a load): wait for copies
         still reading it from pinned memory."""
