@@ -113,3 +113,20 @@ def test_a_base_parameter_missing_from_the_files_is_refused_naming_both_names(tm
     assert "'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight'" in message
     assert "'model.layers.0.self_attn.q_proj.weight'" in message
     assert all(p.is_meta for p in model.parameters())  # nothing was changed
+
+
+def test_a_bf16_base_built_on_meta_gets_the_adapter_peft_gives_on_the_cpu() -> None:
+    """Without weights= too: PEFT casts a new adapter to its base layer's dtype on the CPU (a bf16
+    base's LoRA A is rounded to bf16, then upcast to fp32) but skips that on the meta device; the
+    replay rounds as the CPU build did."""
+    torch.manual_seed(SEED)
+    cpu = _lora(llama(seed=SEED).to(torch.bfloat16))
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        meta = _lora(transformers.LlamaForCausalLM._from_config(cpu.base_model.model.config, dtype=torch.bfloat16))
+    chunked, *_ = Booster(ChunkPlugin(precision="bf16")).boost(meta, adamw(meta))
+    state = chunked.state_dict()
+    expected = cpu.state_dict()
+    assert any(n.endswith("lora_A.default.weight") and v.dtype == torch.float32 for n, v in expected.items())
+    for name, value in expected.items():
+        assert torch.equal(state[name].to(value.dtype), value), name
