@@ -13,7 +13,10 @@ the parent that creates them, as ``__init__`` runs):
 * a PEFT tuner (``get_peft_model``'s ``LoraModel``, one adapter) over a ``transformers`` model: the
   model's construction as above, then PEFT's injection of the adapter into it, run again from the
   tuner's config, as ``get_peft_model`` ran it after the model was built (its layers' own
-  initialisation and PEFT's ``reset_lora_parameters``, with the same generator draws).
+  initialisation and PEFT's ``reset_lora_parameters``, with the same generator draws, and its cast
+  to the base layer's dtype, which PEFT skips on meta: ``peft_cast``). When the
+  base's values come from a checkpoint (``base_from_weights``), its construction draws nothing, as
+  ``from_pretrained`` skips it: the adapter's draws are those of ``get_peft_model`` after it.
 * any other module: its ``reset_parameters()`` (``_reset_parameters()`` for ``MultiheadAttention``
   and ``Transformer``), which torch's layers call at the end of their ``__init__``. A parameter
   held by several modules (tied) belongs to the first that registered it; the others initialise a
@@ -30,7 +33,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -39,8 +42,10 @@ import torch
 
 from ..errors import MaterializeError
 from .graph import OpGraph, TensorRef
+from .peft_cast import adapters_cast_as_on_the_cpu
 from .recorder import GraphRecorder
 from .replay import Replayer
+from .weight_names import is_peft_tuner
 
 __all__ = ["RecordedInit", "is_transformers_model", "record_init"]
 
@@ -53,11 +58,6 @@ def is_transformers_model(module: torch.nn.Module) -> bool:
     return any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
     )
-
-
-def _is_peft_tuner(module: torch.nn.Module) -> bool:
-    """A PEFT tuner model (``peft.tuners.tuners_utils.BaseTuner``, checked without importing peft)."""
-    return any(cls.__name__ == "BaseTuner" and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
 
 
 def _reset_method(module: torch.nn.Module) -> Any:
@@ -98,10 +98,10 @@ class RecordedInit:
     def covers(self, param: torch.Tensor) -> bool:
         return id(param) in self._params
 
-    def check(self, params: bool, buffers: list[str]) -> None:
-        """Raise, naming every one, if the parameters (with ``params``) or the named buffers would
-        get values that no recorded op fully wrote."""
-        targets = (list(self._params.values()) if params else []) + [self._buffers[n] for n in buffers]
+    def check(self, params: list[torch.Tensor], buffers: list[str]) -> None:
+        """Raise, naming every one, if the given parameters (those it covers) or the named buffers
+        would get values that no recorded op fully wrote."""
+        targets = [self._params[id(p)] for p in params if id(p) in self._params] + [self._buffers[n] for n in buffers]
         bad = [t for t in targets if not self._graph.is_defined(t.ref)]
         if not bad:
             return
@@ -164,9 +164,10 @@ def _ties(named: list[tuple[str, torch.Tensor]]) -> set[frozenset[str]]:
 class _Recording:
     """One traversal of the model (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, draw_random: bool) -> None:
+    def __init__(self, model: torch.nn.Module, draw_random: bool, base_from_weights: bool) -> None:
         self.graph = OpGraph()
         self.recorder = GraphRecorder(self.graph, draw_random)
+        self.base_from_weights = base_from_weights
         self.model = model
         self.params: dict[int, _Target] = {}
         self.buffers: dict[str, _Target] = {}
@@ -200,7 +201,7 @@ class _Recording:
         if is_transformers_model(module):
             self._rebuild(name, module)
             return
-        if _is_peft_tuner(module):
+        if is_peft_tuner(module):
             self._rebuild_tuned(name, module)
             return
         for child_name, child in module.named_children():
@@ -249,9 +250,11 @@ class _Recording:
             )
         ((adapter, config),) = configs.items()
         with self._on_meta():
-            rebuilt = self._build_again(_join(prefix, "model"), model)
+            with self.recorder.not_drawing() if self.base_from_weights else nullcontext():
+                rebuilt = self._build_again(_join(prefix, "model"), model)
             try:
-                type(tuner)(rebuilt, copy.deepcopy(config), adapter)
+                with adapters_cast_as_on_the_cpu():
+                    type(tuner)(rebuilt, copy.deepcopy(config), adapter)
             except MaterializeError:
                 raise
             except Exception as error:
@@ -328,11 +331,13 @@ class _Recording:
             )
 
 
-def record_init(model: torch.nn.Module, draw_random: bool) -> RecordedInit:
+def record_init(model: torch.nn.Module, draw_random: bool, base_from_weights: bool = False) -> RecordedInit:
     """Record ``model``'s own initialisation (module docstring). With ``draw_random`` the global
     generator (and any generator the init is given) moves exactly as a CPU construction would
     have moved it from its current state, and parameters can be replayed; without, nothing is
-    drawn and only values that need no random numbers can be replayed (buffers)."""
-    recording = _Recording(model, draw_random)
+    drawn and only values that need no random numbers can be replayed (buffers). With
+    ``base_from_weights`` the transformers model under a PEFT tuner draws nothing (its values are
+    read from a checkpoint, as ``from_pretrained`` + ``get_peft_model`` would): only the adapter."""
+    recording = _Recording(model, draw_random, base_from_weights)
     recording.run()
     return RecordedInit(recording.graph, recording.params, recording.buffers)

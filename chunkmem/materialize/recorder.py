@@ -133,6 +133,16 @@ class GraphRecorder(TorchDispatchMode):
         self._graph.add_write(Node(fn, (ref, *args), dict(kwargs), rng, random=True), ref)
 
     @contextmanager
+    def not_drawing(self) -> Iterator[None]:
+        """Within the block, random ops are recorded without drawing (their values will not be
+        replayed: they come from a checkpoint) and no generator moves."""
+        previous, self._draw_random = self._draw_random, False
+        try:
+            yield
+        finally:
+            self._draw_random = previous
+
+    @contextmanager
     def refusing_real_writes(self, label: str) -> Iterator[None]:
         """Within the block, an op that would write a real tensor while meta ones are involved
         raises instead of running: recording must not change real data it cannot restore. ``label``

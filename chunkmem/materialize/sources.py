@@ -8,7 +8,10 @@
 * With ``weights`` (a safetensors checkpoint): every parameter is read from it, this rank's slice
   only; buffers it holds are loaded too, as ``from_pretrained`` does, and meta buffers it lacks
   (non-persistent ones, such as rotary frequencies) are recomputed by the model's own
-  initialisation, without drawing random numbers.
+  initialisation, without drawing random numbers. A PEFT model's checkpoint is its base model's:
+  its adapter parameters are replayed from PEFT's init, drawing what ``get_peft_model`` draws
+  after ``from_pretrained`` (``CheckpointNames`` decides which parameter comes from where); a base
+  parameter missing from the files is refused, never left to its init.
 
 Everything is checked when the source is built (names, shapes, what can be replayed), before any
 parameter moves.
@@ -27,6 +30,7 @@ from ..chunks.tensor_state import TensorInfo
 from ..errors import MaterializeError, UnmanageableParameter
 from .model_init import RecordedInit, record_init
 from .safetensors_weights import SafetensorsWeights
+from .weight_names import CheckpointNames
 
 __all__ = ["MetaModelValues", "model_values"]
 
@@ -37,19 +41,6 @@ def _has_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def _candidates(name: str, prefix: str) -> list[str]:
-    """Checkpoint keys a model's tensor may be stored under: its own name, with or without the
-    transformers base-model prefix (a base model's checkpoint in a model with a head, or the
-    reverse), and the legacy LayerNorm names ``gamma`` / ``beta``."""
-    names = [name]
-    if prefix:
-        names.append(name[len(prefix) + 1 :] if name.startswith(prefix + ".") else f"{prefix}.{name}")
-    legacy = {".weight": ".gamma", ".bias": ".beta"}
-    for suffix, old in legacy.items():
-        names += [n[: -len(suffix)] + old for n in list(names) if n.endswith(suffix)]
-    return names
-
-
 class MetaModelValues:
     """Values for a model built on the meta device, or boosted with ``weights`` (module docstring)."""
 
@@ -57,13 +48,13 @@ class MetaModelValues:
         self._weights = weights
         self._keys: dict[int, str] = {}
         self._buffer_keys: dict[str, str] = {}
-        prefix = getattr(model, "base_model_prefix", "") or ""
         if weights is not None:
-            self._match_weights(model, weights, prefix)
+            self._match_weights(model, weights)
         meta_buffers = [
             name for name, buffer in model.named_buffers() if buffer.is_meta and name not in self._buffer_keys
         ]
-        needs_params = weights is None and any(p.is_meta for p in model.parameters())
+        from_init = [p for p in model.parameters() if p.is_meta and id(p) not in self._keys]
+        needs_params = bool(from_init)
         # Parameters are replayed into this one buffer, grown to the largest: a fresh tensor per
         # parameter, freed between the master shards being allocated, would fragment the heap
         # and keep memory long after boosting.
@@ -72,19 +63,28 @@ class MetaModelValues:
         if needs_params or meta_buffers:
             # Random numbers are drawn only when parameters come from the init: a model read from
             # a checkpoint leaves the generator alone, as from_pretrained does.
-            self._init = record_init(model, draw_random=needs_params)
-            self._init.check(params=needs_params, buffers=meta_buffers)
+            self._init = record_init(model, draw_random=needs_params, base_from_weights=weights is not None)
+            self._init.check(params=from_init, buffers=meta_buffers)
 
-    def _match_weights(self, model: torch.nn.Module, weights: SafetensorsWeights, prefix: str) -> None:
+    def _match_weights(self, model: torch.nn.Module, weights: SafetensorsWeights) -> None:
+        """Each parameter's checkpoint key, as ``CheckpointNames`` says; a parameter it gives to
+        the init (a PEFT adapter) gets none. Every other one must be found, or nothing is boosted."""
         aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
+        checkpoint = CheckpointNames(model)
         problems: list[str] = []
         for param in model.parameters():
             names = aliases[id(param)]
-            key = next((k for n in names for k in _candidates(n, prefix) if k in weights), None)
+            sources = [checkpoint.source(n) for n in names]
+            if not any(s.from_file for s in sources):
+                continue
+            key = next((k for s in sources for k in s.keys if k in weights), None)
             if key is None:
-                problems.append(f"no tensor for parameter '{names[0]}'")
+                base = sources[0].base_name
+                problems.append(
+                    f"no tensor for parameter '{names[0]}'" + (f" (looked up as '{base}')" if base != names[0] else "")
+                )
             elif weights.shape(key) != tuple(param.shape):
                 problems.append(f"'{key}' has shape {weights.shape(key)}, parameter '{names[0]}' {tuple(param.shape)}")
             else:
@@ -93,7 +93,7 @@ class MetaModelValues:
         for name, buffer in model.named_buffers():
             if name not in persistent:
                 continue
-            key = next((k for k in _candidates(name, prefix) if k in weights), None)
+            key = next((k for k in checkpoint.source(name).keys if k in weights), None)
             if key is not None and weights.shape(key) == tuple(buffer.shape):
                 self._buffer_keys[name] = key
         if problems:
@@ -101,7 +101,8 @@ class MetaModelValues:
             raise MaterializeError(
                 f"weights={str(weights.path)!r} does not fit {type(model).__name__}: "
                 f"{'; '.join(problems[:_MAX_LISTED])}{more}. Nothing was changed. Pass the checkpoint of this model "
-                "(what save_pretrained wrote for it), or boost without weights= to initialise it."
+                "(what save_pretrained wrote for it; for a PEFT model, for the base model it wraps), or boost without "
+                "weights= to initialise it."
             )
 
     # --- ParamValues ------------------------------------------------------------------------

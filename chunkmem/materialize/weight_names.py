@@ -1,0 +1,90 @@
+"""``CheckpointNames``: the one place that decides, for every parameter of a model boosted with
+``weights``, whether its value comes from the checkpoint (and under which keys it may be stored
+there) or from the model's own initialisation replayed.
+
+* A parameter of a ``transformers`` model: from the checkpoint, under its own name, with or without
+  the model's base-model prefix (a base model's checkpoint in a model with a head, or the reverse),
+  or the legacy LayerNorm names ``gamma`` / ``beta``.
+* A parameter of a PEFT tuner (``get_peft_model``): the checkpoint is the base model's (what
+  ``save_pretrained`` of the model PEFT wrapped wrote), as ``from_pretrained`` + ``get_peft_model``
+  would use it. A base parameter is looked up under the name it has in the base model: the tuner's
+  path (``base_model.model.``) and PEFT's ``.base_layer`` segment stripped
+  (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+  ``model.layers.0.self_attn.q_proj.weight``). An adapter parameter (under a module named with the
+  tuner's ``prefix``, ``lora_`` for LoRA: what PEFT itself marks trainable) is not in a base
+  checkpoint: it comes from PEFT's own initialisation, replayed, with the draws ``get_peft_model``
+  makes after ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CheckpointNames", "WeightSource", "is_peft_tuner"]
+
+_BASE_LAYER = "base_layer"
+
+
+def is_peft_tuner(module: torch.nn.Module) -> bool:
+    """A PEFT tuner model (``peft.tuners.tuners_utils.BaseTuner``, checked without importing peft)."""
+    return any(cls.__name__ == "BaseTuner" and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where one parameter's value comes from: the checkpoint keys to try, in order (``from_file``),
+    or PEFT's adapter initialisation (``keys`` empty)."""
+
+    keys: tuple[str, ...]
+    base_name: str
+    """Its name in the model the checkpoint was saved from, for messages."""
+
+    @property
+    def from_file(self) -> bool:
+        return bool(self.keys)
+
+
+def _candidates(name: str, prefix: str) -> tuple[str, ...]:
+    names = [name]
+    if prefix:
+        names.append(name[len(prefix) + 1 :] if name.startswith(prefix + ".") else f"{prefix}.{name}")
+    legacy = {".weight": ".gamma", ".bias": ".beta"}
+    for suffix, old in legacy.items():
+        names += [n[: -len(suffix)] + old for n in list(names) if n.endswith(suffix)]
+    return tuple(names)
+
+
+def _prefix(model: torch.nn.Module) -> str:
+    return getattr(model, "base_model_prefix", "") or ""
+
+
+def _tuners(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Each PEFT tuner's wrapped model as (its path with a trailing dot, the tuner)."""
+    found = []
+    for path, module in model.named_modules():
+        inner = getattr(module, "model", None)
+        if is_peft_tuner(module) and isinstance(inner, torch.nn.Module):
+            found.append((f"{path}.model." if path else "model.", module))
+    return found
+
+
+class CheckpointNames:
+    """Where each parameter of ``model`` gets its value from a checkpoint (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._prefix = _prefix(model)
+        self._tuners = _tuners(model)
+
+    def source(self, name: str) -> WeightSource:
+        for path, tuner in self._tuners:
+            if not name.startswith(path):
+                continue
+            segments = name[len(path) :].split(".")
+            adapter_prefix = getattr(tuner, "prefix", None)
+            if adapter_prefix and any(s.startswith(adapter_prefix) for s in segments):
+                return WeightSource((), name)
+            base_name = ".".join(s for s in segments if s != _BASE_LAYER)
+            return WeightSource(_candidates(base_name, _prefix(tuner.model)), base_name)
+        return WeightSource(_candidates(name, self._prefix), name)
