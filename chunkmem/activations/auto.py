@@ -287,7 +287,7 @@ class AutoBlocks:
         # A re-plan's calls save more than when their times were measured: their times grow alike.
         growth = [b.saved / first if first else 1.0 for b, first in zip(self._agreed, self._first_saved, strict=True)]
         measures = [
-            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g)
+            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g, small_bytes=b.small)
             for m, b, t, h, g in zip(self._measures, self._agreed, agreed[:n], agreed[n : 2 * n], growth, strict=True)
         ]
         to_host, to_device = agreed[2 * n :]
