@@ -175,6 +175,7 @@ def _planned(budget: int, host_budget: int | None = None, min_offload_bytes: int
     return plan(meta, plugin, {"x": torch.zeros(BATCH, WIDTH)}, optimizer=torch.optim.AdamW, device="cpu")
 
 
+@pytest.mark.slow
 def test_the_small_storages_of_offloaded_calls_are_in_the_choice_and_its_plan_trains_within_the_budget() -> None:
     """Each call's input stays on the device when the call is offloaded (under ``min_offload_bytes``),
     held from its forward to its backward: the choice counts it, so that four offloaded calls that
@@ -192,6 +193,21 @@ def test_the_small_storages_of_offloaded_calls_are_in_the_choice_and_its_plan_tr
     _assert_identical(run, _plain(_recomputed(chosen)))
     assert run["stats"].peak_device_bytes <= budget
     assert _planned(budget, min_offload_bytes=small + 1).auto_choice([FORWARD] * BLOCKS, RATES) == chosen
+
+
+@pytest.mark.slow
+def test_the_measuring_steps_fetches_find_room_at_model_data_and_one_call() -> None:
+    """The optimizer side on the host: gradient buffers wait on the device for their copy to it, and
+    in the first (measuring) step the fetch of a call's copies for its backward found the budget
+    filled by them. Model data's least budget and one call's saved bytes (a saved-tensor hooks
+    count) train from the first step, within the budget, bit for bit as plain PyTorch (with the
+    calls the plan recomputes checkpointed)."""
+    from test_activation_budget import _recomputed, _train
+
+    budget = _model_minimum(optim_on_host=True) + PER_BLOCK
+    run = _train(budget, ActivationPlacement(auto=["Block"]), optim_on_host=True)
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].peak_device_bytes <= budget
 
 
 # --- beyond a host budget, to disk ----------------------------------------------------------------

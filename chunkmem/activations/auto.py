@@ -249,6 +249,9 @@ class AutoBlocks:
         agreed = self._agree(CallBytes(count.saved_bytes, count.small_bytes, count.copied_bytes))
         hold.take(agreed.small, f"block {name} (small saved tensors it keeps)")
         call.fetch_bytes = agreed.copied
+        # Its fetch in the backward needs room that model data (gradient buffers, prefetched chunks)
+        # would fill: the policy keeps the largest measured call's copies free until the plan.
+        self._policy.reserve_for_measured_activations(agreed.copied)
         self._account.kept_total += count.small_bytes
         if index < len(self._measures):
             old = self._measures[index]
