@@ -19,15 +19,21 @@ The model (estimates, not guarantees of time; the byte bounds are what the runti
   backward of the ``prefetch`` calls after it (about twice their forward; fetched when its backward
   needs it, behind nothing); on a synchronous one (the CPU) nothing hides, and the copies are part
   of the hooks' time. It holds the call's saved bytes on the device while they are copied out and
-  once fetched back: in the backward the call and the ``prefetch`` offloaded calls fetched ahead.
+  once fetched back: in the backward the call and the ``prefetch`` offloaded calls fetched ahead;
+  and its small storages (``BlockMeasure.small_bytes``: under ``min_offload_bytes``, not copied)
+  from its forward to its backward, as the ledger does (``chunkmem.activations.ledger``).
 
-The budget: ``model + kept + reserve <= budget``, where ``model`` is what the placement of model
-data needs at least (what stays on the device and the largest working set of one op) and
-``reserve`` the largest call's saved bytes (one block's working set: the call being saved or
-copied, or a recomputation in the backward) plus the ``prefetch`` largest saved bytes of the
-offloaded calls (those fetched ahead). The choice keeps, among the calls that fit, those whose
-cheapest other way costs the most time per byte; it is made for each depth up to
-``max_prefetch`` and the one with the least estimated time is taken (on a tie the shallower).
+The budget: ``model + kept + small + reserve <= budget``, where ``model`` is what the placement of
+model data needs at least (what stays on the device and the largest working set of one op),
+``kept`` the kept calls' saved bytes, ``small`` the offloaded calls' small storages and ``reserve``
+the largest call's saved bytes (one block's working set: the call being saved or copied, or a
+recomputation in the backward) plus the ``prefetch`` largest copies of the offloaded calls (those
+fetched ahead). Each call not kept goes its cheaper other way; where the offloaded calls' small
+storages do not fit with nothing kept, those whose offload saves the least time per small byte are
+recomputed instead (a recomputed call holds nothing). The choice then keeps, among the calls that
+fit, those whose other way costs the most time per byte, and offloads again what was recomputed
+for room where the room is left; it is made for each depth up to ``max_prefetch`` and the one with
+the least estimated time is taken (on a tie the shallower).
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class BlockMeasure:
     offload_seconds: float = 0.0
     """Host time the call's offload took in the first step (packing, waiting for its copies out,
     fetching: copies included where they are synchronous)."""
+    small_bytes: int = 0
+    """Of ``saved_bytes``, what an offload of the call leaves on the device (storages under
+    ``min_offload_bytes``: ``counting.SavedCount``), held from its forward to its backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,9 @@ class ActivationPlan:
     prefetch: int = 0
     """How many offloaded calls, next in backward order, are fetched back when an offloaded call's
     backward starts (its room is in ``reserve``; 0 when no call is offloaded)."""
+    small_bytes: int = 0
+    """The small storages the offloaded calls leave on the device (from their forward to their
+    backward, as the kept calls' saved bytes)."""
 
     def choice(self, index: int) -> ActivationChoice:
         """The choice for the ``index``-th block call of a forward (calls past the measured ones
@@ -105,8 +117,9 @@ class ActivationPlan:
 
     @property
     def device_bytes(self) -> int:
-        """The most saved activations this plan holds on the device (kept, plus one block)."""
-        return self.kept_bytes + self.reserve
+        """The most saved activations this plan holds on the device (kept, the offloaded calls'
+        small storages, plus one block)."""
+        return self.kept_bytes + self.small_bytes + self.reserve
 
     def by_block(self) -> dict[str, ActivationChoice]:
         """Each block's choice (a block called more than once a forward: its first call's)."""
@@ -136,55 +149,80 @@ def activation_minimum(saved_bytes: Sequence[int], model_bytes: int) -> int:
     return model_bytes + max(saved_bytes, default=0)
 
 
-def _in_flight(saved: Sequence[int], offloaded: Sequence[bool], prefetch: int) -> int:
-    """Room for the fetches ahead: the ``prefetch`` largest saved bytes of the offloaded calls."""
-    return sum(sorted((s for s, o in zip(saved, offloaded, strict=True) if o), reverse=True)[:prefetch])
+def _in_flight(measures: Sequence[BlockMeasure], offloaded: Sequence[bool], prefetch: int) -> int:
+    """Room for the fetches ahead: the ``prefetch`` largest copies of the offloaded calls (what a
+    fetch brings back: the saved bytes less the small storages that stayed)."""
+    copies = (m.saved_bytes - m.small_bytes for m, o in zip(measures, offloaded, strict=True) if o)
+    return sum(sorted(copies, reverse=True)[:prefetch])
 
 
 def _choose_at(
     measures: Sequence[BlockMeasure], rates: CopyRates, room: int, largest: int, prefetch: int
-) -> ActivationPlan | None:
+) -> ActivationPlan:
     """The plan that fetches ``prefetch`` offloaded calls ahead, keeping what fits ``room`` (the
-    budget less model data) beside one block's working set and the fetches ahead; ``None`` when not
-    even keeping nothing fits."""
+    budget less model data) beside one block's working set, the fetches ahead and the small storages
+    the offloaded calls leave on the device (every call recomputed fits: ``room >= largest``)."""
     n = len(measures)
     saved = [m.saved_bytes for m in measures]
-    # The cheaper way of not keeping each call, and what it costs.
-    others: list[tuple[ActivationChoice, float]] = []
-    for i, m in enumerate(measures):
-        offload = _offload_seconds(i, measures, rates, prefetch)
-        if offload < m.forward_seconds:
-            others.append((ActivationChoice.OFFLOAD, offload))
-        else:
-            others.append((ActivationChoice.RECOMPUTE, m.forward_seconds))
-    keep = [False] * n
+    offload = [_offload_seconds(i, measures, rates, prefetch) for i in range(n)]
+    # Each call not kept goes the cheaper other way.
+    choice = [
+        ActivationChoice.OFFLOAD if offload[i] < m.forward_seconds else ActivationChoice.RECOMPUTE
+        for i, m in enumerate(measures)
+    ]
+
+    def cost(i: int) -> float:
+        return {ActivationChoice.KEEP: 0.0, ActivationChoice.OFFLOAD: offload[i]}.get(
+            choice[i], measures[i].forward_seconds
+        )
+
+    def held() -> tuple[int, int]:
+        """The kept calls' saved bytes, the offloaded calls' small storages."""
+        kept = sum(saved[i] for i in range(n) if choice[i] is ActivationChoice.KEEP)
+        return kept, sum(measures[i].small_bytes for i in range(n) if choice[i] is ActivationChoice.OFFLOAD)
 
     def reserve() -> int:
-        offloaded = [not keep[i] and others[i][0] is ActivationChoice.OFFLOAD for i in range(n)]
-        return largest + _in_flight(saved, offloaded, prefetch)
+        return largest + _in_flight(measures, [c is ActivationChoice.OFFLOAD for c in choice], prefetch)
 
-    if reserve() > room:
-        return None
+    def fits() -> bool:
+        return sum(held()) + reserve() <= room
+
+    # An offloaded call keeps its small storages on the device until its backward: where they (and
+    # the fetches ahead) do not fit beside nothing kept, recompute the offloaded calls whose offload
+    # saves the least time per byte it leaves there (ties: the earlier call; so every rank agrees).
+    offloaded = [i for i in range(n) if choice[i] is ActivationChoice.OFFLOAD]
+    demoted = []
+    for i in sorted(
+        offloaded, key=lambda i: ((measures[i].forward_seconds - offload[i]) / max(1, measures[i].small_bytes), i)
+    ):
+        if fits():
+            break
+        choice[i] = ActivationChoice.RECOMPUTE
+        demoted.append(i)
+    assert fits(), "every call recomputed fits"
     # Keep the calls whose other way costs the most per byte, while they fit (ties: the earlier
-    # call, whose bytes wait longest for their backward either way; so every rank agrees). A kept
-    # call is not fetched: the room for the fetches ahead may shrink as calls are kept.
-    order = sorted(range(n), key=lambda i: (-others[i][1] / max(1, saved[i]), i))
-    kept = 0
-    for i in order:
-        keep[i] = True
-        if kept + saved[i] + reserve() <= room:
-            kept += saved[i]
-        else:
-            keep[i] = False
-    choices = tuple(ActivationChoice.KEEP if keep[i] else others[i][0] for i in range(n))
+    # call, whose bytes wait longest for their backward either way). A kept call is not fetched nor
+    # leaves small storages: the room they took may shrink as calls are kept.
+    for i in sorted(range(n), key=lambda i: (-cost(i) / max(1, saved[i]), i)):
+        other, choice[i] = choice[i], ActivationChoice.KEEP
+        if not fits():
+            choice[i] = other
+    # The room kept calls left: offload again what was recomputed for the small storages, where it fits.
+    for i in reversed(demoted):
+        if choice[i] is ActivationChoice.RECOMPUTE:
+            choice[i] = ActivationChoice.OFFLOAD
+            if not fits():
+                choice[i] = ActivationChoice.RECOMPUTE
+    kept, small = held()
     return ActivationPlan(
         blocks=tuple(m.name for m in measures),
-        choices=choices,
+        choices=tuple(choice),
         saved_bytes=tuple(saved),
         kept_bytes=kept,
         reserve=reserve(),
-        seconds=sum(others[i][1] for i in range(n) if not keep[i]),
-        prefetch=prefetch if ActivationChoice.OFFLOAD in choices else 0,
+        seconds=sum(cost(i) for i in range(n)),
+        prefetch=prefetch if ActivationChoice.OFFLOAD in choice else 0,
+        small_bytes=small,
     )
 
 
@@ -216,7 +254,7 @@ def choose_activations(
     best: ActivationPlan | None = None
     for depth in range(max_prefetch + 1):
         plan = _choose_at(measures, rates, budget - model_bytes, reserve, depth)
-        if plan is not None and (best is None or plan.seconds < best.seconds):
+        if best is None or plan.seconds < best.seconds:
             best = plan
-    assert best is not None, "fetching nothing ahead fits the minimum"
+    assert best is not None, "depth 0 is always planned"
     return best

@@ -55,10 +55,12 @@ class AutoPolicy(PlacementPolicy):
         ratio = 1.0 - self._config.warmup_non_model_data_ratio
         cap = int(self._capacity * ratio)
         budget = self._hard_cap()
-        if budget is not None and self._covers_activations and not self._reserved:
-            # Activations are under the budget too, and not measured yet: leave them the share of
-            # the budget the ratio says (the layout's optimizer sides stay on the host until then).
-            budget = int(budget * ratio)
+        if budget is not None and self._covers_activations and not self.activations_planned:
+            # Activations are under the budget too, and not planned yet: leave them the share of
+            # the budget the ratio says (the layout's optimizer sides stay on the host until then),
+            # and at least what the measuring step reserved for its fetches.
+            assert self._budget is not None, "a hard cap comes from a budget"
+            budget = min(budget, int(self._budget * ratio))
         return cap if budget is None else min(cap, budget)
 
     def needs_profile(self, trace: ComputeTrace | None) -> bool:

@@ -83,6 +83,7 @@ class PlacementPolicy(ABC):
         self._accumulate = False
         self._covers_activations = False
         self._reserved = 0
+        self._activations_planned = False
 
     @property
     def max_prefetch(self) -> int:
@@ -109,6 +110,22 @@ class PlacementPolicy(ABC):
         if nbytes < 0:
             raise ValueError(f"reserve_for_activations: negative byte count {nbytes}")
         self._reserved = nbytes
+        self._activations_planned = True
+
+    def reserve_for_measured_activations(self, nbytes: int) -> None:
+        """While the first step measures saved activations (before any plan): keep at least
+        ``nbytes`` of the budget free of model data from now on (the largest measured call's copies,
+        fetched back for its backward), so that the fetch finds room that gradient buffers and
+        prefetched chunks would otherwise hold. The plan's ``reserve_for_activations`` replaces it."""
+        if nbytes < 0:
+            raise ValueError(f"reserve_for_measured_activations: negative byte count {nbytes}")
+        if not self._activations_planned:
+            self._reserved = max(self._reserved, nbytes)
+
+    @property
+    def activations_planned(self) -> bool:
+        """Whether the reserve is a plan's (``reserve_for_activations``), not the measuring step's."""
+        return self._activations_planned
 
     @property
     def reserved(self) -> int:

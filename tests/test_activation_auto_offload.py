@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from test_activations import _assert_identical, saved_storages
 
 from chunkmem import ChunkPlugin, Plan, plan
 from chunkmem.usage.accounting import Location, MemoryKind
-from placement import ActivationChoice, ActivationPlacement, BlockMeasure, CopyRates, StaticPlacementConfig
+from placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
 
 OFF, KEEP = ActivationChoice.OFFLOAD, ActivationChoice.KEEP
 FORWARD = 1.0  # seconds a call's forward takes, as the timings below say
@@ -43,7 +44,7 @@ def _timed() -> Iterator[None]:
     choose = auto.choose_activations
 
     def timed(measures: Any, rates: CopyRates, *args: Any) -> Any:
-        return choose([BlockMeasure(m.name, m.saved_bytes, FORWARD) for m in measures], RATES, *args)
+        return choose([replace(m, forward_seconds=FORWARD, offload_seconds=0.0) for m in measures], RATES, *args)
 
     auto.choose_activations = timed
     try:
@@ -165,13 +166,48 @@ def test_auto_offloaded_calls_are_fetched_ahead_within_the_budget_bit_for_bit() 
     assert _planned(run["budget"]).auto_choice([FORWARD] * BLOCKS, RATES) == chosen
 
 
-def _planned(budget: int, host_budget: int | None = None) -> Plan:
+def _planned(budget: int, host_budget: int | None = None, min_offload_bytes: int = 1024) -> Plan:
     with torch.device("meta"):
         meta = Stack()
-    activations = ActivationPlacement(auto=["Block"], host_budget=host_budget)
+    activations = ActivationPlacement(auto=["Block"], host_budget=host_budget, min_offload_bytes=min_offload_bytes)
     placement = StaticPlacementConfig(device_budget=budget)
     plugin = ChunkPlugin(precision="fp32", chunk_size=8_000, placement=placement, activations=activations)
     return plan(meta, plugin, {"x": torch.zeros(BATCH, WIDTH)}, optimizer=torch.optim.AdamW, device="cpu")
+
+
+@pytest.mark.slow
+def test_the_small_storages_of_offloaded_calls_are_in_the_choice_and_its_plan_trains_within_the_budget() -> None:
+    """Each call's input stays on the device when the call is offloaded (under ``min_offload_bytes``),
+    held from its forward to its backward: the choice counts it, so that four offloaded calls that
+    leave it there are not planned into room for one block and two of them; the plan trains
+    within the budget, bit for bit as plain PyTorch (with the calls it recomputes checkpointed), and
+    the planner makes the same plan."""
+    from test_activation_budget import _recomputed, _train
+
+    small = BATCH * WIDTH * 4  # a call's input, fp32 (a saved-tensor hooks count: PER_BLOCK's x)
+    budget = _model_minimum() + PER_BLOCK + 2 * small
+    with _timed():
+        run = _train(budget, ActivationPlacement(auto=["Block"], min_offload_bytes=small + 1))
+    chosen = run["plan"]
+    assert chosen.choices.count(OFF) == 2 and chosen.small_bytes == 2 * small
+    _assert_identical(run, _plain(_recomputed(chosen)))
+    assert run["stats"].peak_device_bytes <= budget
+    assert _planned(budget, min_offload_bytes=small + 1).auto_choice([FORWARD] * BLOCKS, RATES) == chosen
+
+
+@pytest.mark.slow
+def test_the_measuring_steps_fetches_find_room_at_model_data_and_one_call() -> None:
+    """The optimizer side on the host: gradient buffers wait on the device for their copy to it, and
+    in the first (measuring) step the fetch of a call's copies for its backward found the budget
+    filled by them. Model data's least budget and one call's saved bytes (a saved-tensor hooks
+    count) train from the first step, within the budget, bit for bit as plain PyTorch (with the
+    calls the plan recomputes checkpointed)."""
+    from test_activation_budget import _recomputed, _train
+
+    budget = _model_minimum(optim_on_host=True) + PER_BLOCK
+    run = _train(budget, ActivationPlacement(auto=["Block"]), optim_on_host=True)
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].peak_device_bytes <= budget
 
 
 # --- beyond a host budget, to disk ----------------------------------------------------------------

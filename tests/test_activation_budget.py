@@ -75,21 +75,28 @@ def _auto() -> ActivationPlacement:
 AUTO = ActivationPlacement(auto=["Block"])
 
 
-def _boosted(budget: int | None, activations: ActivationPlacement | None = AUTO) -> tuple[Any, Any, Any]:
-    """The stack boosted under ``budget`` with ``activations`` (default: every block ``auto``)."""
+def _boosted(
+    budget: int | None, activations: ActivationPlacement | None = AUTO, optim_on_host: bool = False
+) -> tuple[Any, Any, Any]:
+    """The stack boosted under ``budget`` with ``activations`` (default: every block ``auto``), its
+    optimizer side on the host with ``optim_on_host``."""
     return boost(
         Stack(),
         adamw_two_groups,
         chunk_size=8_000,
-        placement=StaticPlacementConfig(device_budget=budget),
+        placement=StaticPlacementConfig(device_budget=budget, offload_optim_frac=float(optim_on_host)),
         activations=activations,
     )
 
 
 def _train(
-    budget: int | None, activations: ActivationPlacement | None, rank: int = 0, world_size: int = 1
+    budget: int | None,
+    activations: ActivationPlacement | None,
+    rank: int = 0,
+    world_size: int = 1,
+    optim_on_host: bool = False,
 ) -> dict[str, Any]:
-    chunked, optimizer, booster = _boosted(budget, activations)
+    chunked, optimizer, booster = _boosted(budget, activations, optim_on_host)
     losses, after_forward, after_first = [], [], None
     for x in _data(rank, world_size):
         loss = _loss(chunked, x)
@@ -132,10 +139,10 @@ def _plain_saved_bytes() -> int:
     return _saved_bytes(model.blocks, lambda: _loss(model, x), keep_below=0)
 
 
-def _model_minimum() -> int:
+def _model_minimum(optim_on_host: bool = False) -> int:
     """The device budget model data alone needs (boost refuses a smaller one, naming it)."""
     with pytest.raises(BudgetTooSmallError) as refused:
-        boost(Stack(), adamw_two_groups, chunk_size=8_000, placement=StaticPlacementConfig(device_budget=1))
+        _boosted(1, None, optim_on_host)
     return refused.value.minimum
 
 

@@ -249,6 +249,9 @@ class AutoBlocks:
         agreed = self._agree(CallBytes(count.saved_bytes, count.small_bytes, count.copied_bytes))
         hold.take(agreed.small, f"block {name} (small saved tensors it keeps)")
         call.fetch_bytes = agreed.copied
+        # Its fetch in the backward needs room that model data (gradient buffers, prefetched chunks)
+        # would fill: the policy keeps the largest measured call's copies free until the plan.
+        self._policy.reserve_for_measured_activations(agreed.copied)
         self._account.kept_total += count.small_bytes
         if index < len(self._measures):
             old = self._measures[index]
@@ -287,7 +290,7 @@ class AutoBlocks:
         # A re-plan's calls save more than when their times were measured: their times grow alike.
         growth = [b.saved / first if first else 1.0 for b, first in zip(self._agreed, self._first_saved, strict=True)]
         measures = [
-            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g)
+            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g, small_bytes=b.small)
             for m, b, t, h, g in zip(self._measures, self._agreed, agreed[:n], agreed[n : 2 * n], growth, strict=True)
         ]
         to_host, to_device = agreed[2 * n :]

@@ -52,6 +52,9 @@ class BlockForecast:
     copied: tuple[int, ...] = ()
     """The bytes of each storage an offload of the call copies, in the order saved (``offload_bytes``
     is their sum)."""
+    small_bytes: int = 0
+    """Of ``saved_bytes``, what an offload of the call leaves on the device (storages under
+    ``min_offload_bytes``)."""
 
 
 @dataclass(eq=False)
@@ -111,6 +114,14 @@ def forecast(
         disk = disk_bytes_per_call([c.copied for c in offloaded], int(config.host_budget))
     disk_of = {id(c): d for c, d in zip(offloaded, disk, strict=True)}
     return tuple(
-        BlockForecast(c.name, c.how, c.count.saved_bytes, c.count.copied_bytes, disk_of.get(id(c), 0), tuple(c.copied))
+        BlockForecast(
+            c.name,
+            c.how,
+            c.count.saved_bytes,
+            c.count.copied_bytes,
+            disk_of.get(id(c), 0),
+            tuple(c.copied),
+            c.count.small_bytes,
+        )
         for c in calls
     )

@@ -214,7 +214,10 @@ class Plan:
             raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
         if self.device_budget is None:
             raise ValueError("auto_choice: auto blocks are placed under a device_budget; the plan has none")
-        measures = [BlockMeasure(c.name, c.saved_bytes, t) for c, t in zip(calls, forward_seconds, strict=True)]
+        measures = [
+            BlockMeasure(c.name, c.saved_bytes, t, small_bytes=c.small_bytes)
+            for c, t in zip(calls, forward_seconds, strict=True)
+        ]
         return choose_activations(
             measures, rates, self.device_budget, self.model_need_bytes, self.activation_max_prefetch
         )
