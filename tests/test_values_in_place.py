@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from distributed import run_ranks
 from models import batches
 from safetensors.torch import save_file
 from test_param_disk import ON_DISK, train_counted
-from test_peft import adamw, plain_peft, train
+from test_peft import adamw, plain_peft
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, StateDictMismatchError, plan
 from chunkmem.tiers.disk import DISK_BLOCK
@@ -69,24 +70,47 @@ def write_weights(out: Path, dtype: torch.dtype) -> Path:
     return path
 
 
-def _run(rank: int, world_size: int, weights: str, out: str, change: bool) -> dict[str, Any]:
+def _run(
+    rank: int, world_size: int, weights: str, out: str, changer: int | None, in_backward: bool = False
+) -> dict[str, Any]:
+    """Boost from ``weights`` (``{rank}`` in it: each rank's own copy) and train; ``changer``: the
+    rank that rewrites its file after boost, before training (``in_backward``: between the first
+    forward and its backward)."""
+    weights = weights.format(rank=rank)
     with torch.device("meta"):
         model = tiny()
     disk_dir = Path(out) / f"disk-{Path(weights).stem}"
     disk_dir.mkdir(exist_ok=True)
-    booster = Booster(ChunkPlugin(placement=ON_DISK, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir))
+    # A device budget below the gathered model (5 chunks of 8 KiB) makes the backward read base chunks again.
+    placement = ON_DISK.model_copy(update={"device_budget": 30_000}) if in_backward else ON_DISK
+    booster = Booster(ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK, disk_dir=disk_dir))
     chunked, optimizer, *_ = booster.boost(model, adamw(model), weights=weights)
     chunks = chunked.manager.chunks
-    if change:  # rank 0 rewrites the file (same size) while both ranks train on it
-        if rank == 0:
+    if changer is not None:  # the file is rewritten (same size) while the ranks train on it
+        adapters = [c.store.readable_master().clone() for c in chunks if c.trainable]
+        share = batches(1)[0].chunk(world_size)[rank]
+        loss = chunked(input_ids=share, labels=share).loss if in_backward else None
+        if rank == changer:
             data = bytearray(Path(weights).read_bytes())
             data[-2:] = b"\x00\x00"
             Path(weights).write_bytes(bytes(data))
             os.utime(weights, ns=(1, 1))  # even within one tick of the file system's clock
         torch.distributed.barrier()
+        began = time.perf_counter()
         with pytest.raises(DiskTierError) as raised:
-            train(chunked, optimizer, booster, batches(1), rank, world_size)
-        return {"error": str(raised.value)}
+            if loss is None:
+                loss = chunked(input_ids=share, labels=share).loss
+            booster.backward(loss, optimizer)
+            optimizer.step()
+        after = [c.store.readable_master() for c in chunks if c.trainable]
+        with pytest.raises(DiskTierError, match="changed after boost"):  # no checkpoint of other weights either
+            chunked.state_dict()
+        return {
+            "error": str(raised.value),
+            "seconds": time.perf_counter() - began,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(adapters, after, strict=True)),
+            "steps": chunked.stats().optimizer_steps,
+        }
     boost_writes = chunked.stats().disk_param_write_bytes
     losses, stats = train_counted(chunked, optimizer, booster, batches(STEPS), rank, world_size)
     (scratch,) = disk_dir.glob(f".chunkmem-scratch-*-rank{rank}/sides.bin")
@@ -148,7 +172,7 @@ def test_a_bf16_base_is_read_in_place_trains_like_plain_pytorch_and_writes_nothi
 ) -> None:
     weights = write_weights(tmp_path, torch.bfloat16)
     before = weights.read_bytes()
-    args = (str(weights), str(tmp_path), False)
+    args = (str(weights), str(tmp_path), None)
     results = run_ranks(_run, world_size, args=args) if world_size > 1 else [_run(0, 1, *args)]
     _assert_plain(results)
     assert weights.read_bytes() == before  # never written
@@ -176,7 +200,7 @@ def test_a_bf16_base_is_read_in_place_trains_like_plain_pytorch_and_writes_nothi
 
 def test_a_file_in_another_dtype_is_copied_as_before(tmp_path: Path) -> None:
     weights = write_weights(tmp_path, torch.float32)
-    result = _run(0, 1, str(weights), str(tmp_path), False)
+    result = _run(0, 1, str(weights), str(tmp_path), None)
     assert result["in_place"] == 0
     (shard_bytes,) = result["shard_bytes"]
     assert result["disk_copies"] == shard_bytes * (len(BASE) + 1)
@@ -186,6 +210,30 @@ def test_a_file_in_another_dtype_is_copied_as_before(tmp_path: Path) -> None:
 @pytest.mark.multirank
 def test_a_weights_file_changed_after_boost_is_refused_on_every_rank(tmp_path: Path) -> None:
     weights = write_weights(tmp_path, torch.bfloat16)
-    results = run_ranks(_run, 2, args=(str(weights), str(tmp_path), True))
+    results = run_ranks(_run, 2, args=(str(weights), str(tmp_path), 0))
     for result in results:
         assert str(weights) in result["error"] and "changed after boost" in result["error"], result
+        assert result["unchanged"] and result["steps"] == 0, result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_weights_file_changed_on_one_rank_only_is_refused_on_every_rank_at_once(
+    tmp_path: Path, in_backward: bool
+) -> None:
+    """Each rank reads its own copy (a node's local disk); only rank 1's changes, before the
+    forward or between it and the backward. Rank 0 does not wait in a gather's collective until
+    the process-group timeout (60 s pooled): both raise the same error naming rank 1's file within
+    seconds (after the forward, or the backward), and no step changes the adapter."""
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+        write_weights(tmp_path / f"rank{rank}", torch.bfloat16)
+    template = str(tmp_path / "rank{rank}" / "bfloat16.safetensors")
+    results = run_ranks(_run, 2, args=(template, str(tmp_path), 1, in_backward), timeout=40)
+    assert results[0]["error"] == results[1]["error"]
+    changed = template.format(rank=1)
+    for result in results:
+        assert "on rank 1: rank 1: chunk" in result["error"] and changed in result["error"], result
+        assert "changed after boost" in result["error"] and "on rank 0" not in result["error"], result
+        assert result["seconds"] < 10, result
+        assert result["unchanged"] and result["steps"] == 0, result

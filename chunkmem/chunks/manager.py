@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ..errors import UnmanageableParameter
 from ..ranks.comm import Communicator
@@ -49,6 +50,8 @@ class ChunkManager:
         self._chunks: list[Chunk] = []
         self._infos: dict[int, TensorInfo] = {}
         self._ordered: list[TensorInfo] = []
+        self._weight_files: WeightFiles | None = None  # some chunk reads in place from them
+        self._some_rank_reads_in_place = False
 
     @property
     def ledger(self) -> MemoryLedger:
@@ -65,6 +68,16 @@ class ChunkManager:
         for chunk in self._chunks:
             if chunk.closed:
                 chunk.store.prepare_host_write()
+
+    @property
+    def weight_files(self) -> WeightFiles | None:
+        """The weights files some chunk of this rank reads in place (``None``: none does)."""
+        return self._weight_files
+
+    @property
+    def some_rank_reads_in_place(self) -> bool:
+        """Some chunk of some rank reads in place (the same on every rank)."""
+        return self._some_rank_reads_in_place
 
     @property
     def comm(self) -> Communicator:
@@ -172,13 +185,19 @@ class ChunkManager:
     def choose_in_place(self, param_on_disk: Sequence[bool]) -> dict[int, InPlaceShard]:
         """The chunks whose shard this rank reads in place from the weights files, chosen once at
         boost (``choose_in_place``); ``param_on_disk``: the placement's, by chunk id."""
-        files = WeightFiles(self._comm.rank)
+        files = WeightFiles(self._comm.rank, defer=self._comm.world_size > 1)
         chosen = {}
         for chunk in self._chunks:
             label = f"chunk {chunk.chunk_id} (rank {self._comm.rank})"
             found = choose_in_place(label, chunk.layout, param_on_disk[chunk.chunk_id], self._values, files)
             if found is not None:
                 chosen[chunk.chunk_id] = found
+        self._weight_files = files if chosen else None
+        # Whether the ranks agree their reads after each forward (``agree_reads``): asked of every
+        # rank once here, as some may read in place and others not (files of their own).
+        some = torch.tensor([int(bool(chosen))], device=self._comm.tensor_device)
+        self._comm.all_reduce(some, dist.ReduceOp.MAX)
+        self._some_rank_reads_in_place = bool(some.item())
         return chosen
 
     def close_all(

@@ -295,7 +295,7 @@ class ShardStore:
             assert self._disk is not None, f"{self._label}: a parameter shard on disk has a disk file"
             file, offset, in_place = self._disk, self._disk_offset, self._in_place
             read = (
-                (lambda staged: in_place.read(file, staged))
+                (lambda staged: in_place.read_for_gather(file, staged))
                 if in_place is not None
                 else (lambda staged: file.read(staged, offset, param=True))
             )
@@ -397,8 +397,8 @@ class ShardStore:
         self._master.untyped_storage().resize_(self._master_bytes)
         self._master_resident = True
         self._ledger.alloc(Location.HOST, MemoryKind.STAGING, self._master_bytes)
-        if self._in_place is not None:
-            return self._in_place.read(file, self._master)
+        if self._in_place is not None:  # a checkpoint's gather: the ranks agree a failure after it
+            return self._in_place.read_for_gather(file, self._master)
         return file.read(self._master, self._disk_offset)
 
     @property

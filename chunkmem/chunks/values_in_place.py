@@ -12,6 +12,15 @@ The files are opened read-only at boost and held open for the run, so a file rep
 one (renamed over it) is still read as it was at boost. One changed where it is (its size or
 modification time differ from those at boost, checked before and after every read) is refused:
 ``DiskTierError`` names it and the fix, rather than training on other weights.
+
+With several ranks, each may read files of its own (a copy on each node's disk), so a read can
+fail on one rank only. A gather's read that fails there does not raise at once (the other ranks
+would wait in the gather's all-gather until the process-group timeout): the rank takes part with
+zeros and notes the error (``WeightFiles.failure``), and the ranks agree on it at the next point
+where they already exchange something before values are used to change anything: the all-reduce
+that ends every synchronised backward (``execution.backward_agreement``), and after a forward
+that returned, for models reading in place (``agree_reads``). Every rank then raises the same
+``DiskTierError``, before any optimizer step; no collective is added to the gathers.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +67,10 @@ class WeightFiles:
     """The weights files some chunk reads in place, opened read-only once, with their size and
     modification time then; see the module docstring."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, defer: bool = False) -> None:
         self._rank = rank
+        self._defer = defer
+        self._failure: DiskTierError | None = None
         self._fds: dict[Path, int] = {}
         self._seen: dict[Path, tuple[int, int]] = {}
         weakref.finalize(self, _close_all, self._fds)
@@ -71,6 +83,18 @@ class WeightFiles:
         self._fds[path] = fd
         info = os.fstat(fd)
         self._seen[path] = (info.st_size, info.st_mtime_ns)
+
+    @property
+    def failure(self) -> DiskTierError | None:
+        """The first gather's read that failed on this rank and was left for the ranks to agree on."""
+        return self._failure
+
+    def note(self, error: DiskTierError) -> None:
+        """A gather's read failed: raise it now (one rank), or keep it for the agreement (module docstring)."""
+        if not self._defer:
+            raise error
+        if self._failure is None:
+            self._failure = error
 
     def fd(self, path: Path, label: str) -> int:
         """The descriptor of ``path``, refused when the file changed since boost (``label``: the
@@ -105,10 +129,27 @@ class InPlaceShard:
     def read(self, disk: SidesFile | None, tensor: torch.Tensor) -> Future[None]:
         """Fill ``tensor`` (the shard, contiguous on the CPU) on the I/O threads of ``disk``, the
         disk tier's file (a plan, whose file reads nothing, reads nothing in place)."""
+        return self._submit(disk, tensor, self._fill)
+
+    def read_for_gather(self, disk: SidesFile | None, tensor: torch.Tensor) -> Future[None]:
+        """``read`` for a gather: with several ranks a failure leaves zeros and is noted for the
+        ranks to agree on (module docstring) instead of raising on this rank alone."""
+
+        def fill(view: memoryview) -> int:
+            try:
+                return self._fill(view)
+            except DiskTierError as error:
+                self._files.note(error)
+                view[:] = bytes(len(view))  # what the others gather from this rank: no stale values
+                return 0
+
+        return self._submit(disk, tensor, fill)
+
+    def _submit(self, disk: SidesFile | None, tensor: torch.Tensor, fill: Callable[[memoryview], int]) -> Future[None]:
         from ..tiers.disk import DiskFile
 
         assert isinstance(disk, DiskFile), f"{self._label}: a shard read in place has the disk tier's file"
-        return disk.read_with(tensor, self._fill)
+        return disk.read_with(tensor, fill)
 
     def values(self, disk: SidesFile | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The shard's ``numel`` values, read now into a new tensor (a checkpoint reads them)."""

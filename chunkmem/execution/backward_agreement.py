@@ -11,19 +11,25 @@ import torch
 import torch.distributed as dist
 
 from ..chunks.chunk import Chunk
+from ..chunks.values_in_place import WeightFiles
 from ..errors import TraceDivergenceError
 from ..ranks.comm import Communicator
+from .read_agreement import raise_read_failure, read_failed
 
 __all__ = ["agree_backward"]
 
 
-def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk]) -> None:
+def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk], files: WeightFiles | None) -> None:
     """Agree ``digest`` and the trainable ``chunks``' gradient flags over ranks; raise
-    ``TraceDivergenceError`` naming the odd ranks when the digests differ."""
+    ``TraceDivergenceError`` naming the odd ranks when the digests differ. Whether a read in place
+    from the weights ``files`` failed on a rank rides along: then every rank raises that
+    ``DiskTierError`` (``read_agreement``)."""
     trainable = [c for c in chunks if c.trainable]
     flags = [int(f) for c in trainable for f in c.params_with_grad]
-    payload = torch.tensor([digest, -digest, *flags], dtype=torch.int64, device=comm.tensor_device)
+    payload = torch.tensor([digest, -digest, read_failed(files), *flags], dtype=torch.int64, device=comm.tensor_device)
     comm.all_reduce(payload, dist.ReduceOp.MAX)
+    if int(payload[2]):
+        raise_read_failure(comm, files)
     if int(payload[0]) != digest or int(-payload[1]) != digest:
         everyone = comm.all_gather_tensors(torch.tensor([digest], device=comm.tensor_device))
         digests = [int(d) for d in everyone]
@@ -35,7 +41,7 @@ def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk]) -> 
             "match and gradients are not trustworthy; the optimizer step must not run. All ranks must "
             "use the same parameters in the same order (no rank-dependent branches in the model)."
         )
-    agreed = [bool(v) for v in payload[2:].tolist()]
+    agreed = [bool(v) for v in payload[3:].tolist()]
     start = 0
     for chunk in trainable:
         n = len(chunk.tensors)

@@ -32,7 +32,7 @@ from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolic
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager
 from ..chunks.tensor_state import TensorInfo, TensorState
-from ..errors import NotSupportedError
+from ..errors import DiskTierError, NotSupportedError
 from ..ranks.agreed_values import AgreedValues
 from ..usage.accounting import Location
 from ..usage.stats import Stats
@@ -40,6 +40,7 @@ from .backward_agreement import agree_backward
 from .executor import ResidencyExecutor
 from .iteration import IterationTracker, Mode
 from .profiling import NonModelProfile
+from .read_agreement import agree_reads
 
 __all__ = ["ChunkRuntime", "EarlyStepListener"]
 
@@ -322,7 +323,18 @@ class ChunkRuntime(ParamOpHook):
         return training
 
     def _agree_across_ranks(self) -> None:
-        agree_backward(self._comm, self._tracker.digest, self._manager.chunks)
+        try:
+            agree_backward(self._comm, self._tracker.digest, self._manager.chunks, self._manager.weight_files)
+        except DiskTierError:
+            self.cancel_early_steps()  # they stepped on gradients of values a rank never read
+            raise
+
+    def agree_reads_in_place(self) -> None:
+        """A forward returned on this rank, or a state dict was gathered: with several ranks, where
+        some read in place, they agree that no read in place failed (``read_agreement``) before
+        its values are used."""
+        if self._comm.world_size > 1 and self._manager.some_rank_reads_in_place:
+            agree_reads(self._comm, self._manager.weight_files)
 
     def _report(self, divergence: Divergence) -> None:
         self.cancel_early_steps()  # they trusted the trace this iteration has left
