@@ -75,7 +75,7 @@ def budget_w1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, 
     out_dir = tmp_path_factory.mktemp("memory_budget")
     out = _run(
         "memory_budget.py",
-        *("--steps", "4", "--rounds", "3", "--budgets", "1,0.5,0.2", "--prefetch", "0,1"),
+        *("--steps", "4", "--rounds", "1", "--budgets", "1,0.5,0.2", "--prefetch", "0,1"),
         *("--chunk-size", CHUNK, "--out-dir", str(out_dir), *FP32),
     )
     return out, json.loads((out_dir / "memory_budget.json").read_text())

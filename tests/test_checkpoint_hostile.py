@@ -450,7 +450,7 @@ while True:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("shard", "loads"), [("file", 600), ("shard", 150)])
+@pytest.mark.parametrize(("shard", "loads"), [("file", 300), ("shard", 80)])
 def test_a_reader_beside_a_saver_never_sees_a_false_corruption(tmp_path: Path, shard: str, loads: int) -> None:
     chunked, booster = _small()
     target = tmp_path / ("model" if shard == "shard" else "model.pt")

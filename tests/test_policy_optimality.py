@@ -46,7 +46,7 @@ from placement import (
     simulate,
 )
 
-FAST = settings(max_examples=examples(50, 10), deadline=None, derandomize=True)
+FAST = settings(max_examples=examples(30, 10), deadline=None, derandomize=True)
 
 
 # --- the independent optimum ---------------------------------------------------------------------
@@ -147,7 +147,7 @@ def check_within(result: SimulationResult, budget: int) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=examples(150, 30), deadline=None, derandomize=True)
+@settings(max_examples=examples(80, 30), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=1), paging_problems(max_width=1, hard=True)))
 def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: Problem) -> None:
     n, k, steps = problem
@@ -169,7 +169,7 @@ def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=examples(150, 30), deadline=None, derandomize=True)
+@settings(max_examples=examples(80, 30), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=3), paging_problems(max_width=3, hard=True)))
 def test_auto_demand_fetches_multi_chunk_ops(layout: str, problem: Problem) -> None:
     n, k, steps = problem
@@ -430,7 +430,7 @@ GRAD_AFTER_PREFETCH = (
 @pytest.mark.parametrize("max_prefetch", [1, 3])
 @pytest.mark.parametrize("policy_kind", POLICY_KINDS[:-1])  # all-gathered never prefetches
 @settings(
-    max_examples=examples(50, 10),
+    max_examples=examples(30, 10),
     deadline=None,
     derandomize=True,
     phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],

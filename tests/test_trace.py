@@ -89,7 +89,7 @@ step_strategy = st.builds(
 steps_strategy = st.lists(step_strategy, max_size=12)
 
 
-@settings(max_examples=examples(150), deadline=None, derandomize=True)
+@settings(max_examples=examples(80), deadline=None, derandomize=True)
 @given(steps=steps_strategy, chunk=st.integers(0, 6), after=st.integers(-2, 13), phase=st.sampled_from([None, F, B]))
 def test_next_use_matches_linear_scan(steps: list[TraceStep], chunk: int, after: int, phase: Phase | None) -> None:
     expected = next(
@@ -140,7 +140,7 @@ def test_recomputation_belongs_to_the_backward_pass() -> None:
     assert recompute.in_backward_pass and recompute != TraceStep(F, (1,))
 
 
-@settings(max_examples=examples(150), deadline=None, derandomize=True)
+@settings(max_examples=examples(80), deadline=None, derandomize=True)
 @given(steps=steps_strategy, after=st.integers(-1, 13), until=st.integers(-1, 13))
 def test_pass_queries_match_brute_force(steps: list[TraceStep], after: int, until: int) -> None:
     trace = ComputeTrace(steps)
@@ -188,7 +188,7 @@ def test_digest_differs_for_different_traces(other: list[TraceStep]) -> None:
     assert ComputeTrace(other).digest != ComputeTrace(STEPS).digest
 
 
-@settings(max_examples=examples(200), deadline=None, derandomize=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
 @given(a=steps_strategy, b=steps_strategy)
 def test_digest_equal_iff_steps_equal(a: list[TraceStep], b: list[TraceStep]) -> None:
     assert (ComputeTrace(a).digest == ComputeTrace(b).digest) == (a == b)
