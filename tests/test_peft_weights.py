@@ -28,8 +28,13 @@ SEED = 7
 STEPS = 2
 
 
-def _lora(model: torch.nn.Module) -> Any:
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+def _lora(model: torch.nn.Module, precision: str = "bf16") -> Any:
+    # The fp32 runs also train a full copy of the head (``modules_to_save``): its frozen original and
+    # its trainable copy both start as the base's ``lm_head.weight``.
+    save = ["lm_head"] if precision == "fp32" else None
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, modules_to_save=save
+    )
     return peft.get_peft_model(model, config)
 
 
@@ -38,20 +43,20 @@ def _save_base(directory: Path, precision: str) -> Path:
     return directory
 
 
-def _plain(directory: str) -> Any:
+def _plain(directory: str, precision: str) -> Any:
     torch.manual_seed(SEED)
-    return _lora(transformers.AutoModelForCausalLM.from_pretrained(directory))
+    return _lora(transformers.AutoModelForCausalLM.from_pretrained(directory), precision)
 
 
-def _meta(directory: str) -> Any:
+def _meta(directory: str, precision: str) -> Any:
     config = transformers.AutoConfig.from_pretrained(directory)
     torch.manual_seed(SEED)
     with torch.device("meta"):
-        return _lora(transformers.AutoModelForCausalLM.from_config(config))
+        return _lora(transformers.AutoModelForCausalLM.from_config(config), precision)
 
 
 def _boosted(rank: int, world_size: int, directory: str, precision: str, steps: int = STEPS) -> dict[str, Any]:
-    model = _meta(directory)
+    model = _meta(directory, precision)
     disk_dir = Path(directory) / f"disk-rank{rank}"
     disk_dir.mkdir(exist_ok=True)
     placement = {"placement": ON_DISK, "disk_dir": disk_dir} if precision == "bf16" else {}
@@ -73,9 +78,11 @@ def _boosted(rank: int, world_size: int, directory: str, precision: str, steps: 
 
 def _check(results: list[dict[str, Any]], directory: str, precision: str, steps: int = STEPS) -> None:
     expected, reference = plain_peft(
-        precision, batches(steps), torch.device("cpu"), len(results), build=lambda: _plain(directory)
+        precision, batches(steps), torch.device("cpu"), len(results), build=lambda: _plain(directory, precision)
     )
     assert any("lora_A" in name for name in reference.state_dict())
+    if precision == "fp32":
+        assert "base_model.model.lm_head.modules_to_save.default.weight" in reference.state_dict()
     for rank, result in enumerate(results):
         assert result["losses"] == [step[rank] for step in expected], rank
         assert result["state"].keys() == reference.state_dict().keys()
@@ -106,7 +113,7 @@ def test_a_base_parameter_missing_from_the_files_is_refused_naming_both_names(tm
     tensors = load_file(directory / "model.safetensors")
     del tensors["model.layers.0.self_attn.q_proj.weight"]
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    model = _meta(str(directory))
+    model = _meta(str(directory), "bf16")
     with pytest.raises(MaterializeError) as caught:
         Booster(ChunkPlugin()).boost(model, adamw(model), weights=directory)
     message = str(caught.value)

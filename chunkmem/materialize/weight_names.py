@@ -14,6 +14,9 @@ there) or from the model's own initialisation replayed.
   tuner's ``prefix``, ``lora_`` for LoRA: what PEFT itself marks trainable) is not in a base
   checkpoint: it comes from PEFT's own initialisation, replayed, with the draws ``get_peft_model``
   makes after ``from_pretrained``.
+* A module PEFT copies to train in full (``modules_to_save``): both the frozen original
+  (``lm_head.original_module.weight``) and the trainable copy (``lm_head.modules_to_save.default.weight``)
+  start as the base's ``lm_head.weight``, as ``get_peft_model`` copies the loaded module.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ import torch
 __all__ = ["CheckpointNames", "WeightSource", "is_peft_tuner"]
 
 _BASE_LAYER = "base_layer"
+# A ``ModulesToSaveWrapper`` holds the base module under ``original_module`` and one trainable copy
+# per adapter under ``modules_to_save.<adapter>``: segments the base model's names do not have.
+_ORIGINAL = "original_module"
+_COPIES = "modules_to_save"
 
 
 def is_peft_tuner(module: torch.nn.Module) -> bool:
     """A PEFT tuner model (``peft.tuners.tuners_utils.BaseTuner``, checked without importing peft)."""
-    return any(cls.__name__ == "BaseTuner" and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
+    return _is_peft_class(module, "BaseTuner")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,25 @@ def _candidates(name: str, prefix: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _is_peft_class(module: torch.nn.Module, name: str) -> bool:
+    return any(cls.__name__ == name and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
+
+
+def _base_segments(segments: list[str], wrapped: set[int]) -> list[str]:
+    """``segments`` without PEFT's own: ``base_layer``, and after a module-to-save wrapper (the
+    indices in ``wrapped`` are of the segment naming one) ``original_module`` or
+    ``modules_to_save.<adapter>``."""
+    kept, skip = [], 0
+    for i, segment in enumerate(segments):
+        if skip:
+            skip -= 1
+        elif i - 1 in wrapped and segment in (_ORIGINAL, _COPIES):
+            skip = 1 if segment == _COPIES else 0
+        elif segment != _BASE_LAYER:
+            kept.append(segment)
+    return kept
+
+
 def _prefix(model: torch.nn.Module) -> str:
     return getattr(model, "base_model_prefix", "") or ""
 
@@ -76,6 +102,7 @@ class CheckpointNames:
     def __init__(self, model: torch.nn.Module) -> None:
         self._prefix = _prefix(model)
         self._tuners = _tuners(model)
+        self._wrappers = {path for path, m in model.named_modules() if _is_peft_class(m, "ModulesToSaveWrapper")}
 
     def source(self, name: str) -> WeightSource:
         for path, tuner in self._tuners:
@@ -85,6 +112,7 @@ class CheckpointNames:
             adapter_prefix = getattr(tuner, "prefix", None)
             if adapter_prefix and any(s.startswith(adapter_prefix) for s in segments):
                 return WeightSource((), name)
-            base_name = ".".join(s for s in segments if s != _BASE_LAYER)
+            wrapped = {i for i in range(len(segments)) if path + ".".join(segments[: i + 1]) in self._wrappers}
+            base_name = ".".join(_base_segments(segments, wrapped))
             return WeightSource(_candidates(base_name, _prefix(tuner.model)), base_name)
         return WeightSource(_candidates(name, self._prefix), name)
