@@ -3,28 +3,35 @@
 The model file is the wrapped module's full fp32 ``state_dict``, the optimizer file a full
 ``Optimizer.state_dict`` over the original parameters (gathered to rank 0 chunk by chunk); with
 ``shard=True`` either is a ``torch.distributed.checkpoint`` directory to which every rank writes its
-own pieces (:mod:`.sharded`). Both load at any world size, chunk size or placement, verified against
-their manifest (:mod:`.manifest`), and a refused load changes nothing.
+own pieces (:mod:`.sharded`, which imports DCP: it is imported only when a sharded checkpoint is
+saved or loaded). Both load at any world size, chunk size or placement, verified against their
+manifest (:mod:`.manifest`), and a refused load changes nothing.
 
-The verbs here say what each kind of state is (how it is gathered or listed in pieces, checked,
-staged and installed); :mod:`.pipeline` does the rest, the same for every kind and both formats.
+The verbs say what each kind of state is (how it is gathered or listed in pieces, checked, staged
+and installed); :func:`_save` and :func:`_load` do the rest, the same for every kind and both formats.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import StateDictMismatchError
+from ..errors import CheckpointError, CheckpointWriteError, StateDictMismatchError
 from ..execution.gather import Destination
 from ..optim import ChunkOptimizer
 from ..optim.state_dict import full_optimizer_state, stage_optimizer_state
-from .files import atomic_save
+from ..ranks.agreement import agree, on_first_rank
+from .files import atomic_save, read_checkpoint, write_checkpoint
+from .kept import check_pairing, drop_kept
+from .loadable import check_loadable
 from .manifest import (
+    Kind,
     Manifest,
+    Record,
+    TensorEntry,
     check_saved_for_model,
     check_saved_for_optimizer,
     manifest_path,
@@ -33,14 +40,17 @@ from .manifest import (
     optimizer_tensors,
     read_manifest,
 )
-from .pipeline import load, save
+from .workspace import interrupted_saves
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from ..boosted.model import ChunkedModel
     from ..boosted.model_state import StagedModelLoad
+    from ..boosted.progress import TrainingProgress
+    from ..chunks.manager import ChunkManager
     from ..optim.state_dict import StagedOptimizerState
+    from ..ranks.comm import Communicator
     from .dcp_layout import Entry
     from .sharded import Reading
 
@@ -59,16 +69,103 @@ __all__ = [
 ]
 
 
+# --- the save and load every kind runs, in either format ---------------------------------------
+S = TypeVar("S")
+R = TypeVar("R")
+_NOUN = {"model": "model", "optimizer": "optimizer", "lr_scheduler": "LR scheduler"}
+_STATE = {kind: f"{kind.removeprefix('lr_')}.state_dict()" for kind in _NOUN}
+
+
+def _save(
+    kind: Kind,
+    target: Path,
+    manager: ChunkManager,
+    progress: TrainingProgress,
+    tensors: list[TensorEntry],
+    full_state: Callable[[], Any],
+    pieces: Callable[[], Mapping[str, Entry]] | None = None,
+) -> None:
+    """Save a ``kind`` state of the model ``manager`` holds, at the step ``progress`` is at: the
+    file ``target`` of ``full_state()`` (gathered to rank 0, which writes it) or, with ``pieces``,
+    the sharded directory ``target`` of what each rank lists. A collective: every rank calls it."""
+    comm = manager.comm
+    record = Record(kind, progress.step, model_fingerprint(manager), comm.world_size, tensors)
+    if pieces is not None:
+        from .sharded import save_directory
+
+        save_directory(comm, target, record, pieces)
+    else:
+        state = full_state()
+
+        def write() -> None:
+            check_loadable(state, _STATE[kind], f"{_NOUN[kind]} checkpoint {target}")
+            write_checkpoint(state, target, record)
+
+        on_first_rank(comm, f"saving {_NOUN[kind]} checkpoint", write, CheckpointWriteError, str(target))
+    for whole in progress.saved(kind, target):
+        if comm.rank == 0:
+            drop_kept(whole)
+
+
+def _load(
+    kind: Kind,
+    target: Path,
+    verify: bool,
+    comm: Communicator | None,
+    progress: TrainingProgress | None,
+    saved_for: Callable[[Manifest], None],
+    stage: Callable[[Any], S],
+    install: Callable[[S], R],
+    plan: Callable[[Metadata], Reading[S]] | None = None,
+) -> R:
+    """Load the ``kind`` checkpoint ``target``: read and verify it (a checkpoint without a
+    manifest only with ``verify=False``), check that it was ``saved_for`` this owner and at the
+    step of what was loaded with it (``progress``), check and stage its state (``stage`` of a
+    file's contents; ``plan`` of a directory's DCP metadata, a directory being read only when a
+    ``plan`` is given), agree over ``comm`` (``None``: this process alone), then ``install`` what
+    was staged and continue from its step. Nothing changes unless every rank staged it."""
+
+    def check(manifest: Manifest | None) -> None:
+        if manifest is not None:
+            saved_for(manifest)
+            if progress is not None:
+                conflicts = progress.pairing_conflicts(kind, manifest.step)
+                check_pairing(_NOUN[kind], manifest.step, target, conflicts, progress.reloading(kind))
+
+    # a directory, or a path a directory save was interrupted at (its previous checkpoint waits in
+    # the save's workspace)
+    sharded = target.is_dir() or (not target.exists() and bool(interrupted_saves(target)))
+    if plan is not None and sharded:
+        from .sharded import load_directory
+
+        assert comm is not None, "a model and an optimizer have their ranks"
+
+        def checked_plan(manifest: Manifest | None, metadata: Metadata) -> Reading[S]:
+            check(manifest)
+            return plan(metadata)
+
+        staged, manifest = load_directory(comm, target, kind, checked_plan, verify)
+    else:
+
+        def read() -> tuple[S, Manifest | None]:
+            contents, manifest = read_checkpoint(target, kind, verify)
+            check(manifest)
+            return stage(contents), manifest
+
+        what = f"loading {_NOUN[kind]} checkpoint"
+        staged, manifest = read() if comm is None else agree(comm, what, read, CheckpointError, str(target))
+    result = install(staged)
+    if manifest is not None and progress is not None:
+        progress.loaded(kind, manifest.step, target)
+    return result
+
+
+# --- model ------------------------------------------------------------------------------------
 def _check_shard(shard: object) -> None:
     if not isinstance(shard, bool):
         raise TypeError(f"shard must be True (a directory, each rank writing its pieces) or False, got {shard!r}")
 
 
-# The sharded format's modules import torch.distributed.checkpoint: they are imported by the
-# functions that need them, so that DCP loads only when a sharded checkpoint is saved or loaded.
-
-
-# --- model ------------------------------------------------------------------------------------
 def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = False) -> None:
     """Full fp32 weights and buffers under the module's own names, gathered to rank 0 chunk by
     chunk and written there, with its manifest; with ``shard=True``, a directory to which every
@@ -83,7 +180,7 @@ def save_model(model: ChunkedModel, path: str | os.PathLike[str], shard: bool = 
     if shard:
         model.runtime.enter_state_access("saving a sharded model checkpoint")
         model.runtime.finish_backward()
-    save(
+    _save(
         "model",
         Path(path),
         model.manager,
@@ -111,7 +208,7 @@ def load_model(model: ChunkedModel, path: str | os.PathLike[str], strict: bool =
 
         return plan_model_load(model, strict, target, metadata)
 
-    return load(
+    return _load(
         "model",
         target,
         verify,
@@ -138,7 +235,7 @@ def save_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], shar
 
     if shard:
         optimizer.runtime.enter_state_access("saving a sharded optimizer checkpoint")
-    save(
+    _save(
         "optimizer",
         Path(path),
         optimizer.manager,
@@ -161,7 +258,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
 
         return plan_optimizer_load(optimizer, target, metadata)
 
-    load(
+    _load(
         "optimizer",
         target,
         verify,
@@ -177,7 +274,7 @@ def load_optimizer(optimizer: ChunkOptimizer, path: str | os.PathLike[str], veri
 # --- LR scheduler -----------------------------------------------------------------------------
 def save_lr_scheduler(scheduler: Any, path: str | os.PathLike[str], optimizer: ChunkOptimizer) -> None:
     """Write a scheduler's state dict with its manifest (every rank calls it; rank 0 writes)."""
-    save("lr_scheduler", Path(path), optimizer.manager, optimizer.progress, [], scheduler.state_dict)
+    _save("lr_scheduler", Path(path), optimizer.manager, optimizer.progress, [], scheduler.state_dict)
 
 
 def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]:
@@ -222,7 +319,7 @@ def load_lr_scheduler(
     candidates = (optimizer, getattr(scheduler, "optimizer", None))
     boosted = next((c for c in candidates if isinstance(c, ChunkOptimizer)), None)
     target = Path(path)
-    load(
+    _load(
         "lr_scheduler",
         target,
         verify,

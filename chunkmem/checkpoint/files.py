@@ -150,11 +150,9 @@ def _load(target: Path) -> Any:
 
 
 def read_checkpoint(path: str | os.PathLike[str], kind: Kind, verify: bool = True) -> tuple[Any, Manifest | None]:
-    """Verify ``path`` against its manifest, then load it (memory-mapped where the format allows: a
-    rank reads only the slices it uses). A file without a manifest is refused unless ``verify`` is
-    false (a file from plain PyTorch or elsewhere), and then logged as unverified. A save that
-    replaces the file meanwhile is not damage: the file checked is the one loaded (the same inode,
-    held open throughout), or the read starts again."""
+    """Verify ``path`` against its manifest (:func:`manifest_for_load`), then load it memory-mapped
+    (a rank reads only the slices it uses). A save that replaces it meanwhile is not damage: the
+    file checked is the one loaded (the same inode, held open), or the read starts again."""
     target = Path(path)
 
     def attempt(pinned: Pinned) -> tuple[Any, Manifest | None]:

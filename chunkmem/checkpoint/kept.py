@@ -1,14 +1,10 @@
-"""The checkpoint a save replaced, kept until the set it belongs to is whole again.
-
-A resumable checkpoint is a *set*: a model, an optimizer and a scheduler file of the same step. Saved
-to fixed paths, one after the other, a kill between two of the saves would leave a set of two steps
-that cannot resume, the older files of the newer step gone. So a save that replaces a checkpoint of
-another step keeps the one it replaces in ``.<name>.chunkmem-kept/<name>`` beside the target (a
-directory chunkmem owns: a marker names the target), with its manifest, so it still loads verified
-(``booster.load_model(model, ".model.pt.chunkmem-kept/model.pt")``). A file is kept by a hard link
-(no copy), a directory by a rename. The kept copies go once the set is whole again (see
-:meth:`~chunkmem.boosted.progress.TrainingProgress.saved`); a load that finds files of two steps names the
-kept ones that make a set (:func:`check_pairing`).
+"""The checkpoint a save replaced, kept until the set it belongs to is whole again (README.md: a
+model, an optimizer and a scheduler file of one step; a kill between their saves must not leave
+only files of two steps). A save that replaces a checkpoint of another step keeps it, with its
+manifest, in ``.<name>.chunkmem-kept/<name>`` beside the target (a directory chunkmem owns: a marker
+names the target), a file by a hard link (no copy), a directory by a rename. The kept copies go once
+the set is whole again (:meth:`~chunkmem.boosted.progress.TrainingProgress.saved`); a load that finds
+files of two steps names the kept ones that make a set (:func:`check_pairing`).
 """
 
 from __future__ import annotations

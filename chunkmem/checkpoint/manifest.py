@@ -128,9 +128,8 @@ class Manifest(BaseModel):
     """For a model, every state-dict entry; for an optimizer, its parameters in param group order
     (what a file's integer parameter ids stand for)."""
     previous: Manifest | None = None
-    """A file's: the manifest of the file this one replaced, while the save that replaces it runs:
-    a save renames its manifest into place first, then its file, so a reader in between (or after a
-    kill in between) finds the previous file, described here."""
+    """A file's: the manifest of the file this one replaces, for a reader between the save's renames
+    of its manifest and its file (:mod:`.files`)."""
 
     @field_validator("file", "files")
     @classmethod

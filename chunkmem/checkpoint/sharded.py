@@ -1,34 +1,20 @@
 """The sharded format: a directory written by ``torch.distributed.checkpoint`` (DCP: one data file
 per saving rank and DCP's ``.metadata``) and its manifest, ``chunkmem.json``, which records the size
-and SHA-256 of every other file in it. It replaces the previous directory atomically and is
-verified (the ranks share the work) before DCP reads anything.
+and SHA-256 of every other file in it.
 
-Saving (a collective; no rank gathers anything, each writes its own pieces):
+A save (a collective; each rank writes its own pieces, nobody gathers) runs four agreed steps
+(:func:`save_directory`): rank 0 creates the workspace (:mod:`.workspace`) the ranks write into;
+every rank checks that it sees it (a filesystem all ranks share) and lists its pieces; DCP writes
+them and each rank hashes its files; rank 0 checks that it sees every file as written, writes the
+manifest last and swaps the directory into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux;
+elsewhere the previous directory is moved into the workspace, then the new one into place, and a
+save killed between the two renames is repaired by the next one). A failure at any step raises the
+same error on every rank, the workspace goes and the previous checkpoint is unchanged. Only an empty
+directory or a chunkmem checkpoint of the same kind holding nothing but its own files is replaced.
 
-1. rank 0 cleans up after killed saves, checks that the target may be replaced and creates the
-   workspace (:mod:`.workspace`) whose ``checkpoint/`` the ranks write into (agreed);
-2. every rank checks that it sees that directory (a filesystem all ranks share) and lists its
-   pieces (agreed);
-3. DCP writes each rank's pieces into it, then each rank hashes the files it wrote (agreed; DCP
-   itself reports a failure on any rank to every rank);
-4. rank 0 checks that it sees every file at the size its writer hashed, writes the manifest last
-   and swaps the directory into place in one ``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere the
-   previous directory is first moved into the workspace, then the new one into place, and a save
-   killed between the two renames is repaired by the next one) (agreed).
-
-A failure at any step raises the same error on every rank, the workspace is removed and the
-previous checkpoint at the target is unchanged. Only an empty directory or a chunkmem checkpoint of
-the same kind holding nothing but its own files is ever replaced: anything else is refused, never
-deleted.
-
-Loading (a collective):
-
-1. every rank reads the manifest, checks what it was saved for (kind, model, step), verifies its
-   share of the files (checksums), reads DCP's metadata, checks every key and shape against the
-   model or optimizer, and allocates staging tensors for its pieces (agreed);
-2. DCP reads the overlap of the saved chunks with this rank's pieces into the staging tensors, and
-   the small values read (hyperparameters, the loss scale) are checked (agreed);
-3. only then does the caller install the staged values. A refused load changes nothing.
+A load (a collective, :func:`load_directory`) verifies the files (the ranks share the checksums)
+and checks every key and shape before DCP reads this rank's pieces into staging tensors; the caller
+installs them only once every rank read and checked them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Where a save writes before its result replaces the target, and what both formats share: durable
-writes, the error a failed write raises (:func:`write_error`), and reading again while saves
-replace what a load reads (:func:`read_while_replaced`).
+writes, the errors of a failed write or read, and reading again while saves replace what a load reads.
 
 A save to ``<dir>/<name>`` writes into ``<dir>/.<name>.chunkmem-tmp-<token>/``, a directory chunkmem
-owns (:mod:`chunkmem.tiers.owned_dir`): its marker names the target and the token, and the saving
-process holds its lock while the workspace lives, so a workspace is *dead* exactly when its save
-was killed. Only dead workspaces are ever removed. A workspace also holds the previous checkpoint
-(``previous``) while a save swaps a directory in without an atomic exchange: a save killed between
-its two renames leaves it there, and the next save to the same target puts it back.
+owns (:mod:`chunkmem.tiers.owned_dir`: only a dead one, whose save was killed, is ever removed). It
+also holds the previous checkpoint (:data:`PREVIOUS`) while a save swaps a directory in without an
+atomic exchange; a save killed between its two renames leaves it there, and the next save to the
+same target puts it back.
 """
 
 from __future__ import annotations
@@ -56,21 +54,16 @@ def _marker_text(target_name: str, token: str) -> bytes:
     return json.dumps({"chunkmem": "save workspace", "target": target_name, "token": token}).encode()
 
 
-class Workspace:
+class Workspace(OwnedDir):
     """A locked directory beside ``target`` that a save writes into; :meth:`remove` when done."""
 
     def __init__(self, target: Path) -> None:
         token = secrets.token_hex(8)
         self.target = target
-        self.path = target.parent / f".{target.name}{_INFIX}{token}"
-        self._owned = OwnedDir(self.path, _MARKER, _marker_text(target.name, token))
+        super().__init__(target.parent / f".{target.name}{_INFIX}{token}", _MARKER, _marker_text(target.name, token))
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
-
-    def remove(self) -> None:
-        """Delete the workspace and what is left in it, then let go of its lock."""
-        self._owned.remove()
 
 
 def _workspaces(target: Path) -> list[Path]:
