@@ -264,7 +264,8 @@ class ActivationOffload:
 
     def _fetch_now(self, call: BlockCall) -> None:
         if call.hold is not None:
-            call.hold.take(call.fetch_bytes, f"block {call.block} (its saved tensors fetched for its backward)")
+            what = call.block if call.stretch >= 0 else f"block {call.block}"  # a stretch outside the blocks, or not
+            call.hold.take(call.fetch_bytes, f"{what} (its saved tensors fetched for its backward)")
         for copy in call.made:
             if copy.host is not None:
                 self._transfers.before_host_read(copy.host)  # the copy into it is done
