@@ -126,7 +126,9 @@ def test_two_ranks_with_the_option_equal_keeping_everything_bit_for_bit(precisio
     run_ranks(_two_ranks, 2, args=(precision,))
 
 
-@pytest.mark.parametrize(("how", "attention"), [("recompute", "sdpa"), ("offload", "eager")])
+@pytest.mark.parametrize(
+    ("how", "attention"), slow_cases([("recompute", "sdpa"), ("offload", "eager")], ("offload", "eager"))
+)
 def test_the_plan_predicts_the_outside_copies_a_run_makes(how: str, attention: str) -> None:
     activations = _placement(how)
     predicted = _lm_plan("gpt2", activations, attention)
