@@ -163,15 +163,16 @@ def ledger(row: dict[str, Any], trainer: Trainer, shape: ModelShape, settings: R
     )
 
 
-def auto_budget(settings: RunSettings, probe: BlockProbe, seq: int) -> int:
+def auto_budget(settings: RunSettings, probe: BlockProbe, seq: int, outside_in_ledger: bool = False) -> int:
     """chunkmem-auto's ``device_budget`` at ``seq``: on the CPU the ledger's budget less what the
     benchmark's ledger adds to chunkmem's (the bytes saved outside the blocks, as the probe measures
-    them on the plain model); on a GPU the cap less ``AUTO_GPU_HEADROOM`` of it."""
+    them on the plain model; nothing where chunkmem's ledger holds them: ``outside_in_ledger``); on
+    a GPU the cap less ``AUTO_GPU_HEADROOM`` of it."""
     if settings.cuda:
         assert settings.cap_bytes is not None
         return int(settings.cap_bytes * (1 - AUTO_GPU_HEADROOM))
     assert settings.budget is not None
-    return settings.budget - probe.outside(seq, settings.batch)
+    return settings.budget - (0 if outside_in_ledger else probe.outside(seq, settings.batch))
 
 
 def train_length(
@@ -191,7 +192,7 @@ def train_length(
     once more from the initial weights with that much less budget."""
     from chunkmem import BudgetExceededError, BudgetTooSmallError
 
-    budget = auto_budget(settings, probe, seq) if trainer.rebuild is not None else None
+    budget = auto_budget(settings, probe, seq, trainer.outside_in_ledger) if trainer.rebuild is not None else None
     for attempt in range(2):
         out = dict(row)
         if budget is not None:

@@ -25,6 +25,9 @@ step, trained the way that system trains it:
   once and a step that saves more than the first is refused, so the benchmark builds it again for
   every length (``Trainer.rebuild``) under a budget for that length, from the same initial weights:
   its losses at a length are the initial model's trained on that length's batches.
+* ``chunkmem-auto-outside``: ``chunkmem-auto`` with ``offload_outside=True``: what autograd saves
+  outside the blocks (embeddings, head, the loss's log-softmax of the logits) is offloaded too, each
+  stretch between block calls an offloaded call of the plan, in chunkmem's ledger under its budget.
 
 Every system gets the same initial weights (the shape's seed) and the same batches.
 """
@@ -166,6 +169,9 @@ class Trainer:
     before each length (``None``: one model trains every length)."""
     plan_fn: Callable[[], Any] | None = None
     """chunkmem's ``activation_plan`` (``auto``)."""
+    outside_in_ledger: bool = False
+    """What is saved outside the blocks is in chunkmem's ledger (``offload_outside`` with ``auto``):
+    its ``device_budget`` is the whole budget."""
 
     def step(self, ids: torch.Tensor) -> float:
         return float(self.step_fn(ids).detach().float().item())
@@ -307,11 +313,18 @@ def _auto(block: str) -> Any:
     return ActivationPlacement(auto=[block])
 
 
+def _auto_outside(block: str) -> Any:
+    from placement import ActivationPlacement
+
+    return ActivationPlacement(auto=[block], offload_outside=True)
+
+
 CHUNKMEM_CHOICES: dict[str, tuple[Activations, Callable[[str], Any]]] = {
     "keep": ("keep", _keep),
     "recompute": ("recompute", _recompute),
     "offload": ("offload", _offload),
     "auto": ("auto", _auto),
+    "auto-outside": ("auto", _auto_outside),
 }
 """A chunkmem choice: how its ledger counts the blocks' activations, and its ``ActivationPlacement``
 for a block class (``None``: keep)."""
@@ -402,6 +415,7 @@ class Chunkmem(System):
             close_fn=current.clear,
             rebuild=rebuild,
             plan_fn=lambda: model().activation_plan,
+            outside_in_ledger=activations.offload_outside,
         )
 
 
@@ -412,6 +426,7 @@ SYSTEMS: dict[str, System] = {
         Chunkmem("chunkmem-offload", "offload"),
         Chunkmem("chunkmem-recompute", "recompute"),
         Chunkmem("chunkmem-auto", "auto"),
+        Chunkmem("chunkmem-auto-outside", "auto-outside"),
         Plain("plain"),
         Plain("plain-ckpt", checkpointing=True),
         FSDP2("fsdp2-ckpt"),

@@ -2,7 +2,8 @@
 holding activations: plain PyTorch, plain PyTorch with Hugging Face gradient checkpointing, FSDP2
 with checkpointing, chunkmem keeping, recomputing or offloading every block's saved activations,
 and chunkmem placing them under its own device budget (``chunkmem-auto``: kept, offloaded or
-recomputed per call; ``benchmarks/activation_systems.py`` has the recipes).
+recomputed per call; ``chunkmem-auto-outside`` also offloads what is saved outside the blocks, in
+its ledger; ``benchmarks/activation_systems.py`` has the recipes).
 
 For each model and system the sequence grows along ``--seqs`` (batch ``--batch``) until a length
 does not fit; each length trains ``--warmup`` untimed steps and ``--steps`` timed ones (median
@@ -87,7 +88,9 @@ from benchmarks.activation_systems import SYSTEMS, Recipe, parse_shape
 from benchmarks.common import RESULTS, fmt_bytes, format_table, machine, parse_bytes, write_json
 from benchmarks.workers import run_in_fresh_process
 
-CPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-recompute,chunkmem-auto,plain,plain-ckpt,fsdp2-ckpt"
+CPU_SYSTEMS = (
+    "chunkmem-keep,chunkmem-offload,chunkmem-recompute,chunkmem-auto,chunkmem-auto-outside,plain,plain-ckpt,fsdp2-ckpt"
+)
 # On a GPU, in the order a time limit should cut last: chunkmem's keep and offload and the plain
 # references first (the comparison), FSDP2 last.
 GPU_SYSTEMS = "chunkmem-keep,chunkmem-offload,chunkmem-auto,plain,plain-ckpt,chunkmem-recompute,fsdp2-offload-ckpt"

@@ -34,6 +34,11 @@ recomputed instead (a recomputed call holds nothing). The choice then keeps, amo
 fit, those whose other way costs the most time per byte, and offloads again what was recomputed
 for room where the room is left; it is made for each depth up to ``max_prefetch`` and the one with
 the least estimated time is taken (on a tie the shallower).
+
+The stretches of the forward outside the blocks (``ActivationPlacement.offload_outside``:
+``BlockMeasure.outside``) are calls of the plan that are always offloaded: never kept nor
+recomputed, their small storages always held, so the least budget adds them
+(``activation_minimum``); a depth whose fetches ahead do not fit beside them is not taken.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class BlockMeasure:
     small_bytes: int = 0
     """Of ``saved_bytes``, what an offload of the call leaves on the device (storages under
     ``min_offload_bytes``: ``counting.SavedCount``), held from its forward to its backward."""
+    outside: bool = False
+    """A stretch of the forward outside the blocks (``ActivationPlacement.offload_outside``): always
+    offloaded (it is no call that could be recomputed), never kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +151,12 @@ def _offload_seconds(index: int, measures: Sequence[BlockMeasure], rates: CopyRa
     return measure.offload_seconds + max(0.0, out - measure.forward_seconds) + max(0.0, back - behind)
 
 
-def activation_minimum(saved_bytes: Sequence[int], model_bytes: int) -> int:
+def activation_minimum(saved_bytes: Sequence[int], model_bytes: int, outside_small: int = 0) -> int:
     """The least budget an ``auto`` plan can run in: model data's need and the largest call's
-    saved bytes (a call kept nowhere else still lives on the device while it runs)."""
-    return model_bytes + max(saved_bytes, default=0)
+    saved bytes (a call kept nowhere else still lives on the device while it runs), and the small
+    storages the stretches outside the blocks leave on the device (``outside_small``: they are
+    offloaded whatever the plan)."""
+    return model_bytes + max(saved_bytes, default=0) + outside_small
 
 
 def _in_flight(measures: Sequence[BlockMeasure], offloaded: Sequence[bool], prefetch: int) -> int:
@@ -158,16 +168,17 @@ def _in_flight(measures: Sequence[BlockMeasure], offloaded: Sequence[bool], pref
 
 def _choose_at(
     measures: Sequence[BlockMeasure], rates: CopyRates, room: int, largest: int, prefetch: int
-) -> ActivationPlan:
+) -> ActivationPlan | None:
     """The plan that fetches ``prefetch`` offloaded calls ahead, keeping what fits ``room`` (the
     budget less model data) beside one block's working set, the fetches ahead and the small storages
-    the offloaded calls leave on the device (every call recomputed fits: ``room >= largest``)."""
+    the offloaded calls leave on the device (``None`` where even every call but the stretches
+    outside the blocks recomputed does not fit: at depth 0 that is below ``activation_minimum``)."""
     n = len(measures)
     saved = [m.saved_bytes for m in measures]
     offload = [_offload_seconds(i, measures, rates, prefetch) for i in range(n)]
     # Each call not kept goes the cheaper other way.
     choice = [
-        ActivationChoice.OFFLOAD if offload[i] < m.forward_seconds else ActivationChoice.RECOMPUTE
+        ActivationChoice.OFFLOAD if m.outside or offload[i] < m.forward_seconds else ActivationChoice.RECOMPUTE
         for i, m in enumerate(measures)
     ]
 
@@ -190,7 +201,7 @@ def _choose_at(
     # An offloaded call keeps its small storages on the device until its backward: where they (and
     # the fetches ahead) do not fit beside nothing kept, recompute the offloaded calls whose offload
     # saves the least time per byte it leaves there (ties: the earlier call; so every rank agrees).
-    offloaded = [i for i in range(n) if choice[i] is ActivationChoice.OFFLOAD]
+    offloaded = [i for i in range(n) if choice[i] is ActivationChoice.OFFLOAD and not measures[i].outside]
     demoted = []
     for i in sorted(
         offloaded, key=lambda i: ((measures[i].forward_seconds - offload[i]) / max(1, measures[i].small_bytes), i)
@@ -199,11 +210,12 @@ def _choose_at(
             break
         choice[i] = ActivationChoice.RECOMPUTE
         demoted.append(i)
-    assert fits(), "every call recomputed fits"
+    if not fits():
+        return None
     # Keep the calls whose other way costs the most per byte, while they fit (ties: the earlier
     # call, whose bytes wait longest for their backward either way). A kept call is not fetched nor
     # leaves small storages: the room they took may shrink as calls are kept.
-    for i in sorted(range(n), key=lambda i: (-cost(i) / max(1, saved[i]), i)):
+    for i in sorted((i for i in range(n) if not measures[i].outside), key=lambda i: (-cost(i) / max(1, saved[i]), i)):
         other, choice[i] = choice[i], ActivationChoice.KEEP
         if not fits():
             choice[i] = other
@@ -239,13 +251,20 @@ def choose_activations(
     asynchronous device); the plan with the least estimated time is chosen, on a tie the shallower
     (on a synchronous device fetching ahead hides nothing)."""
     reserve = max((m.saved_bytes for m in measures), default=0)
-    minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes)
+    outside_small = sum(m.small_bytes for m in measures if m.outside)
+    minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes, outside_small)
     if minimum > budget:
         largest = max(measures, key=lambda m: m.saved_bytes)
         raise BudgetTooSmallError(
             f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data and the saved activations of one "
             f"block: model data needs at least {format_bytes(model_bytes)} and block {largest.name} saves "
-            f"{format_bytes(largest.saved_bytes)} (the most any rank's call saved). A device_budget of at least "
+            f"{format_bytes(largest.saved_bytes)} (the most any rank's call saved)"
+            + (
+                f", and the stretches outside the blocks leave {format_bytes(outside_small)} on the device"
+                if outside_small
+                else ""
+            )
+            + ". A device_budget of at least "
             f"{minimum} ({format_bytes(minimum)}) would train with every block recomputed or offloaded; raise "
             "device_budget, shorten the sequence or the micro-batch, or offload more model data to the host.",
             budget,
@@ -254,7 +273,7 @@ def choose_activations(
     best: ActivationPlan | None = None
     for depth in range(max_prefetch + 1):
         plan = _choose_at(measures, rates, budget - model_bytes, reserve, depth)
-        if best is None or plan.seconds < best.seconds:
+        if plan is not None and (best is None or plan.seconds < best.seconds):
             best = plan
     assert best is not None, "depth 0 is always planned"
     return best

@@ -74,6 +74,9 @@ class BlockPlacement(enum.Enum):
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
     AUTO = "auto"
+    OUTSIDE = "outside"
+    """Not a block: a stretch of the model's forward outside every named block call, offloaded by
+    ``ActivationPlacement.offload_outside`` (the planner's ``BlockForecast.how`` for it)."""
 
 
 class ActivationPlacement(BaseModel):
@@ -112,6 +115,21 @@ class ActivationPlacement(BaseModel):
     in ``Stats.peak_device_bytes``); offloaded calls are fetched up to ``max_prefetch`` calls ahead of
     their backward (the plan's ``prefetch``: the depth with the least estimated time whose room fits,
     reserved in the budget) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
+    offload_outside: Annotated[bool, Field(strict=True)] = False
+    """Offload what autograd saves outside the named blocks during the boosted model's training
+    forward (the embeddings, the head, a loss computed inside the model's forward: its logits' log
+    softmax), as ``offload`` does inside a block, by the same rule (parameters and other chunk
+    memory of the model, tensor subclasses and storages under ``min_offload_bytes`` stay as they
+    are), under the same ``host_budget`` and disk tier. Each stretch between block calls is a call
+    of its own, in forward order (a stretch ends when a named block's call starts and the next
+    begins when it returns; the first begins at the model's forward start, the last ends at its
+    return), so the backward fetches the head's first and the embeddings' last, ``max_prefetch``
+    calls ahead. With ``auto`` blocks the stretches are offloaded calls of their plan (never kept
+    nor recomputed: they cannot be) and their bytes are in the ledger under ``device_budget`` as an
+    offloaded auto call's; without, they are outside the ledger as the ``offload`` blocks' are.
+    Refused at the forward (``NotSupportedError``) where the whole model's forward runs inside an
+    activation checkpoint of the user's (what it saves is recomputed already). Counted in
+    ``Stats.activation_d2h_bytes`` / ``activation_h2d_bytes`` with the blocks' copies."""
     max_prefetch: Annotated[int, Field(ge=0, strict=True)] = 1
     """How many offloaded block calls, next in backward order, are copied back to the device
     ahead of their backward, when a block's backward starts (0: each is copied back when its
@@ -173,11 +191,12 @@ class ActivationPlacement(BaseModel):
     def _host_budget_for_offload(self) -> ActivationPlacement:
         if self.host_budget is None:
             return self
-        if not self.offload and not self.auto:
+        if not self.offload and not self.auto and not self.offload_outside:
             raise ValueError(
                 "host_budget caps the host memory of the offload blocks' copies (and of the auto blocks' offloaded "
-                "calls), but neither offload nor auto names a block class: name the blocks to offload (offload=[...]) "
-                "or to place under the budget (auto=[...]), or drop host_budget"
+                "calls and the stretches offload_outside offloads), but neither offload nor auto names a block class "
+                "and offload_outside is off: name the blocks to offload (offload=[...]) or to place under the budget "
+                "(auto=[...]), set offload_outside=True, or drop host_budget"
             )
         if self.host_budget < MIN_HOST_BUDGET:
             raise ValueError(

@@ -36,7 +36,7 @@ import placement as placement_pkg
 from placement import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, PlacementPolicy, choose_activations
 from placement.policy import format_bytes
 
-from ..errors import BudgetExceededError, BudgetTooSmallError, TraceDivergenceError
+from ..errors import BudgetExceededError, BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from ..ranks.comm import Communicator
 from ..usage.stats import Stats
 from .counting import Saved
@@ -133,18 +133,56 @@ class AutoBlocks:
         if choice is ActivationChoice.KEEP:
             return self._kept(index, name, module, forward, *args, **kwargs)
         if choice is ActivationChoice.OFFLOAD:
-            call, hold = self._call(name, module)
-            agreed = call.agreed = self._agreed[index]
-            call.count.limit(agreed.small, agreed.copied)
-            hold.take(agreed.saved, f"block {name} (its saved tensors, on their way to the host)")
-            call.drained = agreed.saved - agreed.small
-            call.fetch_bytes = agreed.copied
-            self._note(index, choice, call)
+            call = self._planned_offload(index, name, module, f"block {name}")
             out = self._offloaded(call, forward, *args, **kwargs)
             self._account.kept_total += call.count.small_bytes
             return out
         saved = self._plan.saved_bytes[index] if index < len(self._plan.saved_bytes) else 0
         return self._recompute(name, module, forward, saved, *args, **kwargs)
+
+    def begin_stretch(self, name: str, model: torch.nn.Module) -> BlockCall:
+        """A stretch of the training forward outside the blocks begins (``offload_outside``): a call
+        the plan offloads (measured as every call in the first step), its tensors packed by the
+        offload until ``end_stretch``."""
+        index = self._index
+        self._index += 1
+        if self._plan is None:
+            call, _ = self._call(name, model)
+        elif index < len(self._plan.choices):
+            call = self._planned_offload(index, name, model, name)
+        else:
+            raise NotSupportedError(
+                f"{name}: this training forward made more calls of the placed blocks than the first step measured "
+                f"({len(self._plan.choices)} calls and stretches between them): a stretch outside the blocks past them "
+                "has no figures in the plan. Keep the number of block calls of a forward fixed, or set "
+                "ActivationPlacement(offload_outside=False)."
+            )
+        call.stretch = index
+        self._offload.begin(call)
+        return call
+
+    def end_stretch(self, call: BlockCall) -> None:
+        """The stretch ``call`` ended (a block call starts, or the model's forward returned)."""
+        try:
+            self._offload.settle(call)
+        finally:
+            self._offload.finish(call)
+        if self._plan is None:
+            self._measured(call.stretch, call, 0.0, outside=True)
+        else:
+            self._account.kept_total += call.count.small_bytes
+
+    def _planned_offload(self, index: int, name: str, module: torch.nn.Module, what: str) -> BlockCall:
+        """The ``index``-th call, offloaded as planned (``what``: it, in messages): it holds its
+        agreed saved bytes until its copies out are done."""
+        call, hold = self._call(name, module)
+        agreed = call.agreed = self._agreed[index]
+        call.count.limit(agreed.small, agreed.copied)
+        hold.take(agreed.saved, f"{what} (its saved tensors, on their way to the host)")
+        call.drained = agreed.saved - agreed.small
+        call.fetch_bytes = agreed.copied
+        self._note(index, ActivationChoice.OFFLOAD, call)
+        return call
 
     def _call(self, name: str, module: torch.nn.Module) -> tuple[BlockCall, CallHold]:
         """A new call, with its hold in the ledger."""
@@ -237,7 +275,7 @@ class AutoBlocks:
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        call, hold = self._call(name, module)
+        call, _ = self._call(name, module)
         layer = self._layer
         layer.synchronize(layer.record_event())
         began = time.perf_counter()
@@ -245,9 +283,16 @@ class AutoBlocks:
         layer.synchronize(layer.record_event())
         # The offload's own host time (its copies too, where they are synchronous) is not compute.
         seconds = max(0.0, time.perf_counter() - began - call.host_seconds[0])
-        count = call.count
+        self._measured(index, call, seconds)
+        return out
+
+    def _measured(self, index: int, call: BlockCall, seconds: float, outside: bool = False) -> None:
+        """A measured call's forward ended: its figures are agreed over ranks, and it holds its small
+        storages from now on, and its copied bytes from its fetch."""
+        count, name = call.count, call.block
         agreed = self._agree(CallBytes(count.saved_bytes, count.small_bytes, count.copied_bytes))
-        hold.take(agreed.small, f"block {name} (small saved tensors it keeps)")
+        assert call.hold is not None, "an auto call has a hold"
+        call.hold.take(agreed.small, f"{'' if outside else 'block '}{name} (small saved tensors it keeps)")
         call.fetch_bytes = agreed.copied
         # Its fetch in the backward needs room that model data (gradient buffers, prefetched chunks)
         # would fill: the policy keeps the largest measured call's copies free until the plan.
@@ -255,13 +300,12 @@ class AutoBlocks:
         self._account.kept_total += count.small_bytes
         if index < len(self._measures):
             old = self._measures[index]
-            self._measures[index] = BlockMeasure(name, 0, max(old.forward_seconds, seconds))
+            self._measures[index] = BlockMeasure(name, 0, max(old.forward_seconds, seconds), outside=outside)
             self._agreed[index] = self._agreed[index].most(agreed)
         else:
-            self._measures.append(BlockMeasure(name, 0, seconds))
+            self._measures.append(BlockMeasure(name, 0, seconds, outside=outside))
             self._agreed.append(agreed)
             self._offload_times.append(call.host_seconds)  # the fetch adds to it in the backward
-        return out
 
     def _agree(self, own: CallBytes) -> CallBytes:
         """A measured call's bytes, the maximum over ranks (every rank measures the same calls)."""
@@ -290,7 +334,7 @@ class AutoBlocks:
         # A re-plan's calls save more than when their times were measured: their times grow alike.
         growth = [b.saved / first if first else 1.0 for b, first in zip(self._agreed, self._first_saved, strict=True)]
         measures = [
-            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g, small_bytes=b.small)
+            BlockMeasure(m.name, b.saved, float(t) * g, float(h) * g, small_bytes=b.small, outside=m.outside)
             for m, b, t, h, g in zip(self._measures, self._agreed, agreed[:n], agreed[n : 2 * n], growth, strict=True)
         ]
         to_host, to_device = agreed[2 * n :]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +44,7 @@ from .auto import AutoBlocks
 from .disk import ActivationDisk
 from .ledger import DeviceActivations
 from .offload import ActivationOffload
+from .outside import OutsideStretches
 
 __all__ = ["ActivationBlocks", "DeviceBudget"]
 
@@ -116,6 +117,7 @@ class ActivationBlocks:
         self._offloads = [self._offload]  # the auto blocks' too (one host budget)
         self._auto: AutoBlocks | None = None
         self._account: DeviceActivations | None = None
+        outside_offload = self._offload
         if config.auto:
             assert budget is not None and budget.policy.budget is not None, "a device budget (checked when boosting)"
             ledger, room, policy = budget
@@ -124,6 +126,7 @@ class ActivationBlocks:
                 self._transfers, layer.device, 0, config.min_offload_bytes, self._account, disk=self._disk
             )
             self._offloads.append(offload)
+            outside_offload = offload  # the stretches outside the blocks are calls of the auto plan
             self._auto = AutoBlocks(
                 offload,
                 self._account,
@@ -134,6 +137,7 @@ class ActivationBlocks:
                 self._recompute,
                 config.max_prefetch,
             )
+        self._outside = OutsideStretches(model, outside_offload, self._auto) if config.offload_outside else None
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
             how = config.placement_of(module)
@@ -182,6 +186,33 @@ class ActivationBlocks:
             offload.recycle()
         if self._auto is not None:
             self._auto.begin_forward()
+
+    @contextmanager
+    def outside_blocks(self) -> Iterator[None]:
+        """Around the model's own forward: with ``offload_outside``, a training forward's stretches
+        outside the blocks are offloaded (refused inside an activation checkpoint of the user's around
+        the whole model: what it saves is recomputed already)."""
+        if self._outside is None or not torch.is_grad_enabled():
+            yield
+            return
+        if _in_checkpoint():
+            raise NotSupportedError(
+                "ActivationPlacement(offload_outside=True) offloads what autograd saves outside the named blocks, "
+                "but the model's forward runs inside an activation checkpoint (torch.utils.checkpoint around the "
+                "whole model): what it saves there is recomputed already. Drop the checkpoint around the model (name "
+                "its blocks in ActivationPlacement(recompute=[...]) instead), or set offload_outside=False."
+            )
+        self._outside.enter()
+        try:
+            yield
+        except BaseException:
+            self._outside.leave(finished=False)
+            raise
+        self._outside.leave(finished=True)
+
+    def _block_call(self) -> AbstractContextManager[None]:
+        """Around a placed block's call: it ends the stretch outside the blocks before it."""
+        return self._outside.block() if self._outside is not None else nullcontext()
 
     def end_forward(self) -> None:
         """The model's forward returned (the auto blocks agree its calls over ranks, and may re-plan)."""
@@ -234,7 +265,8 @@ class ActivationBlocks:
     ) -> Any:
         if not self._placed(name, module, "recomputed"):
             return forward(*args, **kwargs)
-        return self._recompute(name, module, forward, 0, *args, **kwargs)
+        with self._block_call():
+            return self._recompute(name, module, forward, 0, *args, **kwargs)
 
     def _automatic(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
@@ -242,7 +274,8 @@ class ActivationBlocks:
         if not self._placed(name, module, "placed under the budget"):
             return forward(*args, **kwargs)
         assert self._auto is not None, "an auto block without auto placement"
-        return self._auto.run(name, module, forward, *args, **kwargs)
+        with self._block_call():
+            return self._auto.run(name, module, forward, *args, **kwargs)
 
     def _recompute(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], saved: int, *args: Any, **kwargs: Any
@@ -266,8 +299,9 @@ class ActivationBlocks:
     ) -> Any:
         if not self._placed(name, module, "offloaded"):
             return forward(*args, **kwargs)
-        call = self._offload.call(name, module)
-        with self._offload.hooks(call):
-            out = forward(*args, **kwargs)
-        self._offload.finish(call)
+        with self._block_call():
+            call = self._offload.call(name, module)
+            with self._offload.hooks(call):
+                out = forward(*args, **kwargs)
+            self._offload.finish(call)
         return out

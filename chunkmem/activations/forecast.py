@@ -7,7 +7,9 @@ offload copies to the host in its forward and back in its backward (``copied``: 
 bytes, in the order saved); ``disk_bytes`` the part of those an ``ActivationPlacement.host_budget``
 sends on to the disk tier (``placement.disk_bytes_per_call``, the runtime's rule, over the copies
 of one training forward in the order saved: the ``offload`` blocks' calls and, as in the first
-training forward, every ``auto`` call).
+training forward, every ``auto`` call). With ``ActivationPlacement.offload_outside`` the stretches of
+the forward outside the blocks are calls too (``BlockPlacement.OUTSIDE``, between the blocks' calls
+in forward order, counted with the whole model as the module, as ``OutsideStretches`` offloads them).
 
 Only the forward runs: saved tensors are packed there, and a recomputed call is recomputed once in
 the backward (``recompute_calls``). The forward runs the model's own code on meta tensors, so an op
@@ -73,18 +75,34 @@ def forecast(
     recording), in forward order."""
     calls: list[_Call] = []
     open_calls: list[tuple[_Call, Any]] = []
+    stretch: list[_Call | None] = [None]  # the stretch outside the blocks now (offload_outside)
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        call = open_calls[-1][0]
-        if call.count.add(tensor) is Saved.COPY:
+    def counted(call: _Call | None, tensor: torch.Tensor) -> torch.Tensor:
+        if call is not None and call.count.add(tensor) is Saved.COPY:
             call.copied.append(tensor.untyped_storage().nbytes())
         return tensor
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        return counted(open_calls[-1][0], tensor)
+
+    def begin_stretch() -> None:
+        """A stretch outside the blocks begins (the runtime's ``OutsideStretches``, by its rule)."""
+        if not config.offload_outside:
+            return
+        count = SavedCount(model, config.min_offload_bytes)
+        stretch[0] = _Call(f"stretch {len(stretches)} outside the blocks", BlockPlacement.OUTSIDE, model, count)
+        stretches.append(stretch[0])
+        calls.append(stretch[0])
+
+    stretches: list[_Call] = []
 
     def enter(name: str, how: BlockPlacement) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
             call = _Call(name or "(the model)", how, module, SavedCount(module, config.min_offload_bytes))
+            if not open_calls:
+                stretch[0] = None  # the stretch before it ends
             calls.append(call)
             context = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             context.__enter__()
@@ -95,14 +113,19 @@ def forecast(
     def leave(module: torch.nn.Module, args: Any, out: Any) -> None:
         if open_calls and open_calls[-1][0].module is module:
             open_calls.pop()[1].__exit__(None, None, None)
+            if not open_calls:
+                begin_stretch()
 
     handles = []
     for name, module in model.named_modules():
         how = config.placement_of(module)
         if how is not None:
             handles += [module.register_forward_pre_hook(enter(name, how)), module.register_forward_hook(leave)]
+    outside = torch.autograd.graph.saved_tensors_hooks(lambda t: counted(stretch[0], t), lambda t: t)
     try:
-        forward()
+        with outside:
+            begin_stretch()
+            forward()
     finally:
         for handle in handles:
             handle.remove()

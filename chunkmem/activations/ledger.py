@@ -24,9 +24,14 @@ What a call holds (``CallHold``), and when:
 * **recomputed**: nothing (its recomputation in the backward is the working set of one block that
   the plan reserves).
 
-Not accounted: what autograd saves outside those blocks (the embeddings, the head, a loss), a
-block's temporaries, and the block's output (an input of what follows). Model memory
-(``counting.is_model_memory``) is never counted here.
+With ``ActivationPlacement(offload_outside=True)`` each stretch of the forward outside the blocks
+(``outside``) is a call of the plan that is always offloaded, held as an offloaded (or, in the first
+step, a measured) call: its figures are agreed and re-planned as a block call's, and the plan's
+reserve covers the largest stretch as the largest block call.
+
+Not accounted: what autograd saves outside those blocks without ``offload_outside`` (the
+embeddings, the head, a loss), a block's temporaries, and the block's output (an input of what
+follows). Model memory (``counting.is_model_memory``) is never counted here.
 
 Every allocation first asks for room (idle gathered chunks are released when the budget needs
 it); where there is none it raises ``BudgetExceededError`` rather than go over the budget.

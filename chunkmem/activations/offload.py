@@ -80,6 +80,7 @@ class BlockCall:
     ready: Event | None = None  # after the fetch, on the fetch stream
     failure: BaseException | None = None  # a disk failure in its forward (raised at its end, agreed)
     host_seconds: list[float] = field(default_factory=lambda: [0.0])  # host time in its hooks (shared box)
+    stretch: int = -1  # a stretch outside the blocks (offload_outside): its index among the auto calls
 
 
 @dataclass(eq=False)
@@ -128,9 +129,17 @@ class ActivationOffload:
 
     def hooks(self, call: BlockCall) -> Any:
         """The saved-tensor hooks for one call of an offloaded block."""
+        self.begin(call)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(call, t), self._unpack)
+
+    def begin(self, call: BlockCall) -> None:
+        """``call`` starts (its tensors go through ``pack``): it is fetched in backward order."""
         self.recycle()
         self._pending.append(weakref.ref(call))
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(call, t), self._unpack)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """The tensor ``pack`` kept, on the device (fetching its call and those ahead)."""
+        return self._unpack(saved)
 
     def call(self, block: str, module: torch.nn.Module, hold: CallHold | None = None) -> BlockCall:
         """A new call of a placed block (``hold``: its bytes in the ledger)."""
@@ -143,7 +152,8 @@ class ActivationOffload:
         return Saved.MODEL if tensor.is_meta else call.count.add(tensor)
 
     # --- forward ------------------------------------------------------------------------------
-    def _pack(self, call: BlockCall, tensor: torch.Tensor) -> Any:
+    def pack(self, call: BlockCall, tensor: torch.Tensor) -> Any:
+        """What autograd keeps for ``tensor``, saved in ``call`` (begun)."""
         verdict = self.count(call, tensor)
         if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
             return tensor
@@ -254,7 +264,8 @@ class ActivationOffload:
 
     def _fetch_now(self, call: BlockCall) -> None:
         if call.hold is not None:
-            call.hold.take(call.fetch_bytes, f"block {call.block} (its saved tensors fetched for its backward)")
+            what = call.block if call.stretch >= 0 else f"block {call.block}"  # a stretch outside the blocks, or not
+            call.hold.take(call.fetch_bytes, f"{what} (its saved tensors fetched for its backward)")
         for copy in call.made:
             if copy.host is not None:
                 self._transfers.before_host_read(copy.host)  # the copy into it is done

@@ -180,7 +180,8 @@ class ChunkedModel(torch.nn.Module):
         try:
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
-            with self._runtime.forward_context():
+            outside = self._activations.outside_blocks() if self._activations is not None else nullcontext()
+            with self._runtime.forward_context(), outside:
                 out = self.module(*args, **kwargs)
             self._runtime.agree_reads_in_place()
             if self._activations is not None:  # every rank's forward returned: agreed over ranks

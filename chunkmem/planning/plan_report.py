@@ -148,10 +148,12 @@ class Plan:
 
     @property
     def activation_d2h_bytes_per_step(self) -> int:
-        """What the ``offload`` blocks copy to the host per step (``Stats.activation_d2h_bytes``);
-        ``auto`` calls add their ``offload_bytes`` in the first step (all offloaded while measured),
-        afterwards as their choice says (``auto_choice``)."""
-        return self.grad_accum * sum(c.offload_bytes for c in self._calls(BlockPlacement.OFFLOAD))
+        """What the ``offload`` blocks and the stretches outside the blocks (``offload_outside``)
+        copy to the host per step (``Stats.activation_d2h_bytes``); ``auto`` calls add their
+        ``offload_bytes`` in the first step (all offloaded while measured), afterwards as their
+        choice says (``auto_choice``)."""
+        offloaded = (*self._calls(BlockPlacement.OFFLOAD), *self._calls(BlockPlacement.OUTSIDE))
+        return self.grad_accum * sum(c.offload_bytes for c in offloaded)
 
     @property
     def activation_h2d_bytes_per_step(self) -> int:
@@ -181,7 +183,7 @@ class Plan:
                 auto += 1
                 if chosen is ActivationChoice.OFFLOAD:
                     offloaded.append(call.copied)
-            elif call.how is BlockPlacement.OFFLOAD:
+            elif call.how in (BlockPlacement.OFFLOAD, BlockPlacement.OUTSIDE):
                 offloaded.append(call.copied)
         return sum(disk_bytes_per_call(offloaded, self.activation_host_budget))
 
@@ -214,9 +216,18 @@ class Plan:
             raise ValueError(f"auto_choice: {len(calls)} auto calls are planned, got {len(forward_seconds)} times")
         if self.device_budget is None:
             raise ValueError("auto_choice: auto blocks are placed under a device_budget; the plan has none")
+        times = iter(forward_seconds)
+        # With offload_outside the stretches outside the blocks are calls of the plan, always offloaded.
         measures = [
-            BlockMeasure(c.name, c.saved_bytes, t, small_bytes=c.small_bytes)
-            for c, t in zip(calls, forward_seconds, strict=True)
+            BlockMeasure(
+                c.name,
+                c.saved_bytes,
+                0.0 if c.how is BlockPlacement.OUTSIDE else next(times),
+                small_bytes=c.small_bytes,
+                outside=c.how is BlockPlacement.OUTSIDE,
+            )
+            for c in self.activation_calls
+            if c.how in (BlockPlacement.AUTO, BlockPlacement.OUTSIDE)
         ]
         return choose_activations(
             measures, rates, self.device_budget, self.model_need_bytes, self.activation_max_prefetch
@@ -327,11 +338,13 @@ class Plan:
         for group in _runs(self.activation_calls):
             first, n = group[0], len(group)
             name = f"block {first.name}" if n == 1 else f"blocks {first.name} .. {group[-1].name} ({n} calls)"
+            if first.how is BlockPlacement.OUTSIDE:
+                name = first.name if n == 1 else f"{first.name} .. {group[-1].name}"
             copies = f", copies {format_bytes(first.offload_bytes)}" * (first.how is not BlockPlacement.RECOMPUTE)
             rows.append(
                 (f"{name}, {first.how.value}", f"{'each ' * (n > 1)}saves {format_bytes(first.saved_bytes)}{copies}")
             )
-        if self._calls(BlockPlacement.OFFLOAD):
+        if self._calls(BlockPlacement.OFFLOAD) or self._calls(BlockPlacement.OUTSIDE):
             rows.append(
                 (
                     "activations d2h + h2d per step",

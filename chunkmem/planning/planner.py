@@ -342,9 +342,14 @@ def _activation_host_budget(plugin: ChunkPlugin) -> int | None:
 
 
 def _auto_minimum(calls: tuple[BlockForecast, ...], model_need: int) -> int | None:
-    """The refusal's minimum with ``auto`` blocks: model data's need and the largest call's saved bytes."""
-    auto = [c.saved_bytes for c in calls if c.how is BlockPlacement.AUTO]
-    return activation_minimum(auto, model_need) if auto else None
+    """The refusal's minimum with ``auto`` blocks: model data's need and the largest call's saved
+    bytes (the stretches outside the blocks too, with ``offload_outside``: calls of the plan), and
+    the small storages the stretches leave on the device."""
+    if not any(c.how is BlockPlacement.AUTO for c in calls):
+        return None
+    placed = [c for c in calls if c.how in (BlockPlacement.AUTO, BlockPlacement.OUTSIDE)]
+    outside_small = sum(c.small_bytes for c in placed if c.how is BlockPlacement.OUTSIDE)
+    return activation_minimum([c.saved_bytes for c in placed], model_need, outside_small)
 
 
 def plan(
