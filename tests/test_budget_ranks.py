@@ -36,17 +36,32 @@ def _minimum(model: torch.nn.Module, policy: str) -> int:
     return refused.value.minimum
 
 
-def _matrix(rank: int, world_size: int, policy: str, configs: list[tuple[float, int]]) -> list[dict]:
+# The step that records the trace and one that follows the plans (prefetch starts with it).
+STEPS = 2
+
+
+Reference = tuple[list[float], dict[str, torch.Tensor]]
+
+
+def _reference() -> Reference:
+    """Plain PyTorch's losses and trained state, computed once in the test process for every rank
+    and policy (the ranks would each train the same)."""
+    final = gpt2(n_layer=3)
+    return train_reference(final, adamw_two_groups, batches(STEPS, batch=8)), final.state_dict()
+
+
+def _matrix(
+    rank: int, world_size: int, policy: str, configs: list[tuple[float, int]], reference: Reference
+) -> list[dict]:
     """Train under each (budget factor over the reported minimum, max_prefetch) of ``configs``."""
-    data = batches(3, batch=8)
-    reference = gpt2(n_layer=3)
-    final = copy.deepcopy(reference)
-    expected = train_reference(final, adamw_two_groups, data)  # the losses, and the trained model
-    minimum = _minimum(copy.deepcopy(reference), policy)
+    expected, final = reference
+    data = batches(STEPS, batch=8)
+    model0 = gpt2(n_layer=3)
+    minimum = _minimum(copy.deepcopy(model0), policy)
     results = []
     for factor, prefetch in configs:
         budget = int(minimum * factor)
-        model = copy.deepcopy(reference)
+        model = copy.deepcopy(model0)
         plugin = ChunkPlugin(placement=_placement(policy, budget, prefetch), precision="fp32", chunk_size=CHUNK)
         booster = Booster(plugin)
         chunked, optimizer, *_ = booster.boost(model, adamw_two_groups(model))
@@ -57,15 +72,17 @@ def _matrix(rank: int, world_size: int, policy: str, configs: list[tuple[float, 
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))
-        assert_state_close(chunked.state_dict(), final.state_dict(), 1e-4, 1e-5)
+        assert_state_close(chunked.state_dict(), final, 1e-4, 1e-5)
         stats = chunked.stats()
         assert stats.peak_device_bytes <= budget, (factor, prefetch, stats.peak_device_bytes, budget)
         results.append({"factor": factor, "prefetch": prefetch, "losses": losses, "stats": stats.as_dict()})
     return [{"expected": expected, "minimum": minimum}, *results]
 
 
-def _both_policies(rank: int, world_size: int, configs: dict[str, list[tuple[float, int]]]) -> dict[str, list[dict]]:
-    return {policy: _matrix(rank, world_size, policy, pairs) for policy, pairs in configs.items()}
+def _both_policies(
+    rank: int, world_size: int, configs: dict[str, list[tuple[float, int]]], reference: Reference
+) -> dict[str, list[dict]]:
+    return {policy: _matrix(rank, world_size, policy, pairs, reference) for policy, pairs in configs.items()}
 
 
 @pytest.mark.multirank
@@ -74,7 +91,7 @@ def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
     # Every prefetch depth at the tightest budget (where decisions are hardest), looser budgets at
     # the default depth and the deepest: the suite's time is bounded (2 cores, 15 minutes).
     configs = [(1.0, prefetch) for prefetch in (0, 1, 2, 3)] + [(1.5, 2), (2.0, 2), (2.0, 3)]
-    per_rank = run_ranks(_matrix, 2, args=(policy, configs), timeout=400)
+    per_rank = run_ranks(_matrix, 2, args=(policy, configs, _reference()), timeout=400)
     _check(per_rank)
 
 
@@ -83,7 +100,7 @@ def test_budgets_at_four_ranks() -> None:
     # One spawn of four ranks for both policies (each spawn costs ~10 s on 2 cores): the tightest
     # budget with and without prefetch (looser budgets are run at two ranks).
     configs = {"static": [(1.0, 0), (1.0, 3)], "auto": [(1.0, 0), (1.0, 3)]}
-    per_rank = run_ranks(_both_policies, 4, args=(configs,), timeout=400)
+    per_rank = run_ranks(_both_policies, 4, args=(configs, _reference()), timeout=400)
     for policy in configs:
         _check([r[policy] for r in per_rank])
 

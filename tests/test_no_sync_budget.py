@@ -17,6 +17,8 @@ from chunkmem import BudgetTooSmallError, Location, MemoryKind
 from placement import AutoPlacementConfig, ChunkPlacement, Layout, StaticPlacementConfig, Verb
 
 CHUNK = 10_000
+# The step that records the trace and one that follows the plans: each moves gradients in no_sync.
+STEPS = 2
 PLACEMENTS = {
     "auto": lambda budget: AutoPlacementConfig(device_budget=budget, max_prefetch=1),
     "static-offload": lambda budget: StaticPlacementConfig(device_budget=budget, max_prefetch=1, offload_optim_frac=1),
@@ -53,7 +55,7 @@ def _accumulate(rank: int, world_size: int, kind: str, budget: int | None, micro
     ledger = chunked.manager.ledger
     grad_bytes = {chunk.chunk_id: chunk.grad_bytes for chunk in chunked.manager.chunks}
     spilled = moved = 0
-    for ids in batches(3, batch=4 * micro):
+    for ids in batches(STEPS, batch=4 * micro):
         lm_loss(ref, ids).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()

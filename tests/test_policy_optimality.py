@@ -146,18 +146,40 @@ def check_within(result: SimulationResult, budget: int) -> None:
 # --- optimality ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Each drawn problem is checked under every layout (one draw and one optimum serve them all: drawing
+# dominates these tests' time).
+
+
 @settings(max_examples=examples(80, 30), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=1), paging_problems(max_width=1, hard=True)))
-def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: Problem) -> None:
+def test_auto_demand_fetches_are_optimal_single_chunk_ops(problem: Problem) -> None:
     n, k, steps = problem
+    optimum = offline_min_fetches([c for _, c in steps], n, k)
+    for layout in LAYOUTS:
+        _in_context(_optimal_single_chunk_ops, f"layout {layout}")(layout, n, k, steps, optimum)
+
+
+def _in_context(check: Any, context: str) -> Any:
+    """``check``, its failures noting ``context`` (which of the cases one test runs failed)."""
+
+    def checked(*args: Any) -> Any:
+        try:
+            return check(*args)
+        except AssertionError as failed:
+            failed.add_note(context)
+            raise
+
+    return checked
+
+
+def _optimal_single_chunk_ops(
+    layout: str, n: int, k: int, steps: list[tuple[Phase, tuple[int, ...]]], optimum: int
+) -> None:
     trace = trace_of(steps)
     specs, budget, at_rest = frozen_catalog_and_budget(layout, n, k)
     policy = auto(budget)
     result = simulate(policy, specs, trace)
     check_layout(policy, specs, layout, at_rest)
-
-    optimum = offline_min_fetches([c for _, c in steps], n, k)
     assert result.demand_fetches == optimum
     assert result.prefetches == 0
     assert result.flushes == 0
@@ -168,18 +190,24 @@ def test_auto_demand_fetches_are_optimal_single_chunk_ops(layout: str, problem: 
     assert again.demand_fetches == 3 * optimum
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=examples(80, 30), deadline=None, derandomize=True)
 @given(problem=st.one_of(paging_problems(max_width=3), paging_problems(max_width=3, hard=True)))
-def test_auto_demand_fetches_multi_chunk_ops(layout: str, problem: Problem) -> None:
+def test_auto_demand_fetches_multi_chunk_ops(problem: Problem) -> None:
     n, k, steps = problem
+    optimum = offline_min_fetches([c for _, c in steps], n, k)
+    for layout in LAYOUTS:
+        _in_context(_optimal_multi_chunk_ops, f"layout {layout}")(layout, n, k, steps, optimum)
+
+
+def _optimal_multi_chunk_ops(
+    layout: str, n: int, k: int, steps: list[tuple[Phase, tuple[int, ...]]], optimum: int
+) -> None:
     trace = trace_of(steps)
     specs, budget, at_rest = frozen_catalog_and_budget(layout, n, k)
     policy = auto(budget)
     result = simulate(policy, specs, trace, working_sets=op_working_sets(trace))
     check_layout(policy, specs, layout, at_rest)
     check_within(result, budget)
-    optimum = offline_min_fetches([c for _, c in steps], n, k)
     # Sanity: the simulated run is a schedule, and no schedule beats the optimum.
     assert result.demand_fetches >= optimum
     # Furthest-next-use eviction, applied to ops that need several equal-size chunks at once, also
@@ -349,17 +377,22 @@ EVICTED_THEN_SKIPPED = (
 )
 
 
-@pytest.mark.parametrize(
-    ("policy_kind", "max_prefetch"),
-    [(kind, mp) for kind in POLICY_KINDS for mp in (0, 1, 3)],
-)
+def _run_budget_cases(
+    cases: Sequence[tuple[str, int]], problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int]
+) -> None:
+    """Each (policy, max_prefetch) of ``cases`` on one drawn problem: one draw serves them all
+    (drawing dominates these tests' time), a failure names its case."""
+    for policy_kind, max_prefetch in cases:
+        _in_context(_run_budget_case, f"policy {policy_kind}, max_prefetch {max_prefetch}")(
+            policy_kind, max_prefetch, problem
+        )
+
+
 @FAST
 @given(problem=training_problems(trainable=False))
 @example(problem=EVICTED_THEN_SKIPPED)
-def test_hard_budget_never_exceeded_frozen(
-    policy_kind: str, max_prefetch: int, problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int]
-) -> None:
-    _run_budget_case(policy_kind, max_prefetch, problem)
+def test_hard_budget_never_exceeded_frozen(problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int]) -> None:
+    _run_budget_cases([(kind, mp) for kind in POLICY_KINDS for mp in (0, 1, 3)], problem)
 
 
 def test_prefetch_does_not_skip_a_chunk_evicted_in_the_same_plan() -> None:
@@ -400,13 +433,12 @@ def test_auto_prefetch_keeps_frozen_chunks_within_budget(
     check_within(result, budget)
 
 
-@pytest.mark.parametrize("policy_kind", POLICY_KINDS)
 @FAST
 @given(problem=training_problems(trainable=True))
 def test_hard_budget_never_exceeded_trainable_no_prefetch(
-    policy_kind: str, problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int]
+    problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int],
 ) -> None:
-    _run_budget_case(policy_kind, 0, problem)
+    _run_budget_cases([(kind, 0) for kind in POLICY_KINDS], problem)
 
 
 # Regression cases: prefetch once filled the budget with gathers for upcoming chunks without keeping room
@@ -427,8 +459,6 @@ GRAD_AFTER_PREFETCH = (
 )
 
 
-@pytest.mark.parametrize("max_prefetch", [1, 3])
-@pytest.mark.parametrize("policy_kind", POLICY_KINDS[:-1])  # all-gathered never prefetches
 @settings(
     max_examples=examples(30, 10),
     deadline=None,
@@ -438,9 +468,10 @@ GRAD_AFTER_PREFETCH = (
 @given(problem=training_problems(trainable=True))
 @example(problem=GRAD_AFTER_PREFETCH)
 def test_hard_budget_never_exceeded_trainable_with_prefetch(
-    policy_kind: str, max_prefetch: int, problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int]
+    problem: tuple[tuple[ChunkSpec, ...], ComputeTrace, int],
 ) -> None:
-    _run_budget_case(policy_kind, max_prefetch, problem)
+    # all-gathered never prefetches
+    _run_budget_cases([(kind, mp) for kind in POLICY_KINDS[:-1] for mp in (1, 3)], problem)
 
 
 @pytest.mark.parametrize(

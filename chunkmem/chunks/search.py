@@ -8,7 +8,9 @@ size is evaluated at once, vectorized over candidates.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,25 +84,32 @@ CANDIDATE_BLOCK = 16384
 """Candidate sizes evaluated together: below PyTorch's intra-op parallel grain (32768 elements)."""
 
 
-def _pack(groups: Iterable[list[int]], sizes: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padding elements and chunk count of the manager's packing at each of ``sizes``."""
+def _pack(groups: Iterable[Sequence[int]], sizes: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padding elements and chunk count of the manager's packing at each of ``sizes`` (ascending).
+    A parameter larger than a size gets a chunk of its own there and leaves the open chunk as it
+    is: as ``sizes`` ascend, that is a prefix, updated by a slice, and the rest of the ops run on
+    the sizes the parameter fits (fewer elementwise ops: a search runs a few per parameter)."""
     waste = torch.zeros_like(sizes)
     chunks = torch.zeros_like(sizes)
+    ascending = sizes.tolist()
     for numels in groups:
-        fill = torch.zeros_like(sizes)
-        open_ = torch.zeros_like(sizes, dtype=torch.bool)
+        # No chunk open yet: as if a full one were (nothing fits in it, closing it wastes nothing).
+        fill = sizes.clone()
         for n in numels:
-            own = n > sizes
-            waste += torch.where(own, _round_up(n, world_size) - n, 0)
-            chunks += own
-            fits = open_ & (fill + n <= sizes)
-            starts = ~own & ~fits
+            own = bisect.bisect_left(ascending, n)  # sizes[:own] < n
+            if own:
+                waste[:own] += _round_up(n, world_size) - n
+                chunks[:own] += 1
+            if own == len(ascending):
+                continue
+            open_fill, size = fill[own:], sizes[own:]
+            grown = open_fill + n
+            starts = grown > size
             # Starting a new chunk closes the open one and wastes what is left in it.
-            waste += torch.where(starts & open_, sizes - fill, 0)
-            chunks += starts
-            fill = torch.where(starts, n, torch.where(fits, fill + n, fill))
-            open_ = open_ | starts
-        waste += torch.where(open_, sizes - fill, 0)
+            waste[own:] += (size - open_fill).mul_(starts)
+            chunks[own:] += starts
+            fill[own:] = torch.where(starts, n, grown)
+        waste += sizes - fill
     return waste, chunks
 
 
@@ -125,18 +134,33 @@ def search_chunk_size(
     if not groups:
         raise ValueError("search_chunk_size: no parameters")
 
+    packed = tuple((key, tuple(numels)) for key, numels in groups.items())
+    return _search(packed, min_size, max_size, granularity, world_size, element_size)
+
+
+# The same model is searched again by every boost of it (a plan boosts it for each budget it tries):
+# the answer depends only on the sizes, so the last few are kept.
+@functools.lru_cache(maxsize=16)
+def _search(
+    groups: tuple[tuple[tuple[torch.dtype, bool], tuple[int, ...]], ...],
+    min_size: int,
+    max_size: int,
+    granularity: int,
+    world_size: int,
+    element_size: int,
+) -> ChunkSizeSearch:
     sizes = torch.arange(min_size, max_size + 1, granularity, dtype=torch.int64)
     sizes = (sizes + world_size - 1) // world_size * world_size
-    # A few thousand elementwise ops (about 12 a parameter) on tensors of one element a candidate:
+    # Thousands of elementwise ops (several a parameter) on tensors of one element a candidate:
     # in blocks below PyTorch's parallel grain (32768 elements) each op runs on this thread. Above it
     # every op starts a parallel region on all intra-op threads, which on a busy machine costs far
     # more than the op (llama-7b, 61440 candidates, 2 cores under load: 0.7 s on one thread, 40 s on
     # two; the planner CLI timed out at 200 s beside 10 pytest workers on 16 cores).
-    blocks = [_pack(groups.values(), block, world_size) for block in sizes.split(CANDIDATE_BLOCK)]
+    blocks = [_pack([numels for _, numels in groups], block, world_size) for block in sizes.split(CANDIDATE_BLOCK)]
     waste = torch.cat([block_waste for block_waste, _ in blocks])
     chunks = torch.cat([block_chunks for _, block_chunks in blocks])
     best = int(torch.argmin(waste))  # first minimum: the smallest size
-    total = sum(sum(n) for n in groups.values())
+    total = sum(sum(numels) for _, numels in groups)
     return ChunkSizeSearch(
         chunk_size=int(sizes[best]),
         num_chunks=int(chunks[best]),

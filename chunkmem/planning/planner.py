@@ -55,6 +55,7 @@ from ..plugin import ChunkPlugin
 from ..ranks.comm import Communicator
 from ..tiers.disk import PlannedDiskFile, SidesFile
 from ..usage.stats import Stats
+from .meta_cache import MetaResults
 from .plan_report import Plan, StepCounters
 
 __all__ = ["Plan", "PlanningBacking", "PlanningCommunicator", "StepCounters", "plan"]
@@ -403,15 +404,20 @@ def plan(
     inputs = _meta_inputs(example_inputs)
     quiet = log.level
     log.setLevel(logging.ERROR)  # the search runs at budgets nobody asked for: say nothing of them
+    results = MetaResults()  # every pass below computes the shapes of the first again
     try:
-        minimum = _minimum_budget(model, plugin, make_optimizer, inputs, target, grad_accum)
+        with results:
+            minimum = _minimum_budget(model, plugin, make_optimizer, inputs, target, grad_accum)
     finally:
         log.setLevel(quiet)
     refusals: list[str] = []
     planned_budget = budget
     for _ in range(3):  # a host budget and a device budget may each be refused once
         try:
-            chunked, counters = _run(model, plugin, make_optimizer, inputs, target, steps, planned_budget, grad_accum)
+            with results:
+                chunked, counters = _run(
+                    model, plugin, make_optimizer, inputs, target, steps, planned_budget, grad_accum
+                )
             break
         except HostBudgetTooSmallError as refused:
             # What it would need: plan at the minimum, and say it does not fit.
