@@ -162,10 +162,11 @@ def _report(target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, 
 def run_in_fresh_process(
     target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], timeout: float
 ) -> tuple[Literal["ok", "failed"], Any]:
-    """``target(spec)`` in a process of its own, forked from the preloaded server (its peak RSS,
-    threads and process group are its own, and it starts in well under a second, where a fresh
-    interpreter takes seconds to import torch). Returns ``("ok", result)``, or ``("failed",
-    reason)`` when it raised, died (killed, out of memory) or outlived ``timeout`` seconds."""
+    """``target(spec)`` in a process of its own, forked from the preloaded server or from this
+    process (:func:`forked_context`): its peak RSS, threads and process group are its own, and it
+    starts in well under a second, where a fresh interpreter takes seconds to import torch.
+    Returns ``("ok", result)``, or ``("failed", reason)`` when it raised, died (killed, out of
+    memory) or outlived ``timeout`` seconds."""
     ctx = forked_context()
     results = ctx.Queue()
     process = ctx.Process(target=_report, args=(target, spec, results), daemon=True)
