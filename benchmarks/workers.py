@@ -14,6 +14,9 @@ a collective) ends the pool: its processes are killed and :class:`CallFailure` s
 on which rank. The caller decides what to do next (mark a row failed, start a new pool); nothing
 waits forever. :class:`LocalRanks` runs the same commands in this process at world size 1.
 
+A caller that runs a benchmark in a process already like that server (the tests) may set
+``BENCH_START_METHOD=fork`` to fork the processes from it instead (:func:`forked_context`).
+
 Commands and initialisers must be importable functions (defined at module level).
 """
 
@@ -33,10 +36,12 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "START_METHOD_VARIABLE",
     "CallFailure",
     "LocalRanks",
     "RankContext",
     "RankPool",
+    "fork_problem",
     "forked_context",
     "free_port",
     "init_torch_group",
@@ -89,11 +94,57 @@ def init_torch_group(ctx: RankContext, backend: str) -> None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
 
 
+START_METHOD_VARIABLE = "BENCH_START_METHOD"
+"""Environment variable choosing how benchmark processes start: ``forkserver`` (the default) or
+``fork``. ``fork`` is for a caller that runs a benchmark script in a process that is already what
+the fork server would be (forked from a server that imported torch, transformers and chunkmem, as
+the tests do): its processes are then forked from the script's own process instead of from a new
+server that imports everything again (seconds on a small machine, for each script run). Only
+where the processes compute on the CPU: see :func:`fork_problem`."""
+
+
+def _threads() -> int:
+    """How many threads this process runs now (the kernel's count: OpenMP's and torch's pools too)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no procfs: Python's own threads are all that can be counted
+        import threading
+
+        return threading.active_count()
+
+
+def fork_problem() -> str | None:
+    """Why forking this process now would give children that cannot work, or ``None``: a thread
+    beside the main one (its locks would stay held forever in the child), or children that could
+    use CUDA (once a process asked CUDA anything, even how many devices it has, a forked child
+    cannot initialise it: a torch built with CUDA is safe only with the GPUs hidden)."""
+    if torch.cuda.is_initialized():
+        return "it initialised CUDA"
+    if torch.backends.cuda.is_built() and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        return "its processes could use CUDA (hide the GPUs with CUDA_VISIBLE_DEVICES= to fork)"
+    threads = _threads()
+    return f"{threads} threads run in it" if threads > 1 else None
+
+
 def forked_context() -> Any:
     """Multiprocessing's ``forkserver`` start, its server preloaded with what every benchmark
-    process imports (one server a process: the first caller's preload list is the one used)."""
+    process imports (one server a process: the first caller's preload list is the one used); or,
+    where ``BENCH_START_METHOD=fork``, a plain fork of this process, refused (``RuntimeError``)
+    where :func:`fork_problem` finds one."""
     import torch.multiprocessing as mp
 
+    method = os.environ.get(START_METHOD_VARIABLE, "forkserver")
+    if method == "fork":
+        problem = fork_problem()
+        if problem is not None:
+            raise RuntimeError(
+                f"{START_METHOD_VARIABLE}=fork, but this process (pid {os.getpid()}) cannot be forked safely: "
+                f"{problem}. Start benchmark processes before this process computes with torch or starts "
+                f"threads, or unset {START_METHOD_VARIABLE} to start them from a fork server."
+            )
+        return mp.get_context("fork")
+    if method != "forkserver":
+        raise ValueError(f"{START_METHOD_VARIABLE} must be 'forkserver' or 'fork', got {method!r}")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "chunkmem"]
@@ -111,10 +162,11 @@ def _report(target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, 
 def run_in_fresh_process(
     target: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], timeout: float
 ) -> tuple[Literal["ok", "failed"], Any]:
-    """``target(spec)`` in a process of its own, forked from the preloaded server (its peak RSS,
-    threads and process group are its own, and it starts in well under a second, where a fresh
-    interpreter takes seconds to import torch). Returns ``("ok", result)``, or ``("failed",
-    reason)`` when it raised, died (killed, out of memory) or outlived ``timeout`` seconds."""
+    """``target(spec)`` in a process of its own, forked from the preloaded server or from this
+    process (:func:`forked_context`): its peak RSS, threads and process group are its own, and it
+    starts in well under a second, where a fresh interpreter takes seconds to import torch.
+    Returns ``("ok", result)``, or ``("failed", reason)`` when it raised, died (killed, out of
+    memory) or outlived ``timeout`` seconds."""
     ctx = forked_context()
     results = ctx.Queue()
     process = ctx.Process(target=_report, args=(target, spec, results), daemon=True)
@@ -352,6 +404,12 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        # Each inbox a command went into runs a feeder thread in this process until it is closed:
+        # ended here, so that the next pool forks a process that runs no other thread (what a
+        # command left unread is one small message, which the pipe holds: the join cannot block).
+        for box in (*self._inboxes, self._outbox):
+            box.close()
+            box.join_thread()
 
     def __enter__(self) -> RankPool:
         return self

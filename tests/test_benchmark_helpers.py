@@ -4,6 +4,7 @@ tables, memory probes and the rank pool that spawns, times out and reports ranks
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from benchmarks.card import (
 )
 from benchmarks.common import GPT2Shape, current_rss, format_table, parse_bytes, peak_rss, rotated
 from benchmarks.peer_systems import PeerSetup, deepspeed_config
-from benchmarks.workers import CallFailure, RankContext, RankPool
+from benchmarks.workers import START_METHOD_VARIABLE, CallFailure, RankContext, RankPool, forked_context
 
 GiB = 2**30
 
@@ -189,6 +190,7 @@ def test_rank_pool_runs_commands_keeps_state_and_reports_the_failing_rank() -> N
 
 @pytest.mark.benchmark
 def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
+    threads = threading.active_count()
     pool = RankPool(2, init=None)
     pids = [pid for pid in pool.pids if pid is not None]
     try:
@@ -198,8 +200,29 @@ def test_rank_pool_kills_a_hung_call_at_its_timeout() -> None:
         assert 3 <= time.monotonic() - began < 30
         assert failure.value.kind == "timeout" and "hung" in str(failure.value)
         assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
+        # The threads that fed its commands to the ranks ended with it: a next pool may fork this process.
+        assert threading.active_count() == threads
     finally:
         pool.close(force=True)
+
+
+def test_forking_a_process_that_runs_a_thread_is_refused_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(START_METHOD_VARIABLE, "fork")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match=f"threads run in it.*unset {START_METHOD_VARIABLE}"):
+            forked_context()
+        with pytest.raises(RuntimeError, match="threads run in it"):
+            RankPool(1, init=None)
+    finally:
+        stop.set()
+        thread.join()
+    monkeypatch.setenv(START_METHOD_VARIABLE, "spawn")
+    with pytest.raises(ValueError, match="'forkserver' or 'fork', got 'spawn'"):
+        forked_context()
 
 
 # --- the memory-budget driver: out of memory is a row state -----------------------------------------

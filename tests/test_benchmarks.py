@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from child_env import child_env
 from forked import run_main
+
+from benchmarks.workers import START_METHOD_VARIABLE
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.slow]
 
@@ -34,10 +37,23 @@ def _run(script: str, *args: str, tiny: bool = True, env: dict[str, str] | None 
     # Forked from the tests' fork server, not a fresh interpreter: the script runs as its __main__
     # without importing torch and transformers again (a third of each of these tests).
     path = str(ROOT / "benchmarks" / script)
-    done = run_main(path, *(TINY if tiny else []), *args, cwd=str(ROOT), env=child_env(**(env or {})))
+    done = run_main(path, *(TINY if tiny else []), *args, cwd=str(ROOT), env=child_env(**_fork_where_safe(env or {})))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "loss_type" not in done.stderr, "the transformers loss_type warning is back"
     return done.stdout
+
+
+def _fork_where_safe(env: dict[str, str]) -> dict[str, str]:
+    """``env``, plus: the script's own processes are forked from it (it imported everything and
+    computed nothing yet), not from a fork server of its own that would import everything again (a
+    fresh interpreter: about ten seconds a script on a 2-core machine). Not where they compute on a
+    GPU (a forked process cannot initialise CUDA): there they keep the fork server. Without a GPU,
+    hiding the GPUs changes nothing but lets a torch built with CUDA fork."""
+    if not torch.cuda.is_available():
+        env = {**NO_GPU, **env}
+    if env.get("CUDA_VISIBLE_DEVICES") != "":
+        return env
+    return {START_METHOD_VARIABLE: "fork", **env}
 
 
 def _table_lines(out: str, rows: int) -> list[str]:

@@ -5,6 +5,8 @@ PyTorch measured the same way."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -207,14 +209,21 @@ def _host_memory_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
     return _host_memory(kind)
 
 
+def _plain_and_chunkmem(fn: Callable[[int, int, str], Any], **how: bool) -> dict[str, Any]:
+    """``fn``'s result for ``"plain"`` and for ``"chunkmem"``, each in a process of its own (started
+    as ``run_ranks(..., **how)`` at world size 1: chunkmem does not shard over a group of one), the two
+    at once: what one measures of its own process does not depend on the other."""
+    with ThreadPoolExecutor(2) as both:
+        futures = {kind: both.submit(run_ranks, fn, 1, (kind,), **how) for kind in ("plain", "chunkmem")}
+        return {kind: future.result()[0] for kind, future in futures.items()}
+
+
 @pytest.fixture(scope="module")
 def host_memory() -> dict[str, dict[str, int]]:
     # Each measurement in its own spawned interpreter (RSS is per process, and compared whole:
-    # both import everything themselves); chunkmem does not shard over a group of one. (Forked from
-    # the tests' server instead, chunkmem's RSS after setup came out 6.7% over plain's once.)
-    return {
-        kind: run_ranks(_host_memory_rank, world_size=1, args=(kind,), spawn=True)[0] for kind in ("plain", "chunkmem")
-    }
+    # both import everything themselves). (Forked from the tests' server instead, chunkmem's RSS
+    # after setup came out 6.7% over plain's once.)
+    return _plain_and_chunkmem(_host_memory_rank, spawn=True)
 
 
 # Host RSS of training on the CPU: where chunkmem computes on a GPU its masters live there and the
@@ -283,10 +292,8 @@ def test_the_optimizer_step_needs_no_more_host_memory_than_plain_pytorchs() -> N
     """PyTorch's per-tensor AdamW allocates temporaries the size of about two of the tensors it
     steps (plain: twice the 32 MiB embedding). chunkmem's optimizer steps flat runs of several
     parameters; runs as large as its 32 MiB chunks made the step peak 32 MiB higher than plain."""
-    plain, chunked = (
-        run_ranks(_step_memory_rank, world_size=1, args=(kind,), fresh=True)[0]["growth"]
-        for kind in ("plain", "chunkmem")
-    )
+    growth = _plain_and_chunkmem(_step_memory_rank, fresh=True)
+    plain, chunked = growth["plain"]["growth"], growth["chunkmem"]["growth"]
     embedding = VOCAB_21M * 512 * 4
     assert plain >= 1.8 * embedding, "the probe sees plain PyTorch's temporaries"
     assert chunked <= plain + 4 * 2**20, (chunked, plain)
