@@ -22,6 +22,12 @@ from placement import AutoPlacementConfig
 # The model below holds 1633 fp32 parameters: with gradients and AdamW's two states everything
 # takes about 26 KB; 12 000 bytes is just above the largest single-op working set, so chunks are
 # evicted and gathered again during every step.
+# ``Regressor`` has a ``validation_step`` for the tests that validate; the others pass no validation
+# loader on purpose. Lightning's warning about it is of a class defined in lightning, which
+# pytest-xdist's controller process would import (seconds, in a process that runs no test) to
+# report it.
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+
 BUDGET = 12_000
 CHUNK = 400
 STEPS_PER_EPOCH = 8
