@@ -56,3 +56,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None and computes_on_gpu:
             why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
             item.add_marker(pytest.mark.skip(reason=f"chunkmem computes on a GPU here: {why}"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Collection imported the test modules and no test has run yet: the moment to fork this process
+    # into the fork server that ranks and scripts start from (tests/distributed.py).
+    distributed = sys.modules.get("distributed")
+    if distributed is not None and session.items and not session.config.option.collectonly:
+        distributed.serve_forks_from_here()
