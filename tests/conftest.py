@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -21,7 +20,11 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 # In a pytest-xdist worker (``-n 2``: as many workers as this machine's cores) each worker is one
 # core's worth: torch's default of one intra-op thread a core oversubscribes the machine, and its
 # threads spin waiting for each other. The tests' models are tiny: one thread loses nothing.
+# torch is imported only where tests run (a worker, or a run without xdist): xdist's controller
+# process runs no test, and importing torch there (seconds) delays the start of the workers.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
     torch.set_num_threads(1)
 
 
@@ -39,6 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
     from models import reference_device  # after the path insert above
 
     has_gpu = torch.cuda.is_available()
@@ -52,3 +56,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None and computes_on_gpu:
             why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
             item.add_marker(pytest.mark.skip(reason=f"chunkmem computes on a GPU here: {why}"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Collection imported the test modules and no test has run yet: the moment to fork this process
+    # into the fork server that ranks and scripts start from (tests/distributed.py).
+    distributed = sys.modules.get("distributed")
+    if distributed is not None and session.items and not session.config.option.collectonly:
+        distributed.serve_forks_from_here()

@@ -25,11 +25,20 @@ re-importing them (about 10 s for two ranks, 20 s for four on a 2-core machine).
 clean process of its own (nothing but imports ran in it: no threads, no process group), so what a
 fork inherits is what a spawned rank would have built. Like a spawned rank, a forked one does not
 see environment variables the test process set after the server started.
+
+Where the machine has no GPU, the server is not a new interpreter importing all that again
+(seconds, once in every pytest-xdist worker): ``serve_forks_from_here()``, which ``conftest.py``
+calls once collection has imported the test modules and before any test runs, forks the test
+process itself into the server (``multiprocessing``'s own fork-server loop, started from a fork
+instead of an ``exec``). Nothing but imports has run in it then either, and the server also holds
+the test modules a rank's call would otherwise import. Where torch sees a GPU the server stays a
+fresh interpreter: CUDA, once queried in the test process, does not work in its forks.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import os
@@ -41,7 +50,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "forked_context", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "forked_context", "free_port", "run_ranks", "serve_forks_from_here"]
 
 _POOL_PG_TIMEOUT = 60.0
 _HEALTH_TIMEOUT = datetime.timedelta(seconds=20)
@@ -66,6 +75,62 @@ def forked_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def serve_forks_from_here() -> bool:
+    """Make a fork of this process ``multiprocessing``'s fork server, where it is safe (see the
+    module docstring); call it before any test ran. Returns whether it did; if not, the server
+    starts as a fresh interpreter at its first use, as ``forkserver`` starts it."""
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    import torch
+
+    server = forkserver._forkserver
+    # The stdlib's server as of Python 3.10-3.13 (3.14 adds an authentication key it sends to it).
+    if torch.cuda.is_available() or not hasattr(server, "_forkserver_pid") or hasattr(server, "_forkserver_authkey"):
+        return False
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return False
+        resource_tracker.ensure_running()
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        # Every client (this process, each process the server forks) holds the write end: the
+        # server exits once all of them are gone, as forkserver's does.
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(alive_w)
+                _detach_inherited_fds(keep={0, 1, 2, listener.fileno(), alive_r})
+                forkserver.main(listener.fileno(), alive_r, [])
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+        listener.close()
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    return True
+
+
+def _detach_inherited_fds(keep: set[int]) -> None:
+    """Point every inherited descriptor but ``keep`` at /dev/null: the server must not hold this
+    process's pipes open (a pytest-xdist worker's channel to its controller would not reach EOF
+    when the worker dies). /dev/null rather than closing: the numbers stay owned by the objects
+    that own them here, so a late close of one does not close a descriptor the server opened."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep and fd != null:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.dup2(null, fd)
+    os.close(null)
 
 
 def free_port() -> int:

@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-
-pytest.importorskip("accelerate")
 from distributed import run_ranks
 from models import VOCAB, gpt2, tolerance
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
-from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
 from chunkmem.ranks.comm import Communicator
 from placement import AutoPlacementConfig
+
+# transformers' Trainer (and chunkmem.integrations.hf, which imports it) is imported by the tests
+# that use it: it imports accelerate and datasets, seconds in every pytest-xdist worker collecting
+# this module, and test_trl imports this module's helpers.
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
 
 # Below the model's ~470 KiB of fp32 chunk data: chunks are evicted and gathered again every step.
 BUDGET = 200_000
@@ -57,9 +59,11 @@ def dataset(n: int = 16, seq: int = 16, seed: int = 1) -> list[dict[str, torch.T
     return [{"input_ids": ids, "labels": ids} for ids in rows]
 
 
-def training_args(output_dir: Path, cls: type[TrainingArguments] = TrainingArguments, **overrides: Any) -> Any:
+def training_args(output_dir: Path, cls: type[TrainingArguments] | None = None, **overrides: Any) -> Any:
     """Accumulation, clipping, warmup then linear decay, a log line per step (``cls``: a subclass
-    such as TRL's ``SFTConfig``)."""
+    such as TRL's ``SFTConfig``; by default ``TrainingArguments``)."""
+    from transformers import TrainingArguments
+
     settings: dict[str, Any] = {
         "output_dir": str(output_dir),
         "per_device_train_batch_size": 2,
@@ -78,7 +82,7 @@ def training_args(output_dir: Path, cls: type[TrainingArguments] = TrainingArgum
         "disable_tqdm": True,
     }
     settings.update(overrides)
-    return cls(**settings)
+    return (cls or TrainingArguments)(**settings)
 
 
 def logged(trainer: Trainer, after: int = 0) -> list[dict[str, float]]:
@@ -116,6 +120,10 @@ def assert_same_training(
     ],
 )
 def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int, exact: bool) -> None:
+    from transformers import Trainer
+
+    from chunkmem.integrations.hf import ChunkTrainer
+
     data, held_out = dataset(), dataset(n=4, seed=2)
     overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
     plain = Trainer(
@@ -152,6 +160,10 @@ def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
     by itself, and in the CPU's default precision (fp32) where the plugin's is left unset, not the
     GPU's (bf16). The machine's own choice is made a device nothing can compute on (``meta``), as a
     GPU is to this CPU run: training takes it only if ChunkTrainer ignores TrainingArguments."""
+    from transformers import Trainer
+
+    from chunkmem.integrations.hf import ChunkTrainer
+
     monkeypatch.setattr(chunkmem.plugin, "compute_device", lambda: torch.device("meta"))
     with monkeypatch.context() as gpu_machine:  # one with bf16, while the plugin is built
         gpu_machine.setattr(torch.cuda, "is_available", lambda: True)
@@ -178,6 +190,10 @@ def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
 def test_on_a_gpu_computes_on_the_gpu_like_plain_trainer(tmp_path: Path) -> None:
     """Without ``use_cpu`` Trainer computes on the GPU, and so does ChunkTrainer: the same losses,
     learning rates and norms as plain Trainer there, under a budget that moves chunks."""
+    from transformers import Trainer
+
+    from chunkmem.integrations.hf import ChunkTrainer
+
     if torch.cuda.device_count() > 1:
         pytest.skip("plain Trainer would run torch.nn.DataParallel over several GPUs (refused under chunkmem)")
     data = dataset()
@@ -200,6 +216,8 @@ def test_on_a_gpu_computes_on_the_gpu_like_plain_trainer(tmp_path: Path) -> None
 def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp_path: Path) -> None:
     """A plugin whose Communicator already chose a device other than Trainer's cannot follow
     TrainingArguments: refused before boosting, naming both devices."""
+    from chunkmem.integrations.hf import ChunkTrainer
+
     model = gpt2(n_layer=1, n_embd=32)
     elsewhere = ChunkPlugin(
         placement=AutoPlacementConfig(device_budget=BUDGET),
@@ -217,6 +235,10 @@ def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
     uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;
     ``save_model`` writes what ``from_pretrained`` loads."""
+    from transformers import GPT2LMHeadModel
+
+    from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+
     data = dataset()
     full = ChunkTrainer(
         model=gpt2(),
@@ -270,6 +292,8 @@ REFUSED = [
 
 @pytest.mark.parametrize("overrides, field", REFUSED, ids=[field for _, field in REFUSED])
 def test_refused_at_start(tmp_path: Path, overrides: dict[str, Any], field: str) -> None:
+    from chunkmem.integrations.hf import ChunkTrainer
+
     model = gpt2(n_layer=1, n_embd=32)
     with pytest.raises(NotSupportedError, match=rf"TrainingArguments\.{field}=") as error:
         ChunkTrainer(model=model, args=training_args(tmp_path, **overrides), train_dataset=dataset(4), plugin=plugin())
@@ -278,6 +302,8 @@ def test_refused_at_start(tmp_path: Path, overrides: dict[str, Any], field: str)
 
 
 def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
+    from chunkmem.integrations.hf import ChunkTrainer
+
     args = training_args(tmp_path)
     args.deepspeed = {"zero_optimization": {"stage": 3}}  # building it so needs deepspeed installed
     with pytest.raises(NotSupportedError, match=r"TrainingArguments\.deepspeed="):
@@ -297,6 +323,9 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import os
 
     from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
 
     torch.set_num_threads(1)
     # What torchrun sets; Trainer (through Accelerate) joins the process group that exists.

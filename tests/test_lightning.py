@@ -9,102 +9,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 from chunkmem import ChunkedModel, NotSupportedError
-from chunkmem.integrations.lightning import ChunkStrategy
-from placement import AutoPlacementConfig
 
-# The model below holds 1633 fp32 parameters: with gradients and AdamW's two states everything
-# takes about 26 KB; 12 000 bytes is just above the largest single-op working set, so chunks are
-# evicted and gathered again during every step.
-BUDGET = 12_000
-CHUNK = 400
-STEPS_PER_EPOCH = 8
+# ``lightning_models.Regressor`` has a ``validation_step`` for the tests that validate; the others pass no validation
+# loader on purpose. Lightning's warning about it is of a class defined in lightning, which
+# pytest-xdist's controller process would import (seconds, in a process that runs no test) to
+# report it.
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 
 
-class Regressor(L.LightningModule):
-    """Three linear layers, AdamW with two param groups and a per-step LR schedule; records the
-    loss of every micro-batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
-        )
-        self.losses: list[float] = []
-        self.val_losses: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.val_losses.append(torch.nn.functional.mse_loss(self.net(x), y).item())
-
-    def configure_optimizers(self) -> Any:
-        matrices = [p for p in self.parameters() if p.ndim == 2]
-        vectors = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=2e-2
-        )
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-def loader(seed: int = 1, batches: int = STEPS_PER_EPOCH) -> DataLoader:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batches * 8, 16, generator=g)
-    return DataLoader(TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(len(x), 1, generator=g)), batch_size=8)
-
-
-def trainer(strategy: Any, epochs: int, **kwargs: Any) -> L.Trainer:
-    kwargs.setdefault("num_sanity_val_steps", 2)
-    kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
-def validation_loader() -> DataLoader:
-    return loader(seed=2, batches=2)
-
-
-def fit(
-    strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, validate: bool = False, **kwargs: Any
-) -> tuple[Regressor, L.Trainer]:
-    module = Regressor()
-    run = trainer(strategy, epochs, **kwargs)
-    run.fit(module, loader(), validation_loader() if validate else None, ckpt_path=ckpt_path)
-    return module, run
-
-
-def chunk_strategy() -> ChunkStrategy:
-    return ChunkStrategy(placement=AutoPlacementConfig(device_budget=BUDGET), chunk_size=CHUNK)
-
-
-def chunked_of(run: L.Trainer) -> ChunkedModel:
+def chunked_of(run: Any) -> ChunkedModel:
     model = run.strategy.model
     assert isinstance(model, ChunkedModel)
     return model
 
 
 def assert_tight(model: ChunkedModel) -> None:
+    from lightning_models import BUDGET
+
     stats = model.stats()
     assert len(model.manager.chunks) >= 3
     assert stats.evictions > 0, "the budget evicted nothing: it is not tight"
@@ -118,6 +43,9 @@ def test_same_losses_as_plain_lightning_bit_for_bit_with_accumulation_and_schedu
     validation, and ``trainer.validate`` after fit, which uses the model fit boosted).
     ``ModelCheckpoint`` keeps the latest checkpoint: the first epoch's is written, then removed when
     the second is."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_models import STEPS_PER_EPOCH, chunk_strategy, fit, validation_loader
+
     reference, plain = fit("auto", validate=True, accumulate_grad_batches=2)
     module, run = fit(
         chunk_strategy(),
@@ -149,6 +77,8 @@ def test_norm_clipping_matches_plain_lightning_within_a_stated_bound() -> None:
     float64 over the rank's shards. They can differ in the last bit of fp32, and so can every clipped
     update after that: the losses agree to 1e-6 relative, the weights to 1e-6 absolute (they are of
     order 0.1-1). The clipped run differs from the unclipped one, so clipping did happen."""
+    from lightning_models import chunk_strategy, fit
+
     unclipped, _ = fit("auto", epochs=1, accumulate_grad_batches=2)
     reference, _ = fit("auto", epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
     module, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.3)
@@ -166,6 +96,15 @@ def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path
     Lightning's uninterrupted two epochs, bit for bit (the previous test shows chunkmem's
     uninterrupted run is), so the weights, AdamW's states, the step count and the LR schedule all
     came back. A weights-only checkpoint of the result validates like plain Lightning's model."""
+    from lightning_models import (
+        STEPS_PER_EPOCH,
+        Regressor,
+        chunk_strategy,
+        fit,
+        trainer,
+        validation_loader,
+    )
+
     reference, _ = fit("auto", accumulate_grad_batches=2)
     first, run = fit(chunk_strategy(), epochs=1, accumulate_grad_batches=2)
     path = tmp_path / "k.ckpt"
@@ -190,32 +129,28 @@ def test_save_at_step_k_and_resume_gives_the_uninterrupted_losses(tmp_path: Path
 
 
 # --- refusals ----------------------------------------------------------------------------------
-class Manual(Regressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
-class OwnBackward(Regressor):
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        loss.backward()
-
-
-REFUSED: dict[str, tuple[type[Regressor], dict[str, Any], str]] = {
-    "manual optimization": (Manual, {}, "manual optimization"),
-    "clip by value": (Regressor, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "'value'"),
-    "bf16-true": (Regressor, {"precision": "bf16-true"}, "precision='bf16-true'"),
-    "64-true": (Regressor, {"precision": "64-true"}, "precision='64-true'"),
-    "own backward": (OwnBackward, {}, "OwnBackward.backward overridden"),
-    "sync_batchnorm": (Regressor, {"sync_batchnorm": True}, "sync_batchnorm=True"),
+# The module's class (a name in ``lightning_models``), the Trainer's arguments, what the refusal names.
+REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
+    "manual optimization": ("Manual", {}, "manual optimization"),
+    "clip by value": ("Regressor", {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, "'value'"),
+    "bf16-true": ("Regressor", {"precision": "bf16-true"}, "precision='bf16-true'"),
+    "64-true": ("Regressor", {"precision": "64-true"}, "precision='64-true'"),
+    "own backward": ("OwnBackward", {}, "OwnBackward.backward overridden"),
+    "sync_batchnorm": ("Regressor", {"sync_batchnorm": True}, "sync_batchnorm=True"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_refused_at_start_naming_the_setting(case: str) -> None:
     """Refused in setup, before any parameter moves into a chunk: the module is left as it was."""
-    module_class, kwargs, named = REFUSED[case]
-    module = module_class()
+    from lightning_models import CHUNK, loader, trainer
+
+    from chunkmem.integrations.lightning import ChunkStrategy
+
+    class_name, kwargs, named = REFUSED[case]
+    import lightning_models
+
+    module = getattr(lightning_models, class_name)()
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
     run = trainer(ChunkStrategy(chunk_size=CHUNK), 1, **kwargs)
     with pytest.raises(NotSupportedError, match="refused") as refused:
@@ -229,6 +164,11 @@ def test_refused_at_start_naming_the_setting(case: str) -> None:
 def test_several_processes_without_a_launcher_are_refused() -> None:
     """``devices=2`` with no process group and no torchrun: the strategy launches nothing, so it
     would otherwise train one rank as if it were the whole job."""
+    import lightning as L
+    from lightning_models import CHUNK, Regressor, loader
+
+    from chunkmem.integrations.lightning import ChunkStrategy
+
     run = L.Trainer(strategy=ChunkStrategy(chunk_size=CHUNK), accelerator="cpu", devices=2, max_epochs=1, logger=False)
     with pytest.raises(NotSupportedError, match=r"devices=2\) refused"):
         run.fit(Regressor(), loader())
@@ -239,7 +179,9 @@ def _fit_on_ranks(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """On every rank of the pooled gloo group: plain DDP for two epochs; ChunkStrategy for one, a
     (sharded) checkpoint, and a resume for the second. Both take the ranks from the existing
     process group and shard the data with Lightning's DistributedSampler."""
+    import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
+    from lightning_models import Regressor, chunk_strategy, loader
 
     from chunkmem.integrations.lightning import ProcessGroupEnvironment
 
@@ -283,6 +225,7 @@ def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) 
     (halving is exact), and the rest is the W=1 arithmetic. The run is interrupted after one epoch by a
     sharded checkpoint (every rank writes its own pieces) and resumed from it."""
     from distributed import run_ranks
+    from lightning_models import STEPS_PER_EPOCH
 
     results = run_ranks(_fit_on_ranks, world_size=2, args=(str(tmp_path),))
     for result in results:
@@ -298,6 +241,8 @@ def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) 
 def test_a_second_fit_of_a_boosted_module_is_refused() -> None:
     """Its parameters live in chunks: ``configure_optimizers`` would build an optimizer over
     placeholders. The refusal comes before any step, so the losses of the first fit stay as they were."""
+    from lightning_models import chunk_strategy, fit, loader
+
     module, run = fit(chunk_strategy(), epochs=1)
     steps = len(module.losses)
     with pytest.raises(NotSupportedError, match=r"second trainer\.fit"):
@@ -308,6 +253,8 @@ def test_a_second_fit_of_a_boosted_module_is_refused() -> None:
 def test_bf16_mixed_computes_in_bf16_within_tolerance_of_fp32() -> None:
     """``Trainer(precision="bf16-mixed")`` is chunkmem's bf16 compute (fp32 masters): every loss is a
     bf16 number, within 5% of plain fp32 Lightning's over 8 steps (bf16 keeps 8 bits of mantissa)."""
+    from lightning_models import chunk_strategy, fit
+
     reference, _ = fit("auto", epochs=1)
     module, _ = fit(chunk_strategy(), epochs=1, precision="bf16-mixed")
     assert all(torch.tensor(loss).bfloat16().item() == loss for loss in module.losses)

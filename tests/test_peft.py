@@ -23,7 +23,8 @@ from models import Step, as_reference, batches, device_of, gpt2, optimizer_step_
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
 from placement import AutoPlacementConfig, StaticPlacementConfig
 
-peft = pytest.importorskip("peft")
+# peft is imported where a test uses it: collecting this module (every pytest-xdist worker collects
+# every module, and three more test modules import its helpers) needs no peft.
 
 RANK, TARGET = 4, "c_attn"  # GPT-2 2x64: c_attn is 64 -> 192
 ADAPTER_NUMEL = 2 * RANK * (64 + 192)  # two layers, lora_A (r x 64) and lora_B (192 x r)
@@ -37,6 +38,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def lora_model(seed: int = 0) -> Any:
+    import peft
+
     config = peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=[TARGET], lora_dropout=0.0, fan_in_fan_out=True)
     model = peft.get_peft_model(gpt2(seed=seed), config)
     # PEFT starts lora_B at zero (the adapter's output is 0): draw it, so that every adapter
@@ -185,6 +188,8 @@ def assert_same_adapter(saved: Path, expected: Path) -> None:
     for name, value in expected_tensors.items():
         assert torch.equal(tensors[name], value), name
     ids = batches(1, seed=7)[0]
+    import peft
+
     loaded = [peft.PeftModel.from_pretrained(gpt2(), d).eval() for d in (saved, expected)]
     with torch.no_grad():
         assert torch.equal(loaded[0](input_ids=ids).logits, loaded[1](input_ids=ids).logits)
@@ -314,6 +319,8 @@ def test_lora_at_two_ranks_equals_plain_peft_saves_its_adapter_and_resumes(
 def test_get_peft_model_after_boosting_is_refused_naming_the_order() -> None:
     """PEFT replaces the boosted model's layers with its wrappers and adds adapter parameters that
     are in no chunk and no optimizer: the next forward refuses, saying to apply it first."""
+    import peft
+
     model = gpt2()
     booster = Booster(ChunkPlugin(precision="fp32", chunk_size=CHUNK))
     chunked, *_ = booster.boost(model, adamw(model))

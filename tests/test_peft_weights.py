@@ -21,14 +21,13 @@ from test_peft import DTYPES, adamw, plain_peft, train
 
 from chunkmem import Booster, ChunkPlugin, Location, MaterializeError, MemoryKind
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
 SEED = 7
 STEPS = 2
 
 
 def _lora(model: torch.nn.Module, precision: str = "bf16") -> Any:
+    import peft
+
     # The fp32 runs also train a full copy of the head (``modules_to_save``): its frozen original and
     # its trainable copy both start as the base's ``lm_head.weight``.
     save = ["lm_head"] if precision == "fp32" else None
@@ -44,11 +43,15 @@ def _save_base(directory: Path, precision: str) -> Path:
 
 
 def _plain(directory: str, precision: str) -> Any:
+    import transformers
+
     torch.manual_seed(SEED)
     return _lora(transformers.AutoModelForCausalLM.from_pretrained(directory), precision)
 
 
 def _meta(directory: str, precision: str) -> Any:
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(directory)
     torch.manual_seed(SEED)
     with torch.device("meta"):
@@ -126,6 +129,8 @@ def test_a_bf16_base_built_on_meta_gets_the_adapter_peft_gives_on_the_cpu() -> N
     """Without weights= too: PEFT casts a new adapter to its base layer's dtype on the CPU (a bf16
     base's LoRA A is rounded to bf16, then upcast to fp32) but skips that on the meta device; the
     replay rounds as the CPU build did."""
+    import transformers
+
     torch.manual_seed(SEED)
     cpu = _lora(llama(seed=SEED).to(torch.bfloat16))
     torch.manual_seed(SEED)

@@ -18,9 +18,6 @@ from distributed import run_ranks
 from models import VOCAB, llama
 from test_hf_trainer import assert_same_training, dataset, logged, plugin, training_args
 
-pytest.importorskip("peft")
-pytest.importorskip("trl")
-
 # SFTConfig turns on gradient checkpointing: recomputation needs more room than one op.
 BUDGET = 600_000
 
