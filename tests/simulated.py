@@ -290,18 +290,26 @@ def without(site: tuple[str, int, str]) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-_SYNCHRONOUS: dict[str, dict[str, Any]] = {}
+_SYNCHRONOUS: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
+def synchronous(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    """Scenario ``name`` on the synchronous CPU, run once a process (every scenario is seeded, so
+    each run gives the same result): the reference of every simulated run of it there."""
+    key = (name, rank, world_size)
+    if key not in _SYNCHRONOUS:
+        _SYNCHRONOUS[key] = run_scenario(rank, world_size, name, False)
+    return _SYNCHRONOUS[key]
 
 
 def caught_without(rank: int, world_size: int, site: tuple[str, int, str], name: str) -> str | None:
     """How scenario ``name`` on the simulated device fails with the wait at ``site`` removed
     (``None``: it does not), against the synchronous run."""
-    if name not in _SYNCHRONOUS:
-        _SYNCHRONOUS[name] = run_scenario(rank, world_size, name, False)
+    expected = synchronous(rank, world_size, name)
     try:
         with without(site):
             result = run_scenario(rank, world_size, name, True)
-        assert_identical(result, _SYNCHRONOUS[name], name)
+        assert_identical(result, expected, name)
     except UnorderedAccessError as error:
         return f"unordered access: {str(error)[:160]}"
     except AssertionError as error:
