@@ -59,6 +59,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "chunkmem",
     "chunkmem.checkpoint",
+    "frozen_heap",  # last: freezes what the imports above made
 ]
 
 
