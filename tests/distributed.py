@@ -24,7 +24,8 @@ Ranks are forked from a **fork server** that imported torch, transformers and ch
 re-importing them (about 10 s for two ranks, 20 s for four on a 2-core machine). The server is a
 clean process of its own (nothing but imports ran in it: no threads, no process group), so what a
 fork inherits is what a spawned rank would have built. Like a spawned rank, a forked one does not
-see environment variables the test process set after the server started.
+see environment variables the test process set after the server started. The server freezes what
+its imports made (``gc.freeze``, ``frozen_heap.py``): a rank's garbage collections skip it.
 """
 
 from __future__ import annotations
