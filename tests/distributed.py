@@ -32,7 +32,9 @@ calls once collection has imported the test modules and before any test runs, fo
 process itself into the server (``multiprocessing``'s own fork-server loop, started from a fork
 instead of an ``exec``). Nothing but imports has run in it then either, and the server also holds
 the test modules a rank's call would otherwise import. Where torch sees a GPU the server stays a
-fresh interpreter: CUDA, once queried in the test process, does not work in its forks.
+fresh interpreter: CUDA, once queried in the test process, does not work in its forks. Either
+server freezes what its imports made (``gc.freeze``, ``frozen_heap.py``): a rank's garbage
+collections skip it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
     "chunkmem",
     "chunkmem.checkpoint",
+    "frozen_heap",  # last: freezes what the imports above made
 ]
 
 
@@ -107,6 +110,8 @@ def serve_forks_from_here() -> bool:
             try:
                 os.close(alive_w)
                 _detach_inherited_fds(keep={0, 1, 2, listener.fileno(), alive_r})
+                import frozen_heap  # noqa: F401  (what the preload's last entry does in a fresh server)
+
                 forkserver.main(listener.fileno(), alive_r, [])
                 code = 0
             finally:

@@ -140,10 +140,13 @@ def _resumed_and_uninterrupted(rank: int, world_size: int, kind: str, out: str, 
         runs.append((resumed, resumed_optimizer))
     chunked, optimizer, booster = _boost(kind, SEED, out)
     expected = train(chunked, optimizer, booster, data, rank, world_size)
+    # Each state dict is gathered once (a collective over every chunk): not once per parameter.
+    expected_model, expected_optimizer = chunked.state_dict(), optimizer.state_dict()["state"]
     for model, opt in runs:
-        assert_same_states(model.state_dict(), chunked.state_dict())
-        for index, state in optimizer.state_dict()["state"].items():
-            assert_same_states(opt.state_dict()["state"][index], state)
+        assert_same_states(model.state_dict(), expected_model)
+        resumed_optimizer = opt.state_dict()["state"]
+        for index, state in expected_optimizer.items():
+            assert_same_states(resumed_optimizer[index], state)
     resumed = runs[0][0]
     if kind == "lora":
         resumed.save_pretrained(Path(out) / "resumed")  # every rank calls; rank 0 writes

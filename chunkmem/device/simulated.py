@@ -108,13 +108,44 @@ def _key(tensor: torch.Tensor) -> int | None:
     return tensor.untyped_storage()._cdata
 
 
-def _writes(func: Any) -> set[str]:
-    return {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+@dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What an op's schema says, read once per op (every op of a run passes through the mode)."""
+
+    name: str
+    view: bool  # every result aliases an input, none written: no access of its own
+    written_positions: frozenset[int]
+    written_names: frozenset[str]
 
 
-def _is_view(func: Any) -> bool:
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        schema = func._schema
+        writes = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        returns = schema.returns
+        info = _OP_INFO[func] = _OpInfo(
+            name=str(func.overloadpacket.__name__),
+            view=bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns),
+            written_positions=frozenset(i for i, a in enumerate(schema.arguments) if a.name in writes),
+            written_names=frozenset(writes),
+        )
+    return info
+
+
+def _tensors(value: Any, write: bool, into: list[tuple[torch.Tensor, bool]]) -> None:
+    """The tensors in an op's argument or result (a tensor, or lists and tuples of them: what
+    an ATen schema's types hold), with ``write``."""
+    if isinstance(value, torch.Tensor):
+        into.append((value, write))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, write, into)
+    elif isinstance(value, dict):
+        into.extend((t, write) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
 def _non_blocking(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -266,6 +297,8 @@ class Simulator:
         unless that use is ordered before the allocation stream (which the allocator gives the
         memory to) or the tensor was ``record_stream``-ed to that stream, its memory may be
         rewritten under the use."""
+        if not self._watched:
+            return
         for key, entry in list(self._watched.items()):
             if not entry.ref.expired():
                 continue
@@ -289,20 +322,18 @@ class Simulator:
                     )
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _is_view(func):
+        info = _op_info(func)
+        if info.view:
             return func(*args, **kwargs)
-        writes = _writes(func)
-        schema = func._schema.arguments
         touched: list[tuple[torch.Tensor, bool]] = []
         for index, value in enumerate(args):
-            write = index < len(schema) and schema[index].name in writes
-            touched.extend((t, write) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            _tensors(value, index in info.written_positions, touched)
         for name, value in kwargs.items():
-            touched.extend((t, name in writes) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            _tensors(value, name in info.written_names, touched)
         with self._lock:
             self.check_freed()
             host = [self.is_host(t) for t, _ in touched]
-            name = str(func.overloadpacket.__name__)
+            name = info.name
             # Only an asynchronous copy between a host buffer and memory that is not one is the
             # stream's; a blocking one is the host's (the host waits for it, and its other side
             # may be host memory the layer did not allocate: a load's values).
@@ -318,7 +349,9 @@ class Simulator:
         out = func(*args, **kwargs)
         if actor != COMPUTE:
             inputs = {_key(t) for t, _ in touched}
-            made = [r for r in tree_flatten(out)[0] if isinstance(r, torch.Tensor) and _key(r) not in inputs]
+            results: list[tuple[torch.Tensor, bool]] = []
+            _tensors(out, False, results)
+            made = [r for r, _ in results if _key(r) not in inputs]
             for result in made:
                 if actor == HOST:
                     self.register_host(result, pinned=False)
