@@ -114,7 +114,7 @@ def test_waste_on_a_frozen_embedding_model() -> None:
 @settings(max_examples=examples(60), deadline=None)
 @given(
     specs=st.lists(
-        st.tuples(st.integers(1, 200), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans()),
+        st.tuples(st.integers(0, 200), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans()),
         min_size=1,
         max_size=15,
     ),
@@ -147,6 +147,17 @@ def test_ties_go_to_the_smaller_size() -> None:
     # Rounding to the world size can make neighbouring candidates identical; the first is reported.
     result = search_chunk_size([torch.empty(3, device="meta")] * 3, 5, 8, granularity=1, world_size=4)
     assert result.chunk_size == 8 and result.waste_elements == 8 - 3 * 2 + 8 - 3
+
+
+def test_an_empty_parameter_opens_a_chunk_as_the_manager_packs_it() -> None:
+    # The manager gives an empty parameter a chunk when none is open (all of it padding), and puts it
+    # in the open chunk when one is, even a full one.
+    result = search_chunk_size([torch.empty(0, device="meta")], 4, 4)
+    assert (result.waste_elements, result.num_chunks) == (4, 1)
+    result = search_chunk_size([torch.empty(4, device="meta"), torch.empty(0, device="meta")], 4, 4)
+    assert (result.waste_elements, result.num_chunks) == (0, 1)
+    result = search_chunk_size([torch.empty(8, device="meta"), torch.empty(0, device="meta")], 4, 4)
+    assert (result.waste_elements, result.num_chunks) == (4, 2)
 
 
 def test_invalid_ranges_raise() -> None:

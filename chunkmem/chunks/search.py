@@ -95,6 +95,7 @@ def _pack(groups: Iterable[Sequence[int]], sizes: torch.Tensor, world_size: int)
     for numels in groups:
         # No chunk open yet: as if a full one were (nothing fits in it, closing it wastes nothing).
         fill = sizes.clone()
+        opened = len(ascending)  # sizes[opened:] have a real chunk open
         for n in numels:
             own = bisect.bisect_left(ascending, n)  # sizes[:own] < n
             if own:
@@ -105,6 +106,10 @@ def _pack(groups: Iterable[Sequence[int]], sizes: torch.Tensor, world_size: int)
             open_fill, size = fill[own:], sizes[own:]
             grown = open_fill + n
             starts = grown > size
+            # An empty parameter fits a full chunk but not the one that is not there: it opens one.
+            if n == 0:
+                starts[: max(opened - own, 0)] = True
+            opened = min(opened, own)
             # Starting a new chunk closes the open one and wastes what is left in it.
             waste[own:] += (size - open_fill).mul_(starts)
             chunks[own:] += starts
