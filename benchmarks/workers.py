@@ -22,6 +22,7 @@ Commands and initialisers must be importable functions (defined at module level)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -405,9 +406,13 @@ class RankPool:
                 proc.kill()
                 proc.join(timeout=5)
         # Each inbox a command went into runs a feeder thread in this process until it is closed:
-        # ended here, so that the next pool forks a process that runs no other thread (what a
-        # command left unread is one small message, which the pipe holds: the join cannot block).
+        # ended here, so that the next pool forks a process that runs no other thread. What no
+        # rank read is drained first: a feeder still writing a command larger than the pipe holds
+        # to a rank that is gone would block the join.
         for box in (*self._inboxes, self._outbox):
+            with contextlib.suppress(queue.Empty, OSError, EOFError):
+                while True:
+                    box.get(timeout=0.05)
             box.close()
             box.join_thread()
 

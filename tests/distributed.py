@@ -46,6 +46,7 @@ import itertools
 import os
 import queue
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,9 @@ def serve_forks_from_here() -> bool:
         if pid == 0:
             code = 1
             try:
+                # The lock this process held while forking stays held in the fork: a fork server
+                # started from the server or its children (a script's own) would wait on it forever.
+                server._lock = threading.Lock()
                 os.close(alive_w)
                 _detach_inherited_fds(keep={0, 1, 2, listener.fileno(), alive_r})
                 import frozen_heap  # noqa: F401  (what the preload's last entry does in a fresh server)

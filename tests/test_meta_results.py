@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 import torch
 
+from chunkmem.planning import meta_cache
 from chunkmem.planning.meta_cache import MetaResults
 
 _calls = [0]
+
+
+@pytest.fixture(autouse=True)
+def _forgotten() -> None:
+    """Each test starts from an empty memory (it is shared by the whole process)."""
+    meta_cache._SEEN.clear()
 
 
 @torch.library.custom_op("chunkmem_test::scaled", mutates_args=())
@@ -102,3 +109,23 @@ def test_views_in_place_ops_and_refusing_tensors_are_not_remembered() -> None:
         with pytest.raises(RuntimeError, match="refused"):
             _ = _Refusing(x) * 2
     assert torch.empty(3).device.type == "cpu"  # the mode is left: nothing of it stays
+
+
+def test_the_default_dtype_and_an_output_that_shares_its_input_are_not_mixed_up() -> None:
+    # An int tensor times a float scalar takes the default dtype, which the arguments do not say.
+    ints = torch.empty(3, dtype=torch.int64, device="meta")
+    with MetaResults():
+        assert (ints * 1.5).dtype == torch.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert (ints * 1.5).dtype == torch.float64
+        finally:
+            torch.set_default_dtype(previous)
+    # ``_unsafe_view`` returns its input's storage without an alias in its schema: never an empty stand-in.
+    x = _meta(4, 6)
+    with MetaResults() as seen:
+        for _ in range(2):
+            out = torch.ops.aten._unsafe_view(x, [24])
+            assert out.untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert seen.hits == 0

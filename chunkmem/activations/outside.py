@@ -51,7 +51,12 @@ class OutsideStretches:
         hooks.__enter__()
         self._hooks = hooks
         self._stretches = 0
-        self._open()
+        try:
+            self._open()
+        except BaseException:  # no stretch (an auto plan's room refused): the hooks go with the error
+            self._hooks = None
+            hooks.__exit__(None, None, None)
+            raise
 
     def leave(self, finished: bool) -> None:
         """The forward returned (``finished``: its last stretch ends) or raised; the hooks go."""
@@ -70,8 +75,10 @@ class OutsideStretches:
             yield
             return
         self._close()
-        yield
-        self._open()
+        try:
+            yield
+        finally:  # also where the model catches what the block raised and goes on
+            self._open()
 
     def _open(self) -> None:
         name = f"stretch {self._stretches} outside the blocks"

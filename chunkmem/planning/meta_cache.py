@@ -5,13 +5,16 @@ same example inputs, and PyTorch works out the output of most ops on the meta de
 
 ``MetaResults`` remembers, for each functional op it has seen on meta tensors, the output that op
 gave for those arguments (every tensor's shape, strides, storage offset and dtype; every other
-argument's value and type) and makes the next call with the same arguments an empty tensor of
-that layout. An op's meta output is a function of exactly those (a meta tensor holds no values),
-so what a plan counts is unchanged; the first pass pays for the kernels, the others do not.
+argument's value and type; the default dtype, which some ops read) and makes the next call with
+the same arguments an empty tensor of that layout. An op's meta output is a function of exactly
+those (a meta tensor holds no values), so what a plan counts is unchanged; the first pass pays for
+the kernels, the others do not.
 
 Only ops that make fresh tensors are remembered: one that writes into an argument or returns a
-view of one (an alias in its schema) always runs, as does any op on a tensor that is not on the
-meta device or whose class dispatches ops itself (a subclass that refuses them must still refuse).
+view of one (an alias in its schema, or an output found to share an argument's storage, as
+``_unsafe_view`` does without saying so: saved bytes are counted by storage) always runs, as does
+any op on a tensor that is not on the meta device or whose class dispatches ops itself (a
+subclass that refuses them must still refuse).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def _layout(tensor: torch.Tensor) -> _Layout:
 
 def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """The op and everything its meta kernel reads, or None where it cannot be remembered."""
-    key: list[Any] = [func, len(args), *kwargs]
+    key: list[Any] = [func, torch.get_default_dtype(), len(args), *kwargs]
     if _add(key, args) and _add(key, kwargs.values()):
         return tuple(key)
     return None
@@ -56,7 +59,11 @@ def _add(key: list[Any], leaves: Any) -> bool:
     """Append what ``leaves`` say to a meta kernel to ``key``; False where one cannot be said."""
     for leaf in leaves:  # a loop, not pytree: this runs for every op
         if isinstance(leaf, torch.Tensor):
-            if leaf.device.type != "meta" or type(leaf).__torch_dispatch__ is not _PLAIN_DISPATCH:
+            if (
+                leaf.device.type != "meta"
+                or leaf.layout is not torch.strided
+                or type(leaf).__torch_dispatch__ is not _PLAIN_DISPATCH
+            ):
                 return False
             key.append(_layout(leaf))
         elif isinstance(leaf, _SCALARS):
@@ -70,14 +77,39 @@ def _add(key: list[Any], leaves: Any) -> bool:
     return True
 
 
-def _made(result: Any) -> _Result | None:
+def _storages(tensors: Any) -> list[int]:
+    return [t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _own_storage(tensor: torch.Tensor, others: list[int]) -> bool:
+    """Whether ``tensor`` is what an empty tensor of its layout would be: a meta tensor alone at
+    the start of a storage of its own (not one of ``others``, the arguments' and earlier outputs')."""
+    if tensor.device.type != "meta" or tensor.layout is not torch.strided or tensor.storage_offset() != 0:
+        return False
+    storage = tensor.untyped_storage()._cdata
+    if storage in others:
+        return False
+    others.append(storage)
+    return True
+
+
+def _made(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Result | None:
+    """What to remember of ``result``, or None where an empty tensor would not stand for it."""
+    taken = _storages(_leaves(args)) + _storages(_leaves(kwargs.values()))
     if isinstance(result, torch.Tensor):
-        return (None, (_layout(result),)) if result.device.type == "meta" else None
+        return (None, (_layout(result),)) if _own_storage(result, taken) else None
     if isinstance(result, tuple | list) and all(r is None or isinstance(r, torch.Tensor) for r in result):
-        if any(r is not None and r.device.type != "meta" for r in result):
+        if not all(r is None or _own_storage(r, taken) for r in result):
             return None
         return type(result), tuple(None if r is None else _layout(r) for r in result)
     return None
+
+
+def _leaves(values: Any) -> list[Any]:
+    found = []
+    for value in values:
+        found.extend(_leaves(value) if isinstance(value, list | tuple) else [value])
+    return found
 
 
 def _empty(layout: _Layout | None) -> torch.Tensor | None:
@@ -118,7 +150,7 @@ class MetaResults(TorchDispatchMode):
             result = func(*args, **kwargs)
             if len(self._seen) >= _LIMIT:
                 self._seen.clear()
-            self._seen[key] = _made(result)
+            self._seen[key] = _made(result, args, kwargs)
             return result
         except TypeError:  # an argument that cannot be hashed
             return func(*args, **kwargs)
