@@ -296,25 +296,25 @@ def _keep(block: str) -> Any:
 
 
 def _recompute(block: str) -> Any:
-    from placement import ActivationPlacement
+    from chunkmem.placement import ActivationPlacement
 
     return ActivationPlacement(recompute=[block])
 
 
 def _offload(block: str) -> Any:
-    from placement import ActivationPlacement
+    from chunkmem.placement import ActivationPlacement
 
     return ActivationPlacement(offload=[block], max_prefetch=1)
 
 
 def _auto(block: str) -> Any:
-    from placement import ActivationPlacement
+    from chunkmem.placement import ActivationPlacement
 
     return ActivationPlacement(auto=[block])
 
 
 def _auto_outside(block: str) -> Any:
-    from placement import ActivationPlacement
+    from chunkmem.placement import ActivationPlacement
 
     return ActivationPlacement(auto=[block], offload_outside=True)
 
@@ -336,7 +336,7 @@ def _boost(
     """The model boosted by chunkmem (optimizer side in host memory) under ``budget``, its training
     step, and its parameter count."""
     from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin
-    from placement import StaticPlacementConfig
+    from chunkmem.placement import StaticPlacementConfig
 
     model = shape.build(max_seq, recipe.device)
     params = _count(model)

@@ -100,7 +100,7 @@ def static_minimums(ctx: RankContext, setup: BudgetSetup) -> list[int]:
     Asked by offering one byte: chunkmem refuses before it touches the model, and the refusal
     carries the minimum, so the base model is used as it is (no copy per question)."""
     from chunkmem import Booster, BudgetTooSmallError
-    from placement import StaticPlacementConfig
+    from chunkmem.placement import StaticPlacementConfig
 
     base = ctx.state["base"]
     minimums = []

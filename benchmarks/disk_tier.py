@@ -95,7 +95,7 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
         dist.destroy_process_group()
     else:
         from chunkmem import Booster, ChunkPlugin
-        from placement import StaticPlacementConfig
+        from chunkmem.placement import StaticPlacementConfig
 
         with torch.device("meta"):
             model = LlamaForCausalLM(config)

@@ -101,7 +101,7 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
             steps.append({"seconds": time.perf_counter() - begin})
         return _result(spec, base, baseline, built, steps)
     from chunkmem import Booster, ChunkPlugin
-    from placement import StaticPlacementConfig
+    from chunkmem.placement import StaticPlacementConfig
 
     with torch.device("meta"):  # the base in bf16, as plain PEFT's: frozen chunks then hold only its values
         model = _lora(LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16), spec["rank"])

@@ -69,7 +69,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.workers import CallFailure, LocalRanks, RankPool
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 CPU_SHAPE = GPT2Shape(layers=4, width=256, vocab=8192, seq=128)
 CPU_BATCH = 4

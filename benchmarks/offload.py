@@ -100,7 +100,7 @@ def _round(spec: dict[str, Any]) -> dict[str, Any]:
         backward = lambda loss: loss.backward()  # noqa: E731
     elif system.startswith("chunkmem"):
         from chunkmem import Booster, ChunkPlugin, StepAfterBackward, StepDuringBackward
-        from placement import StaticPlacementConfig
+        from chunkmem.placement import StaticPlacementConfig
 
         host_step = StepDuringBackward() if system == "chunkmem-during" else StepAfterBackward()
         placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, max_prefetch=2)

@@ -36,7 +36,7 @@ from benchmarks.common import (
     write_json,
 )
 from chunkmem import Booster, ChunkPlugin
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 WARMUP = 3
 

@@ -73,7 +73,7 @@ from benchmarks.workers import CallFailure, RankPool
 
 
 def systems(chunk_size: int | None = None) -> dict[str, System]:
-    from placement import AutoPlacementConfig, StaticPlacementConfig
+    from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
     return {
         s.name: s

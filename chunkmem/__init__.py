@@ -1,8 +1,8 @@
 """chunkmem: train PyTorch models larger than accelerator memory.
 
 Parameters are packed into fixed-size chunks, sharded over the data-parallel ranks, and moved
-between the accelerator and host memory by a placement policy (``placement``), driven by
-parameter-op hooks (``hooks``).
+between the accelerator and host memory by a placement policy (``chunkmem.placement``), driven by
+parameter-op hooks (``chunkmem.hooks``).
 """
 
 from . import checkpoint
@@ -37,6 +37,14 @@ from .errors import (
 )
 from .execution.runtime import ChunkRuntime
 from .optim import ChunkOptimizer, LossScaleConfig, StepAfterBackward, StepDuringBackward
+from .placement import (
+    ActivationPlacement,
+    AutoPlacementConfig,
+    BlockPlacement,
+    PlacementConfig,
+    StaticPlacementConfig,
+    load_placement_config,
+)
 from .planning.planner import Plan, PlanningCommunicator, StepCounters, plan
 from .plugin import ChunkPlugin
 from .ranks.comm import Communicator, PendingGather
@@ -45,7 +53,10 @@ from .usage.memory import describe_devices, device_capacity, device_free, host_m
 from .usage.stats import Stats
 
 __all__ = [
+    "ActivationPlacement",
     "AlreadyBoostedError",
+    "AutoPlacementConfig",
+    "BlockPlacement",
     "Booster",
     "BudgetExceededError",
     "BudgetTooSmallError",
@@ -75,10 +86,12 @@ __all__ = [
     "NotSupportedError",
     "OptimizerAfterBoostError",
     "PendingGather",
+    "PlacementConfig",
     "Plan",
     "PlanningCommunicator",
     "ShardedGradientError",
     "StateDictMismatchError",
+    "StaticPlacementConfig",
     "Stats",
     "StepAfterBackward",
     "StepCounters",
@@ -93,6 +106,7 @@ __all__ = [
     "device_capacity",
     "device_free",
     "host_memory",
+    "load_placement_config",
     "plan",
     "process_capacity",
     "search_chunk_size",

@@ -5,7 +5,7 @@ cannot go on), so existing ``except ValueError`` / ``except RuntimeError`` code 
 
 from __future__ import annotations
 
-import placement
+from chunkmem import placement
 
 __all__ = [
     "AlreadyBoostedError",

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from placement import ActivationPlacement, AutoPlacementConfig, RepeatedBlocks, StaticPlacementConfig
-from placement.config import Budget
+from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, RepeatedBlocks, StaticPlacementConfig
+from chunkmem.placement.config import Budget
 
 from .device import PLANNED_DEVICES, planned_precision
 from .errors import ChunkmemError

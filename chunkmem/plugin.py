@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
-import placement as placement_pkg
-from placement import (
+import chunkmem.placement as placement_pkg
+from chunkmem.placement import (
     ActivationPlacement,
     AutoPlacementConfig,
     ChunkPlacement,

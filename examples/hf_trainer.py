@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArg
 
 from chunkmem import ChunkPlugin
 from chunkmem.integrations.hf import ChunkTrainer
-from placement import AutoPlacementConfig
+from chunkmem.placement import AutoPlacementConfig
 
 
 def model() -> torch.nn.Module:

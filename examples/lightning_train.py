@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from chunkmem.integrations.lightning import ChunkStrategy
-from placement import AutoPlacementConfig
+from chunkmem.placement import AutoPlacementConfig
 
 EPOCHS = 2
 BATCHES = 8  # per epoch

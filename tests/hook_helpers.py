@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hooks import ParamOpHook, to_hooked, unhooked
-from hooks import hook as hook_module
+from chunkmem.hooks import ParamOpHook, to_hooked, unhooked
+from chunkmem.hooks import hook as hook_module
 
 Event = tuple[Any, ...]
 

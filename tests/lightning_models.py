@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from chunkmem.integrations.lightning import ChunkStrategy
-from placement import AutoPlacementConfig
+from chunkmem.placement import AutoPlacementConfig
 
 # The model below holds 1633 fp32 parameters: with gradients and AdamW's two states everything
 # takes about 26 KB; 12 000 bytes is just above the largest single-op working set, so chunks are

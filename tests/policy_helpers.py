@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from placement import (
+from chunkmem.placement import (
     AutoPlacementConfig,
     AutoPolicy,
     BufferKind,

@@ -28,8 +28,8 @@ from chunkmem import (
     StepDuringBackward,
 )
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
+from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.tiers.disk import DiskFile
-from placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
 

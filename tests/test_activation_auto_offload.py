@@ -25,8 +25,8 @@ from test_activation_disk import _to_disk
 from test_activations import _assert_identical, saved_storages
 
 from chunkmem import ChunkPlugin, Plan, plan
+from chunkmem.placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
 from chunkmem.usage.accounting import Location, MemoryKind
-from placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
 
 OFF, KEEP = ActivationChoice.OFFLOAD, ActivationChoice.KEEP
 FORWARD = 1.0  # seconds a call's forward takes, as the timings below say

@@ -19,7 +19,7 @@ from test_activations import _assert_identical, _saved_bytes
 from torch.utils.checkpoint import checkpoint
 
 from chunkmem import BudgetExceededError, BudgetTooSmallError, ChunkedModel
-from placement import (
+from chunkmem.placement import (
     ActivationChoice,
     ActivationPlacement,
     BlockMeasure,

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from test_activations import STEPS, Block, Stack, _assert_identical, _data, _loss, _plain, _trained, saved_storages
 
 from chunkmem import ChunkPlugin, DiskTierError, plan
-from placement import ActivationPlacement
+from chunkmem.placement import ActivationPlacement
 
 
 def _to_disk(sizes: list[int], budget: int) -> int:

@@ -30,7 +30,7 @@ from test_plan_activations import _lm_plan, _lm_run
 from tier import slow_cases
 
 from chunkmem import BudgetTooSmallError, NotSupportedError
-from placement import ActivationChoice, ActivationPlacement, BlockPlacement, StaticPlacementConfig
+from chunkmem.placement import ActivationChoice, ActivationPlacement, BlockPlacement, StaticPlacementConfig
 
 STEPS = 2
 MIN_OFFLOAD = 1024

@@ -20,7 +20,7 @@ from test_activation_budget import WIDTH, Stack
 from test_activation_ranks import PER_BLOCK, ROWS, _boost, _data, _loss, _model_minimum
 
 from chunkmem import BudgetTooSmallError, ChunkmemError, TraceDivergenceError
-from placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig
+from chunkmem.placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig
 
 PG_TIMEOUT = 30.0
 LINGER = 8.0  # a rank that raised stays alive up to this long, as a process whose NCCL peers hang would

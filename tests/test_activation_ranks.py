@@ -13,7 +13,7 @@ from models import adamw_two_groups, as_reference, boost, device_of
 from test_activation_budget import BLOCKS, WIDTH, Stack
 
 from chunkmem import BudgetTooSmallError
-from placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig
+from chunkmem.placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig
 
 STEPS = 4
 SEQ = (12, 16)  # each rank's sequence length (dynamic padding: one rank's batch is shorter)

@@ -29,7 +29,7 @@ from tier import slow_cases
 from torch.utils.checkpoint import checkpoint
 
 from chunkmem import ChunkedModel, ChunkPlugin, NotSupportedError
-from placement import ActivationPlacement
+from chunkmem.placement import ActivationPlacement
 
 WIDTH, HIDDEN, BATCH, BLOCKS, STEPS = 32, 64, 8, 2, 3
 FP32 = 4

@@ -237,7 +237,7 @@ def test_a_run_out_of_device_memory_becomes_a_row_state_and_the_others_go_on(mon
     from benchmarks import budget_runs
     from benchmarks.memory_budget import Driver, Row
     from benchmarks.workers import LocalRanks
-    from placement import StaticPlacementConfig
+    from chunkmem.placement import StaticPlacementConfig
 
     real_step = budget_runs.TrainingRun.step
 

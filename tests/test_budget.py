@@ -20,7 +20,7 @@ from models import (
 from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind
-from placement import AutoPlacementConfig, BudgetTooSmallError, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, BudgetTooSmallError, StaticPlacementConfig
 
 CHUNK = 12_000
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from chunkmem import Booster, ChunkPlugin, HostBudgetTooSmallError
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 WIDTH, LAYERS, CHUNK = 64, 6, 4_200  # one layer a chunk
 

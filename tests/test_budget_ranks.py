@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from models import adamw_two_groups, assert_state_close, batches, gpt2, lm_loss, train_reference
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Stats
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 CHUNK = 6_000
 

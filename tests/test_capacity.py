@@ -23,9 +23,9 @@ from models import (
 )
 
 from chunkmem import process_capacity
+from chunkmem.placement import AutoPlacementConfig
+from chunkmem.placement.policy import format_bytes
 from chunkmem.usage.memory import DeviceMemory
-from placement import AutoPlacementConfig
-from placement.policy import format_bytes
 
 BUDGET = 3_000_000
 

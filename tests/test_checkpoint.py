@@ -24,7 +24,7 @@ from models import (
 )
 
 from chunkmem import Booster, ChunkPlugin, checkpoint
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 
 def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> None:

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 import yaml
 
-from placement import AutoPlacementConfig, StaticPlacementConfig, load_placement_config
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig, load_placement_config
 
 GiB = 2**30
 MiB = 2**20

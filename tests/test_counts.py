@@ -16,7 +16,7 @@ from distributed import run_ranks
 from models import batches, enable_checkpointing, gpt2
 
 from chunkmem import Booster, ChunkPlugin
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 # --- gathers per chunk per step at world size 2 ------------------------------------------------------
 STEPS = 4  # the first records the trace; the next three are measured

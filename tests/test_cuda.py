@@ -20,7 +20,7 @@ from models import (
     train_reference,
 )
 
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 pytestmark = pytest.mark.cuda
 

@@ -10,7 +10,7 @@ from models import adamw_two_groups, batches, gpt2
 from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 
 def _work_per_op(placement: object, chunk_size: int) -> tuple[float, int]:

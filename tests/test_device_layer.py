@@ -15,10 +15,10 @@ from models import adamw_two_groups, batches, boost, gpt2, lm_loss
 from chunkmem import Location
 from chunkmem.device import AcceleratorLayer, DeviceLayer, device_layer
 from chunkmem.device.simulated import simulated_device
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY = ("chunkmem", "hooks", "placement")
+LIBRARY = ("chunkmem",)
 LAYER = ROOT / "chunkmem" / "device"
 FORBIDDEN = re.compile(
     r"""torch\.cuda\b|["']cuda["']|pin_memory=|torch\.(Stream|Event|accelerator)\b|(?<!layer)\.(is_pinned|record_stream)\("""

@@ -19,7 +19,7 @@ from forked import run_script
 from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 WIDTH, LAYERS, CHUNK = 64, 6, 4_200  # one layer a chunk
 ON_DISK = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=0)
@@ -171,7 +171,7 @@ _KILLED = """
 import atexit, os, signal, sys, torch
 sys.path.insert(0, sys.argv[2])
 from chunkmem import Booster, ChunkPlugin
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
 placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0)

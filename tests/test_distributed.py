@@ -32,7 +32,7 @@ from models import (
 )
 
 from chunkmem import Communicator
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 PLACEMENTS: dict[str, Any] = {
     "static": StaticPlacementConfig(),

@@ -26,8 +26,8 @@ from models import VOCAB, gpt2, tolerance
 
 import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
+from chunkmem.placement import AutoPlacementConfig
 from chunkmem.ranks.comm import Communicator
-from placement import AutoPlacementConfig
 
 # transformers' Trainer (and chunkmem.integrations.hf, which imports it) is imported by the tests
 # that use it: it imports accelerate and datasets, seconds in every pytest-xdist worker collecting

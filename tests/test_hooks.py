@@ -28,7 +28,7 @@ from hook_helpers import (
 )
 from torch import nn
 
-from hooks import (
+from chunkmem.hooks import (
     HookedParameter,
     ValueCopy,
     bind,

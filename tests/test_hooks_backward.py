@@ -27,7 +27,7 @@ from hook_helpers import (
 )
 from torch import nn
 
-from hooks import bind, param_op_hooks, to_hooked
+from chunkmem.hooks import bind, param_op_hooks, to_hooked
 
 # --------------------------------------------------------------------------------------------
 # backward: pre_backward before and post_backward after each op's own backward, once per op

@@ -19,7 +19,7 @@ from models import copies, device_of
 
 from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
 from chunkmem.optim.host_kernels import HostKernels
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
 

@@ -1,4 +1,4 @@
-"""The import graph of ``chunkmem``, ``placement`` and ``hooks``: no cycles, and no DCP at import.
+"""The import graph of ``chunkmem``: no cycles, layers that point down, and no DCP at import.
 
 The graph is read from the source with ``ast``, not from ``sys.modules``: every ``import`` and
 ``from ... import`` counts, at module level, inside functions (a lazy import hides a cycle from
@@ -12,7 +12,7 @@ imported: a sibling import does not run it again).
 The layers, lowest first (``LAYERS``; README.md "Layout" draws the same): a package imports only
 packages of lower layers, never one of its own layer or above, type-only imports included.
 
- 0. ``placement`` (decisions), ``hooks`` (parameter-op hooks): no chunkmem code
+ 0. ``chunkmem.placement`` (decisions), ``chunkmem.hooks`` (parameter-op hooks): nothing else of chunkmem
  1. ``chunkmem.errors`` (the exceptions), ``chunkmem.device`` (the accelerator layer)
  2. ``chunkmem.usage``: the byte ledger, the counters, memory probes
  3. ``chunkmem.ranks``: collectives and cross-rank checks; ``chunkmem.tiers``: host transfers, disk
@@ -45,7 +45,7 @@ import pytest
 from child_env import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("chunkmem", "placement", "hooks")
+PACKAGES = ("chunkmem",)
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -164,18 +164,19 @@ def test_the_reader_sees_lazy_relative_and_package_imports() -> None:
 
 def test_the_packages_import_each_other_without_cycles() -> None:
     graph = import_graph()
-    assert {"chunkmem", "chunkmem.checkpoint", "placement", "hooks"} <= set(graph)
+    assert {"chunkmem", "chunkmem.checkpoint", "chunkmem.placement", "chunkmem.hooks"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-    for package in ("placement", "hooks"):  # the arrows point one way (layer 0 of LAYERS)
-        outward = {t for m, ts in graph.items() if m.split(".")[0] == package for t in ts if t.startswith("chunkmem")}
-        assert not outward, f"{package} imports chunkmem: {sorted(outward)}"
+    for package in ("chunkmem.placement", "chunkmem.hooks"):  # the arrows point one way (layer 0 of LAYERS)
+        inside = [m for m in graph if m == package or m.startswith(package + ".")]
+        outward = {t for m in inside for t in graph[m] if t.startswith("chunkmem") and not t.startswith(package)}
+        assert not outward, f"{package} imports the rest of chunkmem: {sorted(outward)}"
 
 
 # The layers of the module docstring, lowest first. An entry is a package (all its modules) or a
 # module at the top of chunkmem; ``chunkmem`` itself names its ``__init__`` only.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("placement", "hooks"),
+    ("chunkmem.placement", "chunkmem.hooks"),
     ("chunkmem.errors", "chunkmem.device"),
     ("chunkmem.usage",),
     ("chunkmem.ranks", "chunkmem.tiers"),
@@ -303,3 +304,20 @@ def test_the_optimizer_package_imports_in_layers() -> None:
         assert package not in graph[module], f"{module} imports its own package's __init__"
     # Which packages may import the optimizer side, and which it may import: LAYERS
     # (test_the_packages_import_in_layers).
+
+
+@pytest.mark.slow  # a fresh interpreter: what a user's own folder puts first on sys.path is what is tested
+def test_a_users_hooks_and_placement_modules_do_not_shadow_chunkmem(tmp_path: Path) -> None:
+    """chunkmem installs one top-level name: a ``hooks.py`` and a ``placement/`` package beside the
+    user's script (first on ``sys.path``) are the user's, and ``import chunkmem`` does not read them."""
+    (tmp_path / "hooks.py").write_text("raise ImportError('the user hooks.py was imported')\n")
+    (tmp_path / "placement").mkdir()
+    (tmp_path / "placement" / "__init__.py").write_text("raise ImportError('the user placement/ was imported')\n")
+    script = tmp_path / "train.py"
+    script.write_text("import chunkmem\nfrom chunkmem import AutoPlacementConfig, Booster, ChunkPlugin\nimport hooks\n")
+    run = [sys.executable, str(script)]
+    result = subprocess.run(run, cwd=tmp_path, env=child_env(), capture_output=True, text=True)
+    # chunkmem imported whole; the user's own hooks.py is then the one `import hooks` finds
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "ImportError: the user hooks.py was imported", result.stderr
+    assert 'train.py", line 3' in result.stderr, result.stderr

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from chunkmem import Booster, ChunkedModel, ChunkPlugin, MaterializeError
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 CHUNK = 7_000  # several chunks, parameters packed so that shard boundaries fall inside rows
 

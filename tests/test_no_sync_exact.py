@@ -32,7 +32,7 @@ from models import (
 from tier import slow_cases
 
 from chunkmem import BudgetTooSmallError, ChunkedModel
-from placement import AutoPlacementConfig, Verb
+from chunkmem.placement import AutoPlacementConfig, Verb
 
 MICRO = 4
 STEPS = 3

@@ -30,11 +30,11 @@ from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 
 from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
 from chunkmem.chunks.param_on_disk import ParamOnDisk, ParamOnDiskState
+from chunkmem.placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
+from chunkmem.placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 from chunkmem.tiers.transfers import HostTransfers
 from chunkmem.usage.accounting import MemoryLedger
 from chunkmem.usage.stats import Stats
-from placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
-from placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 
 ON_DISK = StaticPlacementConfig(
     offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0, max_prefetch=1

@@ -15,7 +15,7 @@ from models import (
     train_reference,
 )
 
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from distributed import run_ranks
 from models import Step, as_reference, batches, device_of, gpt2, optimizer_step_side
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 # peft is imported where a test uses it: collecting this module (every pytest-xdist worker collects
 # every module, and three more test modules import its helpers) needs no peft.

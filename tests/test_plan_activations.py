@@ -17,7 +17,7 @@ from models import batches, gpt2, llama
 from test_activation_budget import BATCH, WIDTH, Stack, _auto, _train
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, plan
-from placement import ActivationChoice, ActivationPlacement, BlockPlacement, CopyRates, StaticPlacementConfig
+from chunkmem.placement import ActivationChoice, ActivationPlacement, BlockPlacement, CopyRates, StaticPlacementConfig
 
 BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 

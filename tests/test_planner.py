@@ -22,7 +22,7 @@ from models import batches, gpt2, llama, reference_device
 
 from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
 from chunkmem.device.simulated import simulated_device
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 CHUNK = 6_000
 CAPACITY = process_capacity(torch.device("cpu"))

@@ -30,7 +30,7 @@ from policy_helpers import (
 )
 from tier import examples
 
-from placement import (
+from chunkmem.placement import (
     AutoPlacementConfig,
     AutoPolicy,
     BudgetTooSmallError,

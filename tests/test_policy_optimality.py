@@ -33,7 +33,7 @@ from policy_helpers import (
 )
 from tier import examples
 
-from placement import (
+from chunkmem.placement import (
     ChunkSpec,
     ComputeTrace,
     FetchPlan,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from models import boost
 
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ from models import (
 )
 
 from chunkmem import Location
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 
 @pytest.fixture

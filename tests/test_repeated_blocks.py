@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from chunkmem import NotSupportedError
 from chunkmem.activations import detect_repeated_block
-from placement import ActivationPlacement, BlockPlacement, RepeatedBlocks, StaticPlacementConfig
+from chunkmem.placement import ActivationPlacement, BlockPlacement, RepeatedBlocks, StaticPlacementConfig
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from distributed import run_ranks
 from models import adamw_two_groups, assert_state_close, boost, copies, tolerance
 
 from chunkmem import ChunkedModel
-from placement import Action, StaticPlacementConfig, Verb, make_policy, simulate
+from chunkmem.placement import Action, StaticPlacementConfig, Verb, make_policy, simulate
 
 WIDTH = 16
 CHUNK = 600  # elements: two 16x16 layers with their biases fill a chunk

@@ -14,7 +14,7 @@ from distributed import run_ranks
 from models import adamw_two_groups, batches, boost, enable_checkpointing, gpt2, lm_loss
 from policy_helpers import B, F, catalog, static, trace_of
 
-from placement import (
+from chunkmem.placement import (
     Action,
     AutoPlacementConfig,
     AutoPolicy,

@@ -33,7 +33,7 @@ from chunkmem import (
     StateDictMismatchError,
 )
 from chunkmem.checkpoint import sharded
-from placement import StaticPlacementConfig
+from chunkmem.placement import StaticPlacementConfig
 
 SAVED_AT = 3  # steps before the save; two more after it
 DATA = 5

@@ -39,7 +39,7 @@ from chunkmem import (
     StateDictMismatchError,
     UnscaledBackwardError,
 )
-from placement import StaticPlacementConfig, load_placement_config
+from chunkmem.placement import StaticPlacementConfig, load_placement_config
 
 OFFLOADED = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0)
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tier import examples
 
-from placement import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, TraceStep
+from chunkmem.placement import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, TraceStep
 
 F, B = Phase.FORWARD, Phase.BACKWARD
 

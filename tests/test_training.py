@@ -30,7 +30,7 @@ from models import (
 from tier import slow_cases
 
 from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 PLACEMENTS: dict[str, Any] = {
     "static": StaticPlacementConfig(),

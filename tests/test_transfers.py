@@ -8,8 +8,8 @@ import torch
 from models import adamw_two_groups, batches, boost, gpt2, train_chunked
 
 from chunkmem import Stats
+from chunkmem.placement import StaticPlacementConfig
 from chunkmem.tiers.transfers import Direction, HostTransfers
-from placement import StaticPlacementConfig
 
 OFFLOAD = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0)
 

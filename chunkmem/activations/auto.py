@@ -32,9 +32,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import placement as placement_pkg
-from placement import ActivationChoice, ActivationPlan, BlockMeasure, CopyRates, PlacementPolicy, choose_activations
-from placement.policy import format_bytes
+import chunkmem.placement as placement_pkg
+from chunkmem.placement import (
+    ActivationChoice,
+    ActivationPlan,
+    BlockMeasure,
+    CopyRates,
+    PlacementPolicy,
+    choose_activations,
+)
+from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError, BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from ..ranks.comm import Communicator

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from placement import (
+from chunkmem.placement import (
     ActivationPlacement,
     ActivationPlan,
     BlockPlacement,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from placement import ActivationPlacement, RepeatedBlocks, block_class_name
+from chunkmem.placement import ActivationPlacement, RepeatedBlocks, block_class_name
 
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator

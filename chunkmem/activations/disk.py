@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from placement import HostRoom
+from chunkmem.placement import HostRoom
 
 from ..errors import DiskTierError
 from ..ranks.agreement import agree

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from placement import ActivationPlacement, BlockPlacement, disk_bytes_per_call
+from chunkmem.placement import ActivationPlacement, BlockPlacement, disk_bytes_per_call
 
 from .counting import Saved, SavedCount
 

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from placement.policy import format_bytes
+from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind, MemoryLedger

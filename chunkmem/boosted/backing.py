@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from placement.policy import format_bytes
+from chunkmem.placement.policy import format_bytes
 
 from ..activations.disk import check_disk_dir
 from ..chunks.param_values import ParamValues

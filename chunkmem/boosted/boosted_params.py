@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hooks import HookedParameter
+from chunkmem.hooks import HookedParameter
 
 from ..chunks.manager import ChunkManager
 from ..errors import AlreadyBoostedError, OptimizerAfterBoostError

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hooks import unhooked
+from chunkmem.hooks import unhooked
 
 from ..errors import ShardedGradientError
 

@@ -28,7 +28,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map
 
-from placement import ActivationPlacement, ActivationPlan
+from chunkmem.placement import ActivationPlacement, ActivationPlan
 
 from ..activations import ActivationBlocks
 from ..chunks.chunk import Chunk

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from hooks import unhooked
+from chunkmem.hooks import unhooked
 
 from ..ranks.comm import Communicator, PendingGather
 from ..usage.accounting import Location, MemoryKind, MemoryLedger

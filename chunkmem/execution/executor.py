@@ -21,10 +21,10 @@ from typing import Protocol
 
 import torch
 
-from placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
-from placement.actions import Action, Verb
-from placement.policy import format_bytes
-from placement.residency import DeviceResidency, Held, NoRoomError
+from chunkmem.placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
+from chunkmem.placement.actions import Action, Verb
+from chunkmem.placement.policy import format_bytes
+from chunkmem.placement.residency import DeviceResidency, Held, NoRoomError
 
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager

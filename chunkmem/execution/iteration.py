@@ -17,7 +17,7 @@ import enum
 import hashlib
 from collections.abc import Callable
 
-from placement import ComputeTrace, Divergence, Phase, TraceCursor, TraceStep, step_digest
+from chunkmem.placement import ComputeTrace, Divergence, Phase, TraceCursor, TraceStep, step_digest
 
 from ..ranks.where import IterationKind, Where
 

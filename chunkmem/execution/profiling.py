@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from placement import ComputeTrace, PlacementPolicy
+from chunkmem.placement import ComputeTrace, PlacementPolicy
 
 from ..ranks.comm import Communicator
 from ..usage.accounting import MemoryLedger

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
-from placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
+from chunkmem.hooks import ParamOpHook, bind, to_hooked, unbind, unhooked
+from chunkmem.placement import ChunkSpec, ComputeTrace, Divergence, Phase, PlacementPolicy
 
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager

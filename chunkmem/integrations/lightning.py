@@ -39,7 +39,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
         "chunkmem.integrations.lightning needs Lightning 2.5 or 2.6: pip install 'chunkmem[lightning]'"
     ) from error
 
-from placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
 from ..boosted.model import ChunkedModel
 from ..booster import Booster

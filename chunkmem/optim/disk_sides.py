@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from placement import DISK_WINDOW
+from chunkmem.placement import DISK_WINDOW
 
 from ..errors import DiskTierError
 from ..tiers.disk import SidesFile

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from placement import Layout
+from chunkmem.placement import Layout
 
 from ..usage.accounting import Location
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from placement import (
+from chunkmem.placement import (
     ActivationChoice,
     ActivationPlan,
     BlockMeasure,
@@ -17,7 +17,7 @@ from placement import (
     choose_activations,
     disk_bytes_per_call,
 )
-from placement.policy import format_bytes
+from chunkmem.placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast
 from ..usage.stats import Stats

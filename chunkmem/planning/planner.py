@@ -38,9 +38,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from placement.activation_plan import activation_minimum
-from placement.activations import BlockPlacement
-from placement.policy import format_bytes
+from chunkmem.placement.activation_plan import activation_minimum
+from chunkmem.placement.activations import BlockPlacement
+from chunkmem.placement.policy import format_bytes
 
 from ..activations.detect import RepeatedBlock, resolve_blocks
 from ..activations.forecast import BlockForecast, forecast

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from placement import FetchPlan, Phase
+from chunkmem.placement import FetchPlan, Phase
 
 from ..errors import TraceDivergenceError
 from .agreed_values import AgreedValues

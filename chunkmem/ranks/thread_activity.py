@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import hooks
-import placement
+from chunkmem import hooks, placement
 
 __all__ = ["UserCollective", "blocked_in_user_collective", "own_operations", "raise_in", "where_thread_is"]
 

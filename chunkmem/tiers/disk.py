@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from placement import DISK_WINDOW
+from chunkmem.placement import DISK_WINDOW
 
 from ..errors import DiskTierError
 from ..usage.stats import Stats
