@@ -118,6 +118,7 @@ def test_console_scripts_point_at_the_command_lines() -> None:
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
+@pytest.mark.slow  # setuptools reads the project: half a second idle, seconds on a loaded machine
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # setuptools on pyproject's license table
 def test_a_built_distribution_installs_both_console_scripts(tmp_path: Path) -> None:
     """The metadata a wheel of this checkout carries (what ``pip install .`` installs) names the

@@ -12,7 +12,7 @@ import torch
 
 from .choice import device_layer
 from .layer import DeviceLayer
-from .probes import accelerator_available, compute_device
+from .probes import accelerator_available, compute_device, nvml_gpu_count
 from .simulated import SIMULATED, simulation_requested
 
 __all__ = ["LayerChoice", "PinnedCopy", "Toolkit", "layer_choice", "locked_memory_limit", "pinned_copy", "toolkit"]
@@ -41,21 +41,6 @@ class Toolkit:
     """``CUDA_VISIBLE_DEVICES`` as set (``None``: unset, every GPU is visible)."""
 
 
-def _nvml_count() -> int | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        return None
-
-
 def _nccl() -> str | None:
     import torch.distributed as dist
 
@@ -82,7 +67,7 @@ def toolkit() -> Toolkit:
         cuda_build=torch.version.cuda,
         cuda_available=available,
         gpus=gpus,
-        nvml_gpus=_nvml_count(),
+        nvml_gpus=nvml_gpu_count(),
         cudnn=cudnn,
         nccl=_nccl(),
         gloo=_gloo(),
