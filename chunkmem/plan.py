@@ -1,4 +1,5 @@
-"""``python -m chunkmem.plan``: predict a training run of a transformers model without running it.
+"""``chunkmem-plan`` (or ``python -m chunkmem.plan``): predict a training run of a transformers model
+without running it.
 
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
@@ -34,7 +35,7 @@ from .planning.planner import Plan, plan
 from .plugin import ChunkPlugin
 from .usage.memory import process_capacity
 
-__all__ = ["SHAPES", "build_meta_model", "main"]
+__all__ = ["SHAPES", "build_meta_model", "cli", "main"]
 
 # Published shapes (vocabulary, width, layers, heads, key-value heads, MLP width, positions).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -188,10 +189,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m chunkmem.plan", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter
-    )
+def _parser(prog: str) -> argparse.ArgumentParser:
+    summary = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog=prog, description=summary, formatter_class=_HelpFormatter)
     parser.add_argument("--hf-config", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model dir")
     parser.add_argument(
         "--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB (default: no cap)"
@@ -307,8 +307,8 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def main(argv: list[str] | None = None) -> Plan:
-    parser = _parser()
+def main(argv: list[str] | None = None, prog: str = "python -m chunkmem.plan") -> Plan:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     for flag, value, policies in (
         ("--disk-frac", args.disk_frac, "static or offload"),
@@ -361,6 +361,12 @@ def main(argv: list[str] | None = None) -> Plan:
         )
         print(result.table())
     return result
+
+
+def cli() -> None:
+    """The ``chunkmem-plan`` console script (``main`` returns the plan, which a console script would
+    take for an exit status)."""
+    main(prog="chunkmem-plan")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ from chunkmem import (
     BudgetTooSmallError,
     ChunkedModel,
     ChunkOptimizer,
-    Communicator,
     DiskTierError,
     StepAfterBackward,
     StepDuringBackward,
 )
 from chunkmem.device.simulated import UnorderedAccessError, simulated_device
 from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.ranks.comm import Communicator
 from chunkmem.tiers.disk import DiskFile
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}

@@ -17,9 +17,10 @@ import pytest
 import torch
 from models import copies, device_of
 
-from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
+from chunkmem import Booster, ChunkPlugin, StepAfterBackward, StepDuringBackward
 from chunkmem.optim.host_kernels import HostKernels
 from chunkmem.placement import StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
 

@@ -20,8 +20,9 @@ import torch
 from distributed import run_ranks
 from models import Step, as_reference, batches, device_of, gpt2, optimizer_step_side
 
-from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
+from chunkmem import Booster, ChunkPlugin, NotSupportedError, UnmanageableParameter
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.accounting import Location, MemoryKind
 
 # peft is imported where a test uses it: collecting this module (every pytest-xdist worker collects
 # every module, and three more test modules import its helpers) needs no peft.

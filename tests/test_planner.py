@@ -20,9 +20,10 @@ from distributed import run_ranks
 from forked import run_main
 from models import batches, gpt2, llama, reference_device
 
-from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
+from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan
 from chunkmem.device.simulated import simulated_device
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.memory import process_capacity
 
 CHUNK = 6_000
 CAPACITY = process_capacity(torch.device("cpu"))

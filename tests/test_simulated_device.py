@@ -11,9 +11,10 @@ import torch
 from distributed import run_ranks
 from simulated import SCENARIOS, assert_identical, caught_without, run_scenario, synchronous, wait_sites
 
-from chunkmem import Booster, ChunkPlugin, Communicator
+from chunkmem import Booster, ChunkPlugin
 from chunkmem.device import bf16_supported, compute_device, device_layer
 from chunkmem.device.simulated import SimulatedLayer, UnorderedAccessError, simulated_device
+from chunkmem.ranks.comm import Communicator
 
 pytestmark = pytest.mark.simulated
 

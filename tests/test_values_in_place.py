@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from test_param_disk import ON_DISK, train_counted
 from test_peft import adamw, plain_peft
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, StateDictMismatchError, plan
+from chunkmem import Booster, ChunkPlugin, DiskTierError, StateDictMismatchError, plan
 from chunkmem.tiers.disk import DISK_BLOCK
+from chunkmem.usage.accounting import Location, MemoryKind
 
 WIDTH = 64
 CHUNK = WIDTH * WIDTH  # every base weight fills a chunk, the four adapter matrices another: no padding
