@@ -351,6 +351,7 @@ class ChunkPlugin:
                 DeviceBudget(manager.ledger, runtime.transient_room, policy),
                 manager.ledger,
                 backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
+                manager.failures,
             )
             if placed is not None
             else None
