@@ -119,18 +119,27 @@ class ChunkManager:
         return info
 
     # --- registration -----------------------------------------------------------------------
-    def register(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], chunk_size: int) -> None:
+    def register(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        chunk_size: int,
+        trainable_chunk_size: int | None = None,
+    ) -> None:
         """Pack parameters, in order, into chunks of ``chunk_size`` elements (rounded up to a
-        multiple of the world size). Each group (dtype, requires_grad) fills its own open chunk; a
-        parameter larger than ``chunk_size`` gets a chunk of its own."""
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
+        multiple of the world size), the trainable ones into chunks of ``trainable_chunk_size``
+        where given (an adapter a small part of a frozen model: its chunks sized for it, not for
+        the model). Each group (dtype, requires_grad) fills its own open chunk; a parameter larger
+        than its group's size gets a chunk of its own."""
+        for size in (chunk_size, trainable_chunk_size):
+            if size is not None and size <= 0:
+                raise ValueError(f"chunk_size must be a positive number of elements, got {size}")
         world = self._comm.world_size
-        capacity = -(-chunk_size // world) * world
+        sizes = {False: chunk_size, True: trainable_chunk_size or chunk_size}
         open_chunks: dict[tuple[torch.dtype, bool], Chunk] = {}
         for name, param in named_params:
             self._check_manageable(name, param)
             key = group_key(param)
+            capacity = -(-sizes[param.requires_grad] // world) * world
             numel = param.numel()
             if numel > capacity:
                 chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad)
