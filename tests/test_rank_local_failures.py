@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,35 @@ def _wait_for_the_others(signals: Path, rank: int, world_size: int, began: float
         time.sleep(0.05)
 
 
+def _raised(run: Callable[[], Any], signals: str, rank: int, world_size: int) -> dict[str, Any]:
+    """What ``run()`` raised on this rank (``"no error"``: nothing) and after how many seconds; then
+    this rank stays alive until every rank raised (``_wait_for_the_others``)."""
+    began = time.monotonic()
+    try:
+        run()
+        outcome = "no error"
+    except DiskTierError as error:
+        outcome = str(error)
+    except Exception as error:  # what must not happen: a collective's timeout, not the disk tier's error
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - began
+    _wait_for_the_others(Path(signals), rank, world_size, began)
+    return {"error": outcome, "seconds": seconds}
+
+
+def _on_two_ranks(fn: Callable[..., Any], tmp_path: Path, *args: Any) -> list[dict[str, Any]]:
+    """``fn(rank, world_size, scratch, signals, *args)`` on two fresh ranks whose process group
+    times out after ``PG_TIMEOUT``: a rank left waiting shows as an error after that long."""
+    (tmp_path / "signals").mkdir()
+    run_args = (str(tmp_path), str(tmp_path / "signals"), *args)
+    results = run_ranks(fn, 2, args=run_args, pg_timeout=PG_TIMEOUT, timeout=90)
+    for rank, result in enumerate(results):
+        assert "on rank 1" in result["error"] and "on rank 0" not in result["error"], (rank, result)
+        assert result["seconds"] < 10, (rank, result)
+    assert results[0]["error"] == results[1]["error"]
+    return results
+
+
 def _activation_file_truncated(rank: int, world_size: int, scratch: str, signals: str, how: str) -> dict[str, Any]:
     """Rank 1's activation file is truncated (``how``), or overwritten with other bytes of its size,
     between the forward and the backward."""
@@ -47,18 +77,8 @@ def _activation_file_truncated(rank: int, world_size: int, scratch: str, signals
                 os.truncate(file, 0)
             else:
                 file.write_bytes(os.urandom(file.stat().st_size))
-    began = time.monotonic()
-    try:
-        booster.backward(loss, optimizer)
-        outcome = "no error"
-    except DiskTierError as error:
-        outcome = str(error)
-    except Exception as error:  # what must not happen: a collective's timeout, not the disk tier's error
-        outcome = f"{type(error).__name__}: {error}"
-    seconds = time.monotonic() - began
-    _wait_for_the_others(Path(signals), rank, world_size, began)
-    result: dict[str, Any] = {"error": outcome, "seconds": seconds}
-    if outcome == "no error" or "Every rank raises this error" not in outcome:
+    result = _raised(lambda: booster.backward(loss, optimizer), signals, rank, world_size)
+    if "Every rank raises this error" not in result["error"]:
         return result
     # The backward's gradients are lost on every rank: its step is refused until zero_grad, then training goes on.
     with pytest.raises(DiskTierError, match=r"step is refused: call zero_grad\(\)"):
@@ -75,21 +95,9 @@ def _activation_file_truncated(rank: int, world_size: int, scratch: str, signals
 def test_an_activation_file_changed_on_one_rank_raises_on_every_rank_within_seconds(
     tmp_path: Path, how: str, said: str
 ) -> None:
-    (tmp_path / "signals").mkdir()
-    results = run_ranks(
-        _activation_file_truncated,
-        2,
-        args=(str(tmp_path), str(tmp_path / "signals"), how),
-        pg_timeout=PG_TIMEOUT,
-        timeout=90,
-    )
-    for rank, result in enumerate(results):
-        assert "on rank 1" in result["error"] and "activations" in result["error"], (rank, result)
-        assert said in result["error"] and "on rank 0" not in result["error"], (rank, result)
-        assert result["seconds"] < 10, (rank, result)
+    for rank, result in enumerate(_on_two_ranks(_activation_file_truncated, tmp_path, how)):
+        assert "saved activations" in result["error"] and said in result["error"], (rank, result)
         assert result["steps"] == 1, (rank, result)
-    assert results[0]["error"] == results[1]["error"]
-    print(results[0]["error"])
 
 
 # --- the disk tier's own file: a parameter shard read for a gather, a gradient read back to accumulate ---------
@@ -113,32 +121,12 @@ def _sides_file_truncated(rank: int, world_size: int, scratch: str, signals: str
     if rank == 1:
         (file,) = Path(scratch).glob("*-rank1/sides.bin")
         os.truncate(file, 0)
-    began = time.monotonic()
-    try:
-        booster.backward(lm_loss(chunked, second), optimizer)
-        outcome = "no error"
-    except DiskTierError as error:
-        outcome = str(error)
-    except Exception as error:
-        outcome = f"{type(error).__name__}: {error}"
-    seconds = time.monotonic() - began
-    _wait_for_the_others(Path(signals), rank, world_size, began)
-    return {"error": outcome, "seconds": seconds}
+    return _raised(lambda: booster.backward(lm_loss(chunked, second), optimizer), signals, rank, world_size)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("what", ["parameters", "gradients"])
 def test_a_disk_tier_file_truncated_on_one_rank_raises_on_every_rank_within_seconds(tmp_path: Path, what: str) -> None:
-    (tmp_path / "signals").mkdir()
-    results = run_ranks(
-        _sides_file_truncated,
-        2,
-        args=(str(tmp_path), str(tmp_path / "signals"), what),
-        pg_timeout=PG_TIMEOUT,
-        timeout=90,
-    )
-    for rank, result in enumerate(results):
-        assert "on rank 1" in result["error"] and "sides.bin" in result["error"], (rank, result)
-        assert result["seconds"] < 10, (rank, result)
-    assert results[0]["error"] == results[1]["error"]
-    print(results[0]["error"])
+    expected = "reading a parameter shard" if what == "parameters" else "reading back a gradient"
+    for rank, result in enumerate(_on_two_ranks(_sides_file_truncated, tmp_path, what)):
+        assert expected in result["error"] and "sides.bin" in result["error"], (rank, result)
