@@ -76,7 +76,7 @@ class LocalFailures:
         """Raise the agreed error again, if one holds (before an optimizer step: every rank has it)."""
         if self._agreed is not None:
             raise DiskTierError(
-                f"{self._agreed} This optimizer step is refused: call zero_grad() to drop this iteration's "
+                f"{self._agreed}. This optimizer step is refused: call zero_grad() to drop this iteration's "
                 "gradients and go on"
             ) from self._agreed
 
