@@ -32,7 +32,7 @@ from .boosted.boosted_params import already_boosted, note_boosted, the_fix
 from .boosted.model import ChunkedModel
 from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
-from .chunks.search import default_search_range, search_chunk_size
+from .chunks.search import default_search_range, search_chunk_size, trainable_chunk_range
 from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
 from .errors import (
@@ -305,12 +305,14 @@ class ChunkPlugin:
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
-        chunk_size = self.chunk_size or self._search(named, comm.world_size)
+        chunk_size, trainable_chunk_size = (
+            (self.chunk_size, None) if self.chunk_size is not None else self._search(named, comm.world_size)
+        )
 
         values = backing.values(model, weights)
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
-        manager.register(named, chunk_size)
+        manager.register(named, chunk_size, trainable_chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
@@ -351,6 +353,7 @@ class ChunkPlugin:
                 DeviceBudget(manager.ledger, runtime.transient_room, policy),
                 manager.ledger,
                 backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
+                manager.failures,
             )
             if placed is not None
             else None
@@ -436,12 +439,26 @@ class ChunkPlugin:
                 "size that wastes the least padding."
             )
 
-    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> int:
+    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
+        """The chunk size that wastes the least padding, and for trainable parameters that all fit
+        in less than one such chunk beside frozen ones (a LoRA adapter) a size of their own
+        (``trainable_chunk_range``): in a chunk of the model's size their gradient buffers, fp32
+        masters, optimizer states and disk writes would be mostly padding. ``None``: one size."""
         params = [p for _, p in named]
-        low, high = default_search_range(sum(p.numel() for p in params), 1024, self.compute_dtype.itemsize)
-        result = search_chunk_size(params, low, high, 1024, world_size, self.compute_dtype.itemsize)
-        log.info("chunkmem: searched %s", result.describe())
-        return result.chunk_size
+        itemsize = self.compute_dtype.itemsize
+        low, high = default_search_range(sum(p.numel() for p in params), 1024, itemsize)
+        result = search_chunk_size(params, low, high, 1024, world_size, itemsize)
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        if not trainable or not frozen or sum(p.numel() for p in trainable) >= result.chunk_size:
+            log.info("chunkmem: searched %s", result.describe())
+            return result.chunk_size, None
+        low, high = default_search_range(sum(p.numel() for p in frozen), 1024, itemsize)
+        base = search_chunk_size(frozen, low, high, 1024, world_size, itemsize)
+        low, high = trainable_chunk_range(sum(p.numel() for p in trainable), base.chunk_size, 1024, itemsize)
+        adapter = search_chunk_size(trainable, low, high, 1024, world_size, itemsize)
+        log.info("chunkmem: searched %s (frozen), %s (trainable)", base.describe(), adapter.describe())
+        return base.chunk_size, adapter.chunk_size
 
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel

@@ -37,6 +37,7 @@ from chunkmem.placement import (
 
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
+from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import MemoryLedger
 from ..usage.stats import Stats
@@ -98,9 +99,11 @@ class ActivationBlocks:
         budget: DeviceBudget | None = None,
         ledger: MemoryLedger | None = None,
         disk_dir: str | None = None,
+        failures: LocalFailures | None = None,
     ) -> None:
         """``ledger``: the model's, where a ``host_budget``'s bytes are accounted; ``disk_dir``:
-        where what exceeds it goes (checked by the plugin's backing)."""
+        where what exceeds it goes (checked by the plugin's backing); ``failures``: the model's,
+        where a read back from there that failed waits for the ranks' agreement."""
         self._stats = stats
         self._config = config
         layer = comm.layer
@@ -109,8 +112,9 @@ class ActivationBlocks:
         self._transfers = HostTransfers(self._copies, layer)
         self._disk: ActivationDisk | None = None
         if config.host_budget is not None:
-            assert ledger is not None and disk_dir is not None, "a host budget has a ledger and a disk_dir"
-            self._disk = ActivationDisk(HostRoom(int(config.host_budget)), disk_dir, comm, ledger, self._transfers)
+            assert ledger is not None and disk_dir is not None and failures is not None, "a host budget's parts"
+            room = HostRoom(int(config.host_budget))
+            self._disk = ActivationDisk(room, disk_dir, comm, ledger, self._transfers, failures)
         self._offload = ActivationOffload(
             self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk
         )

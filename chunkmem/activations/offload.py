@@ -276,7 +276,7 @@ class ActivationOffload:
                     self._transfers.copy(copy.device, copy.host, Direction.TO_DEVICE)
                 else:
                     assert self._disk is not None and copy.disk is not None, "a copy is on the host or on disk"
-                    self._disk.read(copy.disk, copy.device.view(torch.uint8))
+                    self._disk.read(copy.disk, copy.device.view(torch.uint8), call.block)
                 self._fetched.append(copy)
             call.ready = self._layer.record_event(self._fetch_stream)
         call.fetched = True

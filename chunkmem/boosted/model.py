@@ -183,7 +183,7 @@ class ChunkedModel(torch.nn.Module):
             outside = self._activations.outside_blocks() if self._activations is not None else nullcontext()
             with self._runtime.forward_context(), outside:
                 out = self.module(*args, **kwargs)
-            self._runtime.agree_reads_in_place()
+            self._runtime.agree_reads()
             if self._activations is not None:  # every rank's forward returned: agreed over ranks
                 self._activations.end_forward()
             return out
@@ -315,7 +315,7 @@ class ChunkedModel(torch.nn.Module):
                     continue
                 for info in chunk.tensors:  # copies: ``full`` may be the master itself
                     values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
-        runtime.agree_reads_in_place()
+        runtime.agree_reads()
         return values
 
     def full_state_dict(
@@ -483,7 +483,7 @@ class ChunkedModel(torch.nn.Module):
     def _module_calls_are_iterations(self) -> Iterator[None]:
         runtime = self._runtime
         before = self.module.register_forward_pre_hook(lambda module, args: runtime.begin_forward())
-        returned = self.module.register_forward_hook(lambda module, args, out: runtime.agree_reads_in_place())
+        returned = self.module.register_forward_hook(lambda module, args, out: runtime.agree_reads())
         after = self.module.register_forward_hook(lambda module, args, out: runtime.end_forward(), always_call=True)
         try:
             yield

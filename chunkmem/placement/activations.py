@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .activation_host import MIN_HOST_BUDGET
 from .config import Budget
@@ -187,20 +187,23 @@ class ActivationPlacement(BaseModel):
                 )
         return self
 
-    @model_validator(mode="after")
-    def _host_budget_for_offload(self) -> ActivationPlacement:
-        if self.host_budget is None:
-            return self
-        if not self.offload and not self.auto and not self.offload_outside:
+    @field_validator("host_budget")
+    @classmethod
+    def _host_budget_for_offload(cls, host_budget: int | None, info: ValidationInfo) -> int | None:
+        # A field's own check (after the fields before it), so that the error names host_budget.
+        if host_budget is None:
+            return host_budget
+        given = info.data
+        if not given.get("offload") and not given.get("auto") and not given.get("offload_outside"):
             raise ValueError(
                 "host_budget caps the host memory of the offload blocks' copies (and of the auto blocks' offloaded "
                 "calls and the stretches offload_outside offloads), but neither offload nor auto names a block class "
                 "and offload_outside is off: name the blocks to offload (offload=[...]) or to place under the budget "
                 "(auto=[...]), set offload_outside=True, or drop host_budget"
             )
-        if self.host_budget < MIN_HOST_BUDGET:
+        if host_budget < MIN_HOST_BUDGET:
             raise ValueError(
-                f"host_budget={int(self.host_budget)} bytes is below the minimum of {MIN_HOST_BUDGET} bytes (the disk "
+                f"host_budget={int(host_budget)} bytes is below the minimum of {MIN_HOST_BUDGET} bytes (the disk "
                 "tier's staging window takes a quarter of it): give at least 4KiB"
             )
-        return self
+        return host_budget
