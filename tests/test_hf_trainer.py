@@ -16,13 +16,14 @@ some of it on: losses then agree within 1e-6 relative.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from distributed import run_ranks
-from models import VOCAB, gpt2, tolerance
+from models import VOCAB, gpt2, llama, tolerance
 
 import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
@@ -108,18 +109,53 @@ def assert_same_training(
         assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=rtol), (got, want)
 
 
+DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+
+
+def gpt2_with_dropout() -> torch.nn.Module:
+    return gpt2(**DROPOUT)
+
+
+def lora_llama_with_dropout() -> torch.nn.Module:
+    """A PEFT model, as a user hands it to Trainer: Trainer looks through ``PeftModel`` to the base
+    model's class wherever it decides by the model's class."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
+    return get_peft_model(llama(attention_dropout=0.1), lora)
+
+
 @pytest.mark.parametrize(
-    "overrides, budget, exact",
+    "model, overrides, budget, exact",
     [
-        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule", marks=pytest.mark.slow),
+        pytest.param(gpt2, {}, BUDGET, False, id="accumulate-clip-schedule", marks=pytest.mark.slow),
         # Recomputation runs forward ops inside backward ones: both need their chunks at once.
-        # No clipping: the same arithmetic, so the same losses bit for bit.
+        # No clipping: the same arithmetic, so the same losses bit for bit. Dropout on: the same
+        # masks, in the recomputation too. Label smoothing: Trainer shifts a causal LM's labels
+        # when the model it unwraps is one by its class name (unshifted, the loss trains each
+        # position to predict itself).
         pytest.param(
-            {"gradient_checkpointing": True, "max_grad_norm": 0.0}, 300_000, True, id="gradient-checkpointing-exact"
+            gpt2_with_dropout,
+            {"gradient_checkpointing": True, "max_grad_norm": 0.0, "label_smoothing_factor": 0.1},
+            300_000,
+            True,
+            id="gradient-checkpointing-label-smoothing-exact",
+        ),
+        # Through PeftModel to LlamaForCausalLM: the shift again, and where NEFTune's noise goes
+        # (the base model's input embeddings), with dropout in the adapter and the attention.
+        pytest.param(
+            lora_llama_with_dropout,
+            {"max_grad_norm": 0.0, "label_smoothing_factor": 0.1, "neftune_noise_alpha": 5.0},
+            600_000,
+            True,
+            id="peft-label-smoothing-neftune-exact",
+            marks=pytest.mark.slow,
         ),
     ],
 )
-def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int, exact: bool) -> None:
+def test_same_losses_as_plain_trainer(
+    tmp_path: Path, model: Callable[[], torch.nn.Module], overrides: dict[str, Any], budget: int, exact: bool
+) -> None:
     from transformers import Trainer
 
     from chunkmem.integrations.hf import ChunkTrainer
@@ -127,11 +163,12 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     data, held_out = dataset(), dataset(n=4, seed=2)
     overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
     plain = Trainer(
-        model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
+        model=model(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
     )
     plain.train()
+    users_model = model()
     chunked = ChunkTrainer(
-        model=gpt2(),
+        model=users_model,
         args=training_args(tmp_path / "chunked", **overrides),
         train_dataset=data,
         eval_dataset=held_out,
@@ -146,10 +183,16 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     for got, want in zip(evaluated, reference, strict=True):
         assert math.isclose(got, want, rel_tol=0 if exact else RTOL), (evaluated, reference)
     assert math.isclose(result.training_loss, plain.state.log_history[-1]["train_loss"], rel_tol=0 if exact else RTOL)
+    if exact:
+        trained, expected = chunked.accelerator.get_state_dict(chunked.model), plain.model.state_dict()
+        assert sorted(trained) == sorted(expected)
+        assert [name for name in expected if not torch.equal(trained[name], expected[name])] == []
     stats = chunked.model.stats()
     assert stats.optimizer_steps == 3
     assert stats.peak_device_bytes <= budget
     assert stats.evictions > 0, "the budget must be tight enough to move chunks"
+    # What Trainer and TRL inspect: the user's model, as Accelerate unwraps it from DDP.
+    assert chunked.accelerator.unwrap_model(chunked.model) is users_model
 
 
 def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
@@ -230,7 +273,7 @@ def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp
     assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
 
 
-@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
+@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-label-smoothing-exact
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
     uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;

@@ -50,6 +50,25 @@ class ChunkAccelerator(Accelerator):
             )
         return next(iter(found.values()))
 
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's module inside a boosted model, as Accelerate gives the module inside DDP.
+        Trainer and TRL decide from it what plain Trainer decides from the user's model: its class
+        name picks whether label smoothing shifts a causal LM's labels, ``isinstance(..., PeftModel)``
+        whether NEFTune reaches the embeddings through the base model. Its parameters hold
+        placeholders: its own ``state_dict()`` is refused, naming the calls that gather."""
+        unwrapped = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        return unwrapped.module if isinstance(unwrapped, ChunkedModel) else unwrapped
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """A boosted model's full fp32 state on every rank (a collective: every rank calls it),
+        under the user's module's names, as Accelerate returns the module's state inside DDP."""
+        boosted = super().unwrap_model(model)
+        if isinstance(boosted, ChunkedModel):
+            return boosted.state_dict()
+        return super().get_state_dict(model, unwrap=unwrap)
+
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> torch.nn.Module:
