@@ -360,6 +360,28 @@ def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
         )
 
 
+def test_resuming_from_a_checkpoint_chunkmem_did_not_write_is_refused(tmp_path: Path) -> None:
+    """A checkpoint-N directory without chunkmem's checkpoint (plain Trainer's, say) is refused at
+    resume, naming both layouts looked for, before anything is loaded."""
+    from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+
+    plain_checkpoint = tmp_path / "checkpoint-2"
+    plain_checkpoint.mkdir()
+    (plain_checkpoint / "model.safetensors").write_bytes(b"")
+    trainer = ChunkTrainer(
+        model=gpt2(n_layer=1, n_embd=32),
+        args=training_args(tmp_path / "out"),
+        train_dataset=dataset(4),
+        plugin=plugin(),
+    )
+    with pytest.raises(NotSupportedError, match="holds no chunkmem checkpoint") as refused:
+        trainer.train(resume_from_checkpoint=str(plain_checkpoint))
+    saved = plain_checkpoint / CHECKPOINT_DIR
+    assert f"{saved / 'model.pt'}, which one rank writes" in str(refused.value)
+    assert f"{saved / 'model'}, which several ranks write" in str(refused.value)
+    assert trainer.state.global_step == 0
+
+
 # Resuming at another world size: each step trains on the same 8 rows at one rank as at two (the
 # sampler's order is seeded by TrainingArguments.seed; each rank takes every other batch of 2), and
 # Trainer skips the same 16 rows of the two steps already taken. No clipping (the norm is still
