@@ -69,6 +69,13 @@ class ChunkTrainerMixin:
         # the calls on the model and optimizer routed to chunkmem (ChunkAccelerator adds no state).
         self.accelerator.__class__ = routed_to_chunkmem(type(self.accelerator))
 
+    # --- the loss -------------------------------------------------------------------------------
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        # Trainer decides from the unwrapped model's class whether label smoothing shifts a causal
+        # LM's labels (looking through PeftModel to the base model): the user's model, as under DDP.
+        with self.accelerator.showing_users_model():
+            return super().compute_loss(*args, **kwargs)  # type: ignore[misc]
+
     # --- checkpoints --------------------------------------------------------------------------
     @property
     def _sharded(self) -> bool:
