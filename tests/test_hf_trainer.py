@@ -274,7 +274,8 @@ def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
     uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;
-    ``save_model`` writes what ``from_pretrained`` loads."""
+    ``save_model``, and ``save_pretrained`` on what the accelerator unwraps, write what
+    ``from_pretrained`` loads."""
     from transformers import GPT2LMHeadModel
 
     from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
@@ -307,13 +308,18 @@ def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "resumed").glob("checkpoint-*")] == ["checkpoint-4"]
     assert (tmp_path / "resumed" / "checkpoint-4" / CHECKPOINT_DIR / "model.pt").is_file()
 
-    export = tmp_path / "export"
-    full.save_model(str(export))
-    loaded = GPT2LMHeadModel.from_pretrained(export)
+    # Trainer's save_model, and Accelerate's way after training: save_pretrained on what
+    # unwrap_model gives (the boosted model, which gathers the chunks, as DDP gives the module).
     state = full.model.state_dict()
-    for name, value in loaded.state_dict().items():
-        assert torch.equal(value, state[name]), name
-    assert set(state) <= set(loaded.state_dict())
+    for export in (tmp_path / "export", tmp_path / "unwrapped"):
+        if export.name == "export":
+            full.save_model(str(export))
+        else:
+            full.accelerator.unwrap_model(full.model).save_pretrained(export)
+        loaded = GPT2LMHeadModel.from_pretrained(export)
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, state[name]), name
+        assert set(state) <= set(loaded.state_dict())
 
 
 REFUSED = [
