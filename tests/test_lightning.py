@@ -238,6 +238,69 @@ def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) 
     assert results[0]["ddp"] != results[1]["ddp"]  # the ranks saw different data
 
 
+def _fit_with_dropout(rank: int, world_size: int) -> dict[str, Any]:
+    """On every rank, as a script does: ``seed_everything``, build the module, fit; plain DDP, then
+    ChunkStrategy. Building the module draws from the RNG after the seed was set."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning_models import DropoutRegressor, chunk_strategy, fit
+
+    from chunkmem.integrations.lightning import ProcessGroupEnvironment
+
+    L.seed_everything(7, verbose=False)
+    ddp, _ = fit(
+        DDPStrategy(cluster_environment=ProcessGroupEnvironment()),
+        epochs=1,
+        module_class=DropoutRegressor,
+        devices=world_size,
+    )
+    L.seed_everything(7, verbose=False)
+    module, run = fit(chunk_strategy(), epochs=1, module_class=DropoutRegressor, devices=world_size)
+    return {
+        "ddp": ddp.losses,
+        "chunkmem": module.losses,
+        "ddp_state": ddp.state_dict(),
+        "state": chunked_of(run).state_dict(),
+    }
+
+
+@pytest.mark.multirank
+def test_two_ranks_with_dropout_draw_the_masks_plain_ddp_draws(tmp_path: Path) -> None:
+    """DDPStrategy resets each rank's RNG to ``seed_everything``'s seed in its distributed setup;
+    so does ChunkStrategy at W>1: with dropout on, every rank's losses and the final weights equal
+    plain DDP's bit for bit (without the reset, the masks come from where building the module left
+    the RNG)."""
+    from distributed import run_ranks
+    from lightning_models import STEPS_PER_EPOCH
+
+    results = run_ranks(_fit_with_dropout, world_size=2)
+    for result in results:
+        assert len(result["ddp"]) == STEPS_PER_EPOCH // 2
+        assert result["chunkmem"] == result["ddp"]
+        for name, value in result["state"].items():
+            assert torch.equal(value, result["ddp_state"][name]), name
+
+
+@pytest.mark.slow  # the fast tier's case: the losses at one rank bit for bit, without dropout
+def test_one_rank_with_dropout_draws_the_masks_plain_lightning_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one rank plain Lightning's strategy is SingleDeviceStrategy, which does not reset the RNG:
+    nor does ChunkStrategy, so after ``seed_everything`` and building the module the dropout masks,
+    the losses and the weights are plain Lightning's, bit for bit."""
+    import lightning as L
+    from lightning_models import DropoutRegressor, chunk_strategy, fit
+
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # put back after the test: seed_everything sets them
+        monkeypatch.setenv(name, "0")
+    L.seed_everything(7, verbose=False)
+    reference, _ = fit("auto", epochs=1, module_class=DropoutRegressor)
+    L.seed_everything(7, verbose=False)
+    module, run = fit(chunk_strategy(), epochs=1, module_class=DropoutRegressor)
+    assert module.losses == reference.losses
+    expected = reference.state_dict()
+    for name, value in chunked_of(run).state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_a_second_fit_of_a_boosted_module_is_refused() -> None:
     """Its parameters live in chunks: ``configure_optimizers`` would build an optimizer over
     placeholders. The refusal comes before any step, so the losses of the first fit stay as they were."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import ParallelStrategy
@@ -143,6 +144,12 @@ class ChunkStrategy(ParallelStrategy):
                 "process group yourself before building the Trainer; then every rank runs the same script."
             )
         super().setup_environment()
+        if self.world_size > 1:
+            # What DDPStrategy, FSDPStrategy and DeepSpeedStrategy do in their distributed setup:
+            # every rank's RNG back to seed_everything's seed (nothing without one), so that dropout
+            # draws the masks plain DDP draws from the first step. At one rank the plain counterpart
+            # is SingleDeviceStrategy, which leaves the RNG where the script left it.
+            reset_seed()
         if self.world_size > 1 and not dist.is_initialized():
             assert environment is not None
             _init_dist_connection(environment, collective_backend(self.root_device))
