@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 from docs_blocks import FRONT_DOOR, ROOT, Page, doc_pages, error_classes, read_page
 from forked import run_script
+from models import reference_device
 
 PAGES = [read_page(path) for path in doc_pages()]
 RUNNABLE = [p for p in PAGES if any(b.kind in ("run", "setup") for b in p.blocks)]
@@ -106,7 +108,7 @@ def test_the_readme_quickstart_imports_only_from_chunkmem() -> None:
     assert modules <= {"chunkmem", "torch", "copy"}, modules
 
 
-def _run_page(page: Page, tmp_path: Path) -> None:
+def _run_page(page: Page, tmp_path: Path) -> str:
     blocks = [
         [b.kind, b.note if b.kind == "file" else b.where, b.line, b.text]
         for b in page.blocks
@@ -118,13 +120,18 @@ def _run_page(page: Page, tmp_path: Path) -> None:
     work.mkdir()
     done = run_script(_DRIVER, str(spec), str(work), timeout=240.0)
     assert done.returncode == 0, f"{page.name}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
 
 
 @pytest.mark.parametrize(
     "page", [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.slow else []) for p in RUNNABLE]
 )
 def test_the_page_runs(page: Page, tmp_path: Path) -> None:
-    _run_page(page, tmp_path)
+    out = _run_page(page, tmp_path)
+    if page.name == "README.md" and reference_device().type == "cpu":
+        # The quick start's promise on a CPU: chunkmem's loss is plain PyTorch's, to the bit.
+        steps = re.findall(r"^step \d+: chunkmem (\S+), plain PyTorch (\S+)$", out, flags=re.MULTILINE)
+        assert len(steps) == 3 and all(ours == plain for ours, plain in steps), out
 
 
 def test_python_blocks_not_run_are_still_python() -> None:
