@@ -29,7 +29,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def examples_markdown(examples: Path = ROOT / "examples") -> str:
-    """A section per example script: its docstring, how to run it, and its code."""
+    """A section per example script: its docstring's first paragraph, how to run it, and its code."""
     scripts = sorted(examples.glob("*.py"))
     if not scripts:
         return "No example scripts are in `examples/`.\n"
@@ -39,8 +39,8 @@ def examples_markdown(examples: Path = ROOT / "examples") -> str:
         relative = script.relative_to(ROOT).as_posix()
         out += [f"## `{relative}`", ""]
         if doc:
-            # The docstring's indented command lines read as a literal block; shown as text here.
-            out += ["```{code-block} text", doc, "```", ""]
+            out += [doc.split("\n\n")[0].replace("\n", " "), ""]
+        out += [f"Run `python {relative} --help` for its options.", ""]
         out += [f"```{{literalinclude}} ../{relative}", ":language: python", "```", ""]
     return "\n".join(out)
 
