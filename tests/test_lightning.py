@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -159,6 +160,22 @@ def test_refused_at_start_naming_the_setting(case: str) -> None:
     assert module.losses == []
     for name, p in module.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
+
+
+def test_a_loss_scale_without_fp16_is_refused_at_start() -> None:
+    """``ChunkStrategy(loss_scale=...)`` under a precision with no loss scaling (fp32 here) would be
+    a setting nothing reads: refused in setup, naming the Trainer's precision and the fix."""
+    from lightning_models import CHUNK, Regressor, loader, trainer
+
+    from chunkmem.integrations.lightning import ChunkStrategy
+
+    module = Regressor()
+    run = trainer(ChunkStrategy(chunk_size=CHUNK, loss_scale={"initial_scale": 1024}), 1)
+    with pytest.raises(NotSupportedError, match=r"loss_scale=\.\.\.\) applies to fp16 only.*precision='32-true'"):
+        run.fit(module, loader())
+    assert module.losses == []
+    with pytest.raises(pydantic.ValidationError, match="growth_factor"):
+        ChunkStrategy(loss_scale={"growth_factor": 0.5})
 
 
 def test_several_processes_without_a_launcher_are_refused() -> None:
