@@ -49,6 +49,7 @@ from ..usage.stats import Stats
 from .counting import Saved
 from .ledger import CallBytes, CallHold, DeviceActivations
 from .offload import ActivationOffload, BlockCall
+from .unlinked import unlinked
 
 __all__ = ["AutoBlocks"]
 
@@ -208,7 +209,7 @@ class AutoBlocks:
 
         def pack(tensor: torch.Tensor) -> Any:
             if self._offload.count(call, tensor) is Saved.MODEL:
-                return tensor
+                return unlinked(tensor)
             return account.keep(tensor, call)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, account.unpack):

@@ -49,6 +49,7 @@ from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
+from .unlinked import unlinked
 
 __all__ = ["CallBytes", "CallHold", "DeviceActivations"]
 
@@ -68,13 +69,14 @@ class CallBytes(NamedTuple):
 
 
 class _Kept:
-    """What autograd keeps for a saved tensor that stays on the device: the tensor, and the call
-    that saved it (whose hold is given back once no such handle and no copy of it is left)."""
+    """What autograd keeps for a saved tensor that stays on the device: the tensor (``unlinked``:
+    the handle must not keep its graph alive), and the call that saved it (whose hold is given back
+    once no such handle and no copy of it is left)."""
 
     __slots__ = ("owner", "tensor")
 
     def __init__(self, tensor: torch.Tensor, owner: object) -> None:
-        self.tensor = tensor
+        self.tensor = unlinked(tensor)
         self.owner = owner
 
 

@@ -44,6 +44,7 @@ from ..tiers.transfers import Direction, HostTransfers
 from .counting import Saved, SavedCount
 from .disk import ActivationDisk, DiskCopy
 from .ledger import CallBytes, CallHold, DeviceActivations
+from .unlinked import unlinked
 
 __all__ = ["ActivationOffload", "BlockCall"]
 
@@ -135,6 +136,8 @@ class ActivationOffload:
     def begin(self, call: BlockCall) -> None:
         """``call`` starts (its tensors go through ``pack``): it is fetched in backward order."""
         self.recycle()
+        # The calls of forwards dropped without a backward are gone: their references go too.
+        self._pending = [ref for ref in self._pending if ref() is not None]
         self._pending.append(weakref.ref(call))
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -156,11 +159,11 @@ class ActivationOffload:
         """What autograd keeps for ``tensor``, saved in ``call`` (begun)."""
         verdict = self.count(call, tensor)
         if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
-            return tensor
+            return unlinked(tensor)
         if call.failure is not None:  # the call raises at its end, on every rank
-            return tensor
+            return unlinked(tensor)
         if verdict is Saved.SMALL:
-            return tensor if self._account is None else self._account.keep(tensor, call)
+            return unlinked(tensor) if self._account is None else self._account.keep(tensor, call)
         key = (tensor.untyped_storage()._cdata, tensor._version)
         if verdict is Saved.COPY:  # the first save of this storage version in the call
             began = time.perf_counter()
@@ -168,7 +171,7 @@ class ActivationOffload:
                 copy = call.copies[key] = self._copy_out(tensor, call.block)
             except DiskTierError as error:
                 call.failure = error
-                return tensor
+                return unlinked(tensor)
             finally:
                 call.host_seconds[0] += time.perf_counter() - began
             call.made.append(copy)

@@ -29,6 +29,7 @@ import torch
 
 from .auto import AutoBlocks
 from .offload import ActivationOffload, BlockCall
+from .unlinked import unlinked
 
 __all__ = ["OutsideStretches"]
 
@@ -100,4 +101,4 @@ class OutsideStretches:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         call = self._call
-        return tensor if call is None else self._offload.pack(call, tensor)
+        return unlinked(tensor) if call is None else self._offload.pack(call, tensor)
