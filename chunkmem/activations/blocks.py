@@ -41,6 +41,7 @@ from ..tiers.transfers import HostTransfers
 from ..usage.accounting import MemoryLedger
 from ..usage.stats import Stats
 from .auto import AutoBlocks
+from .caching import holds_cache, refuse_cache, without_cache
 from .disk import ActivationDisk
 from .ledger import DeviceActivations
 from .offload import ActivationOffload
@@ -138,6 +139,10 @@ class ActivationBlocks:
                 config.max_prefetch,
             )
         self._outside = OutsideStretches(model, outside_offload, self._auto) if config.offload_outside else None
+        self._cache_warned = [False]
+        # A plan's forward (on the meta device) keeps its cache, and its blocks are placed with it: without
+        # one, transformers' causal mask reads a value (``.all()`` of the positions) a meta tensor has not.
+        self._planned = layer.device.type == "meta"
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
             how = config.placement_of(module)
@@ -177,6 +182,13 @@ class ActivationBlocks:
     def plan(self) -> ActivationPlan | None:
         """The auto blocks' plan (``None`` without auto blocks, or before the first step ended)."""
         return self._auto.plan if self._auto is not None else None
+
+    def training_kwargs(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of the model's forward: where blocks may be recomputed (``recompute``,
+        ``auto``), a training forward that would cache runs with ``use_cache=False`` (``caching``)."""
+        if self._planned or not (self._config.recompute or self._config.auto):
+            return kwargs
+        return without_cache(model, kwargs, self._cache_warned)
 
     def begin_forward(self) -> None:
         """The model's forward starts: the host copies the last backward read go back (and out of a
@@ -260,10 +272,20 @@ class ActivationBlocks:
             _refuse_double_checkpointing(name, how)
         return True
 
+    def _as_is_with_cache(self, name: str, module: torch.nn.Module, how: str, args: Any, kwargs: Any) -> bool:
+        """Whether a block that may be recomputed runs as it is, being handed a KV cache (in eval
+        mode; refused in training mode: see ``caching``)."""
+        if self._planned or not holds_cache(args, kwargs):
+            return False
+        if module.training:
+            refuse_cache(name, how)
+        return True
+
     def _recomputed(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        if not self._placed(name, module, "recomputed"):
+        how = "recomputed"
+        if not self._placed(name, module, how) or self._as_is_with_cache(name, module, how, args, kwargs):
             return forward(*args, **kwargs)
         with self._block_call():
             return self._recompute(name, module, forward, 0, *args, **kwargs)
@@ -271,7 +293,8 @@ class ActivationBlocks:
     def _automatic(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        if not self._placed(name, module, "placed under the budget"):
+        how = "placed under the budget (its calls may be recomputed)"
+        if not self._placed(name, module, how) or self._as_is_with_cache(name, module, how, args, kwargs):
             return forward(*args, **kwargs)
         assert self._auto is not None, "an auto block without auto placement"
         with self._block_call():

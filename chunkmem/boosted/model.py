@@ -176,6 +176,8 @@ class ChunkedModel(torch.nn.Module):
         _refuse_compiling(torch.compiler.is_compiling())
         self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
+        if self._activations is not None:
+            kwargs = self._activations.training_kwargs(self.module, kwargs)
         self._runtime.begin_forward()
         try:
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
