@@ -52,11 +52,11 @@ from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError, BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from ..ranks.comm import Communicator
+from ..usage.saved import unlinked
 from ..usage.stats import Stats
 from .counting import Saved
 from .ledger import CallBytes, CallHold, DeviceActivations
 from .offload import ActivationOffload, BlockCall
-from .unlinked import unlinked
 
 __all__ = ["AutoBlocks"]
 

@@ -39,11 +39,13 @@ from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import MemoryLedger
+from ..usage.saved import SEES_HOOKS, top_hooks
 from ..usage.stats import Stats
 from .auto import AutoBlocks
 from .caching import holds_cache, refuse_cache, without_cache
 from .disk import ActivationDisk
 from .ledger import DeviceActivations
+from .meter import SavedMeter
 from .offload import ActivationOffload
 from .outside import OutsideStretches
 
@@ -61,8 +63,7 @@ class DeviceBudget(NamedTuple):
 
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-SEES_CHECKPOINTS = _TOP_HOOKS is not None
+SEES_CHECKPOINTS = SEES_HOOKS
 """Whether this PyTorch lets a block see that it runs inside a ``torch.utils.checkpoint`` (2.8 and
 later); before, only a Hugging Face model's own ``gradient_checkpointing`` flag is seen, and a
 checkpoint of the user's own around a placed block is not refused (it recomputes the block again,
@@ -71,9 +72,7 @@ which costs time and gives the same values)."""
 
 def _in_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are those of a non-reentrant checkpoint."""
-    if _TOP_HOOKS is None:
-        return False
-    top = _TOP_HOOKS(False)
+    top = top_hooks()
     return top is not None and any(getattr(top[0], "__qualname__", "").startswith(p) for p in _CHECKPOINT_HOOKS)
 
 
@@ -99,9 +98,12 @@ class ActivationBlocks:
         budget: DeviceBudget | None = None,
         ledger: MemoryLedger | None = None,
         disk_dir: str | None = None,
+        *,
+        meter: SavedMeter | None = None,
     ) -> None:
         """``ledger``: the model's, where a ``host_budget``'s bytes are accounted; ``disk_dir``:
-        where what exceeds it goes (checked by the plugin's backing)."""
+        where what exceeds it goes (checked by the plugin's backing); ``meter``: the model's, which
+        counts what the ``offload`` blocks leave on the device and fetch back."""
         self._stats = stats
         self._config = config
         layer = comm.layer
@@ -113,7 +115,7 @@ class ActivationBlocks:
             assert ledger is not None and disk_dir is not None, "a host budget has a ledger and a disk_dir"
             self._disk = ActivationDisk(HostRoom(int(config.host_budget)), disk_dir, comm, ledger, self._transfers)
         self._offload = ActivationOffload(
-            self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk
+            self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk, meter=meter
         )
         self._offloads = [self._offload]  # the auto blocks' too (one host budget)
         self._auto: AutoBlocks | None = None

@@ -29,8 +29,8 @@ import torch
 
 from chunkmem.placement import ActivationPlacement, BlockPlacement, disk_bytes_per_call
 
+from ..usage.saved import unlinked
 from .counting import Saved, SavedCount
-from .unlinked import unlinked
 
 __all__ = ["BlockForecast", "forecast"]
 

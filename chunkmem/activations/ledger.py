@@ -51,7 +51,7 @@ from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
-from .unlinked import unlinked
+from ..usage.saved import KeptTensor
 
 __all__ = ["CallBytes", "CallHold", "DeviceActivations"]
 
@@ -70,15 +70,15 @@ class CallBytes(NamedTuple):
         return CallBytes(*(max(a, b) for a, b in zip(self, other, strict=True)))
 
 
-class _Kept:
-    """What autograd keeps for a saved tensor that stays on the device: the tensor (``unlinked``:
-    the handle must not keep its graph alive), and the call that saved it (whose hold is given back
+class _Kept(KeptTensor):
+    """What autograd keeps for a saved tensor that stays on the device: the tensor (a
+    ``KeptTensor``: it keeps no graph alive), and the call that saved it (whose hold is given back
     once no such handle and no copy of it is left)."""
 
-    __slots__ = ("owner", "tensor")
+    __slots__ = ("owner",)
 
     def __init__(self, tensor: torch.Tensor, owner: object) -> None:
-        self.tensor = unlinked(tensor)
+        super().__init__(tensor)
         self.owner = owner
 
 
@@ -164,4 +164,4 @@ class DeviceActivations:
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Kept) else saved
+        return saved.get() if isinstance(saved, KeptTensor) else saved

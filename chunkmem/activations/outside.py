@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..usage.saved import unlinked
 from .auto import AutoBlocks
 from .offload import ActivationOffload, BlockCall
-from .unlinked import unlinked
 
 __all__ = ["OutsideStretches"]
 
