@@ -1,7 +1,8 @@
 """A training-mode forward whose output is dropped without a backward (an evaluation loop without
 ``torch.no_grad()``) gives back everything it saved, in every activation mode: what its graph
 saved is freed once the output goes (a probe on tensors autograd saves inside the blocks and
-outside them), the ledger holds no activation bytes after it, a later step trains as plain
+outside them), the ledger holds no activation bytes after it and ``stats()`` measures none outside
+the budget, a later step trains as plain
 PyTorch does after the same dropped forwards, and the process's resident memory grows no more
 than plain PyTorch's over many such forwards.
 
@@ -98,7 +99,7 @@ def _drive(
     optimizer: Any,
     booster: Any,
     trained: int,
-    ledger: Callable[[], dict[Location, int]] = dict,
+    ledger: Callable[[], dict[Any, int | None]] = dict,
 ) -> dict[str, Any]:
     """``trained`` steps, ``DROPPED`` dropped forwards, a step: what the probes saw and the
     ``ledger()`` after the dropped forwards, and the losses."""
@@ -138,7 +139,10 @@ def _chunked(mode: str, tmp_path: Path) -> dict[str, Any]:
         optimizer,
         booster,
         _trained_steps(mode),
-        lambda: {where: ledger.bytes(where, MemoryKind.ACTIVATION) for where in Location},
+        lambda: {
+            **{where: ledger.bytes(where, MemoryKind.ACTIVATION) for where in Location},
+            "unbudgeted": chunked.stats().unbudgeted_activation_bytes,
+        },
     )
 
 
@@ -151,7 +155,9 @@ def test_a_dropped_forward_gives_back_what_it_saved_and_training_goes_on(mode: s
     assert plain["alive"] == 0 and plain["probes"] == 3 * DROPPED, "the probes see what plain PyTorch frees"
     assert chunked["probes"] == plain["probes"]
     assert chunked["alive"] == 0, f"{chunked['alive']} saved storages of dropped forwards are still alive"
-    assert chunked["ledger"] == dict.fromkeys(Location, 0), "the ledger still holds dropped forwards' activations"
+    assert chunked["ledger"] == {**dict.fromkeys(Location, 0), "unbudgeted": 0}, (
+        "dropped forwards' activations are held"
+    )
     if mode == "recompute":  # the same losses within rounding (plain runs without checkpointing)
         assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     else:
