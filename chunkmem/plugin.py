@@ -27,6 +27,7 @@ from chunkmem.placement import (
 )
 
 from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
+from .activations.meter import SavedMeter
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
 from .boosted.model import ChunkedModel
@@ -351,6 +352,9 @@ class ChunkPlugin:
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        # Measured where an ActivationPlacement already places saved tensors: saved-tensor hooks hand a
+        # custom autograd Function's saved parameter back as a plain tensor (see activations.meter).
+        meter = SavedMeter(model) if placed is not None else None
         activations = (
             ActivationBlocks(
                 model,
@@ -361,13 +365,14 @@ class ChunkPlugin:
                 manager.ledger,
                 backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
                 manager.failures,
+                meter=meter,
             )
             if placed is not None
             else None
         )
         scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None
