@@ -85,7 +85,7 @@ import torch
 
 from benchmarks.activation_runs import RunSettings, headers, row_cells, row_line, system_process
 from benchmarks.activation_systems import SYSTEMS, Recipe, parse_shape
-from benchmarks.common import RESULTS, fmt_bytes, format_table, machine, parse_bytes, write_json
+from benchmarks.common import RESULTS, begin_run, fmt_bytes, format_table, machine, parse_bytes, write_json
 from benchmarks.workers import run_in_fresh_process
 
 CPU_SYSTEMS = (
@@ -270,6 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    begin_run(__file__, argv)
     args = parse_args(argv)
     started = time.time()
     cuda = args.device.type == "cuda"

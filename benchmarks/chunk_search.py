@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, print_table, write_json
+from benchmarks.common import RESULTS, begin_run, print_table, write_json
 from chunkmem.chunks.search import default_search_range, search_chunk_size
 
 
@@ -52,6 +52,7 @@ def configs() -> dict[str, Any]:
 
 
 def main() -> None:
+    begin_run(__file__)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="1,2,8")
     parser.add_argument("--granularity", type=int, default=1024)

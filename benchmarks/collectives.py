@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, print_table, write_json
+from benchmarks.common import RESULTS, begin_run, print_table, write_json
 from benchmarks.workers import free_port
 
 
@@ -68,6 +68,7 @@ def _rank(rank: int, world: int, port: int, sizes_mb: list[float], calls: int, q
 
 
 def main() -> None:
+    begin_run(__file__)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes", default="0.4,0.8,1.6,3.2,8,32", help="gathered chunk sizes in MB (fp32)")

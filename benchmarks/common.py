@@ -7,23 +7,30 @@ measure chunkmem and the systems it is compared with in the same way.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import psutil
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_VARIABLE = "CHUNKMEM_BENCHMARK_RESULTS"
+RESULTS = Path(os.environ.get(RESULTS_VARIABLE) or Path(__file__).resolve().parent / "results")
+"""Where a benchmark writes its JSON and plots unless told (``--out-dir``): ``benchmarks/results/``,
+or ``$CHUNKMEM_BENCHMARK_RESULTS`` (the tests point it at a temporary directory, so that no test
+run writes into the checkout's results)."""
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,6 +52,74 @@ def machine() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_count"] = torch.cuda.device_count()
     return info
+
+
+# --- when, how and on how busy a machine a run was made ------------------------------------------------
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages now (runnable processes, as ``uptime`` shows)."""
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+@dataclass
+class RunRecord:
+    """What a benchmark's JSON says of its run (``meta``): the date it started (UTC), the command
+    that ran it, and the machine's load before, during (``sample``) and after it."""
+
+    date: str
+    command: str
+    load_before: list[float]
+    samples: list[list[float]] = field(default_factory=list)
+
+    def sample(self) -> None:
+        """Note the load now (a benchmark calls it between its rounds)."""
+        self.samples.append(load_average())
+
+    def peak_load(self, after: list[float] | None = None) -> float:
+        """The highest 1-minute load seen: before, at the samples, and ``after``."""
+        return max(load[0] for load in [self.load_before, *self.samples, *([after] if after else [])])
+
+    def busy(self, after: list[float] | None = None) -> bool:
+        """Whether the 1-minute load exceeded the machine's cores at some point: other processes
+        competed for the CPUs, and the times measured then are slower than the machine is."""
+        return self.peak_load(after) > (os.cpu_count() or 1)
+
+    def meta(self) -> dict[str, Any]:
+        after = load_average()
+        return {
+            "date": self.date,
+            "command": self.command,
+            "machine": machine(),
+            "load": {
+                "before": self.load_before,
+                "after": after,
+                "samples": self.samples,
+                "peak_1min": self.peak_load(after),
+                "cores": os.cpu_count(),
+                "busy": self.busy(after),
+            },
+        }
+
+
+_RUN: RunRecord | None = None
+
+
+def begin_run(script: str, argv: Sequence[str] | None = None) -> RunRecord:
+    """Start the record of this run of ``script`` (a benchmark's ``__file__``) with ``argv`` (its
+    arguments; default: this process's): the command a reader can run again, from the checkout's
+    root."""
+    global _RUN
+    path = Path(script).resolve()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", str(shown), *args])
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    _RUN = RunRecord(date=now, command=command, load_before=load_average())
+    return _RUN
+
+
+def current_run() -> RunRecord:
+    """The record ``begin_run`` started (one begun now for ``sys.argv`` when no script began one)."""
+    return _RUN if _RUN is not None else begin_run(sys.argv[0] or "python", sys.argv[1:])
 
 
 # --- the model and the data ----------------------------------------------------------------------
@@ -238,6 +313,9 @@ def _numeric(cell: str) -> bool:
     text = cell.strip()
     if text in ("", "-"):
         return True
+    low, dash, high = text.partition("-")
+    if dash and low and _numeric(low) and _numeric(high):  # a range, "12.5-19.0"
+        return True
     for suffix in (" GiB", " MiB", " KiB", " B", "%", "x", " s", " ms"):
         if text.endswith(suffix):
             text = text[: -len(suffix)]
@@ -254,10 +332,12 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Se
 
 
 def write_json(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    """``payload`` as ``out_dir/name.json``, with the run's ``meta`` block (``RunRecord.meta``:
+    date, command, machine, load) first."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.write_text(json.dumps({"meta": current_run().meta(), **payload}, indent=2, default=str))
     tmp.replace(path)
     return path
 

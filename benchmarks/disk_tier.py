@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, fmt_bytes, machine, parse_bytes, print_table, pyplot, write_json
+from benchmarks.common import RESULTS, begin_run, fmt_bytes, machine, parse_bytes, print_table, pyplot, write_json
 from benchmarks.workers import run_in_fresh_process
 
 SYSTEMS = ("chunkmem-disk", "chunkmem-ram", "fsdp2-offload")
@@ -197,6 +197,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, scratch: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    begin_run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--sizes", default="512x4,768x8", help="two model sizes, HIDDENxLAYERS,HIDDENxLAYERS")

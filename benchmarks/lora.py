@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import fmt_bytes, machine, peak_rss, print_table, pyplot, write_json
+from benchmarks.common import begin_run, fmt_bytes, machine, peak_rss, print_table, pyplot, write_json
 from benchmarks.disk_tier import _dd, _fit, _size, add_run_arguments
 from benchmarks.workers import run_in_fresh_process
 
@@ -234,6 +234,7 @@ HEADERS = [
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    begin_run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--sizes", default="256x2,256x4", help="model sizes, HIDDENxLAYERS,... (two or more)")

@@ -10,8 +10,11 @@ sees the same data, so the final loss is the same in every row, plain PyTorch's 
 Every row, plain PyTorch's too, is measured the same way: step 0 (which records chunkmem's trace)
 is not timed, and the remaining steps are taken in rounds (by default one step of every row per
 round) that visit the rows in an order rotated each round, so a burst of machine noise falls on all
-rows alike instead of on the few that happen to run then; the step time is the median of a row's
-steps.
+rows alike instead of on the few that happen to run then; the table gives the median of a row's
+step times and their spread (fastest to slowest), and the output says how busy the machine was
+(its load average before, between the rounds and after; a warning when the 1-minute load exceeded
+the cores). The data is random tokens: there is nothing to learn and the loss stays near
+ln(vocabulary); the final loss shows that every row trains the same model as plain PyTorch.
 A row that runs out of device memory, is refused (budget below what the placement needs), fails or
 hangs is reported as such in the table; the experiment goes on.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -57,9 +61,13 @@ from benchmarks.common import (
     DTYPES,
     RESULTS,
     GPT2Shape,
+    RunRecord,
+    begin_run,
     cap_device_memory,
+    current_run,
     default_device,
     fmt_bytes,
+    load_average,
     machine,
     median,
     parse_bytes,
@@ -93,6 +101,12 @@ class Row:
     losses: list[float] = field(default_factory=list)
     step_times_ms: list[float] = field(default_factory=list)
     step_ms: float | None = None
+    """The median of ``step_times_ms``."""
+    step_ms_min: float | None = None
+    step_ms_max: float | None = None
+    step_ms_q1: float | None = None
+    """The lower quartile of ``step_times_ms`` (``statistics.quantiles``, inclusive method)."""
+    step_ms_q3: float | None = None
     final_loss: float | None = None
     peak_device_bytes: int | None = None
     h2d_per_step: float | None = None
@@ -103,6 +117,16 @@ class Row:
     device_peak_allocated: int | None = None
     built: bool = False
     steps_done: int = 0
+
+    def summarize_times(self) -> None:
+        """The median of the timed steps and their spread (fastest, slowest, quartiles)."""
+        times = self.step_times_ms
+        if not times:
+            return
+        self.step_ms = median(times)
+        self.step_ms_min, self.step_ms_max = min(times), max(times)
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
+        self.step_ms_q1, self.step_ms_q3 = q1, q3
 
 
 class Driver:
@@ -192,7 +216,7 @@ class Driver:
         row.built = False
         if answers is None:
             return
-        row.step_ms = median(row.step_times_ms) if row.step_times_ms else None
+        row.summarize_times()
         row.final_loss = row.losses[-1] if row.losses else None
         first = answers[0]
         for name in ("chunk_capacities", "compute_itemsize"):
@@ -220,6 +244,7 @@ class Driver:
                     for count in rounds:
                         steps(row, count, timed=True)
                     self.finish(row)
+                    current_run().sample()
                 return
             for row in self.rows:
                 self.build(row)
@@ -229,6 +254,7 @@ class Driver:
             for index, count in enumerate(rounds):
                 for key in rotated(list(by_key), index):
                     steps(by_key[key], count, timed=True)
+                current_run().sample()  # how busy the machine was during this round
             for row in self.rows:
                 self.finish(row)
         finally:
@@ -345,6 +371,7 @@ def table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
             fmt_bytes(r.d2h_per_step) if ok else "-",
             f"{r.fetches_per_step:.1f}" if ok and r.fetches_per_step is not None else "-",
             f"{r.step_ms:.1f}" if ok and r.step_ms is not None else "-",
+            f"{r.step_ms_min:.1f}-{r.step_ms_max:.1f}" if ok and r.step_ms_min is not None else "-",
             f"{r.step_ms / plain:.2f}x" if ok and r.step_ms is not None and plain else "-",
             f"{r.final_loss:.6f}" if ok and r.final_loss is not None else "-",
             r.setting if ok else r.note[:90],
@@ -362,6 +389,7 @@ def table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
         "D2H/step",
         "fetches/step",
         "step ms",
+        "min-max ms",
         "vs plain",
         "final loss",
         "placement / note",
@@ -369,10 +397,48 @@ def table(rows: list[Row]) -> tuple[list[str], list[list[Any]]]:
     return headers, body
 
 
+def data_note(vocab: int) -> str:
+    """What the data is, and so why the loss does not fall."""
+    return (
+        f"data: random tokens (uniform over the {vocab:,}-token vocabulary), so there is nothing to learn: the loss "
+        f"stays near ln({vocab:,}) = {math.log(vocab):.3f}; the final loss shows each row trains the same model as "
+        "plain PyTorch, not learning"
+    )
+
+
+def load_note(run: RunRecord, after: list[float]) -> str:
+    """The machine's load average (1/5/15 minutes) before and after the run, and its peak during it."""
+    before = "/".join(f"{v:.2f}" for v in run.load_before)
+    end = "/".join(f"{v:.2f}" for v in after)
+    return (
+        f"load average (1/5/15 min): before {before}, after {end}; the 1-minute load peaked at "
+        f"{run.peak_load(after):.2f} on {os.cpu_count()} cores"
+    )
+
+
+def busy_warning(run: RunRecord, after: list[float]) -> str:
+    """A warning when other work competed for the CPUs during the run (empty when it did not)."""
+    if not run.busy(after):
+        return ""
+    return (
+        f"WARNING: the machine was busy: the 1-minute load reached {run.peak_load(after):.2f}, more than its "
+        f"{os.cpu_count()} cores, during the run; the step times are slower and noisier than this machine's own"
+    )
+
+
 def plot(rows: list[Row], path: Path, title: str) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
+    fig = draw(plt, rows, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw(plt: Any, rows: list[Row], title: str) -> Any:
+    """The figure: peak device bytes against the budget, host-to-device bytes, and the step time
+    (median, with the fastest and slowest step as error bars), each against the budget fraction."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     series: dict[str, list[Row]] = {}
     for row in rows:
@@ -380,6 +446,7 @@ def plot(rows: list[Row], path: Path, title: str) -> Path | None:
             series.setdefault(f"{row.policy}, prefetch {row.max_prefetch}", []).append(row)
     plain = next((r for r in rows if r.key == "plain"), None)
     baseline = plain.step_ms if plain is not None and plain.step_ms else None
+    scale = 1.0 / baseline if baseline is not None else 1.0
     # Series often coincide (equal bytes under both policies): distinct markers and dashes, hollow
     # markers and a slight width difference keep every one visible where they overlap.
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))), ("P", (0, (1, 1)))]
@@ -397,18 +464,30 @@ def plot(rows: list[Row], path: Path, title: str) -> Path | None:
         }
         axes[0].plot(xs, [(r.peak_device_bytes or 0) / 2**20 for r in points], **style)
         axes[1].plot(xs, [(r.h2d_per_step or 0) / 2**20 for r in points], **style)
-        times = [r.step_ms for r in points]
-        if baseline is not None:
-            times = [None if t is None else t / baseline for t in times]
-        axes[2].plot(xs, times, **style)
+        timed = [r for r in points if r.step_ms is not None and r.step_ms_min is not None and r.step_ms_max is not None]
+        # Each series a little apart on x, so that error bars at the same budget do not hide each other.
+        shift = 0.8 * (index - (len(series) - 1) / 2)
+        medians = [r.step_ms * scale for r in timed]
+        spread = [
+            [(r.step_ms - r.step_ms_min) * scale for r in timed],
+            [(r.step_ms_max - r.step_ms) * scale for r in timed],
+        ]
+        axes[2].errorbar(
+            [100 * (r.budget_frac or 0.0) + shift for r in timed], medians, yerr=spread, capsize=3, **style
+        )
     budgets = sorted({(r.budget_frac, r.budget) for r in rows if r.budget is not None and r.budget_frac is not None})
     budget_xs, budget_ys = [100 * f for f, _ in budgets], [b / 2**20 for _, b in budgets]
-    axes[0].plot(budget_xs, budget_ys, color="0.6", linewidth=4, label="budget", zorder=0)
+    # Drawn over the series (a peak at the budget would hide a line under it), dashed so both show.
+    axes[0].plot(budget_xs, budget_ys, color="crimson", linestyle=(0, (4, 3)), linewidth=1.6, label="budget", zorder=10)
     if baseline is not None:
         axes[2].axhline(1.0, color="k", linestyle=":", label=f"plain PyTorch ({plain.policy}) = 1")
+        if plain.step_ms_min is not None and plain.step_ms_max is not None:
+            low, high = plain.step_ms_min * scale, plain.step_ms_max * scale
+            axes[2].axhspan(low, high, color="0.85", zorder=0, label="plain PyTorch, min-max")
     elif plain is not None:
         axes[2].text(0.02, 0.95, f"plain PyTorch: {plain.state}", transform=axes[2].transAxes, va="top")
-    time_label = "step time / plain PyTorch's (median)" if baseline is not None else "step time ms (median)"
+    what = "step time / plain PyTorch's median" if baseline is not None else "step time ms"
+    time_label = f"{what}\n(median; bars: fastest to slowest step)"
     for ax, ylabel in zip(axes, ["peak device MiB", "H2D MiB per step", time_label], strict=True):
         ax.set_xlabel("device budget, % of model data")
         ax.set_ylabel(ylabel)
@@ -418,9 +497,7 @@ def plot(rows: list[Row], path: Path, title: str) -> Path | None:
     axes[2].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -509,6 +586,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[GPT2Shape, int, CardModel |
 
 
 def main(argv: list[str] | None = None) -> None:
+    begin_run(__file__, argv)
     args = parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     device = default_device()
@@ -547,13 +625,22 @@ def main(argv: list[str] | None = None) -> None:
     print(title)
     if card is not None:
         print(f"model sized from the card: {card.reason}")
-    print(
-        f"model data with nothing offloaded (100%): {fmt_bytes(model_data)} per rank; step 0 untimed, "
-        f"{args.steps - 1} timed steps per row in {len(split_rounds(args.steps - 1, args.rounds))} rounds "
-        f"({args.schedule}), median"
+    timing = (
+        f"step 0 untimed, {args.steps - 1} timed steps per row in {len(split_rounds(args.steps - 1, args.rounds))} "
+        f"rounds ({args.schedule}): the median step and the fastest-slowest (min-max)"
     )
+    print(f"model data with nothing offloaded (100%): {fmt_bytes(model_data)} per rank; {timing}")
     headers, body = table(rows)
     print_table(headers, body)
+    data = data_note(shape.vocab)
+    print(data)
+    run = current_run()
+    after = load_average()
+    load = load_note(run, after)
+    print(load)
+    busy = busy_warning(run, after)
+    if busy:
+        print(busy)
     over = [
         r.key
         for r in rows
@@ -578,7 +665,13 @@ def main(argv: list[str] | None = None) -> None:
         "static_minimums": dict(zip([f"optim {o} / param {p}" for o, p in STATIC_LADDER], minimums, strict=True)),
         "card": None if card is None else {**asdict(card), "shape": asdict(card.shape)},
         "loss_mismatches": mismatched,
+        "data": data,
         "rows": [asdict(r) for r in rows],
+        "summary_table": {
+            "headers": headers,
+            "rows": [[str(cell) for cell in row] for row in body],
+            "note": " ".join(line for line in (title + ".", timing + ".", data, load, busy) if line),
+        },
     }
     path = write_json(args.name, payload, args.out_dir)
     image = plot(rows, args.out_dir / f"{args.name}.png", title)

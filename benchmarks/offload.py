@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, median, print_table, pyplot, rotated, write_json
+from benchmarks.common import RESULTS, begin_run, machine, median, print_table, pyplot, rotated, write_json
 from benchmarks.workers import run_in_fresh_process
 
 SYSTEMS = ("plain", "chunkmem-after", "chunkmem-during", "fsdp2-offload", "deepspeed-offload")
@@ -205,6 +205,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    begin_run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")

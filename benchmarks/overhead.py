@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (
     DTYPES,
     RESULTS,
+    begin_run,
     default_device,
     gpt2_model,
     machine,
@@ -51,6 +52,7 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    begin_run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help=f"measured steps per side (after {WARMUP} warmup steps)")
     parser.add_argument("--layers", type=int, default=4)

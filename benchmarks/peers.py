@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (
     RESULTS,
     GPT2Shape,
+    begin_run,
     fmt_bytes,
     machine,
     median,
@@ -417,6 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    begin_run(__file__, argv)
     args = parse_args(argv)
     shape = GPT2Shape(args.layers, args.width, args.vocab, args.seq)
     setup = PeerSetup(shape, args.batch, args.precision, activation_checkpointing=args.activation_checkpointing)

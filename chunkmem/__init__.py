@@ -1,17 +1,21 @@
 """chunkmem: train PyTorch models larger than accelerator memory.
 
 Parameters are packed into fixed-size chunks, sharded over the data-parallel ranks, and moved
-between the accelerator and host memory by a placement policy (``chunkmem.placement``), driven by
-parameter-op hooks (``chunkmem.hooks``).
+between the accelerator, host memory and disk by a placement policy (``chunkmem.placement``),
+driven by parameter-op hooks (``chunkmem.hooks``).
+
+This module is the front door: what a training script imports (the booster and its plugin, the
+boosted model and optimizer, the placement and step configs, the counters, the planner, the
+checkpoint functions and the exceptions). The machinery (chunks, the runtime, collectives, the
+byte ledger, the memory probes) is importable from its own subpackage, e.g.
+``from chunkmem.chunks.manager import ChunkManager``.
 """
+
+from importlib import metadata as _metadata
 
 from . import checkpoint
 from .boosted.model import ChunkedModel
 from .booster import Booster
-from .chunks.chunk import Chunk
-from .chunks.manager import ChunkManager
-from .chunks.search import ChunkSizeSearch, search_chunk_size
-from .chunks.tensor_state import TensorInfo, TensorState
 from .errors import (
     AlreadyBoostedError,
     BudgetExceededError,
@@ -35,7 +39,6 @@ from .errors import (
     UnmanageableParameter,
     UnscaledBackwardError,
 )
-from .execution.runtime import ChunkRuntime
 from .optim import ChunkOptimizer, LossScaleConfig, StepAfterBackward, StepDuringBackward
 from .placement import (
     ActivationPlacement,
@@ -45,12 +48,23 @@ from .placement import (
     StaticPlacementConfig,
     load_placement_config,
 )
-from .planning.planner import Plan, PlanningCommunicator, StepCounters, plan
+from .planning.planner import Plan, StepCounters, plan
 from .plugin import ChunkPlugin
-from .ranks.comm import Communicator, PendingGather
-from .usage.accounting import Location, MemoryKind, MemoryLedger
-from .usage.memory import describe_devices, device_capacity, device_free, host_memory, process_capacity
 from .usage.stats import Stats
+
+# The version in pyproject.toml, for a checkout imported without being installed (tests/test_front_door.py
+# keeps the two equal); an installed chunkmem reports its installed metadata.
+_CHECKOUT_VERSION = "0.1.0"
+
+
+def _version() -> str:
+    try:
+        return _metadata.version("chunkmem")
+    except _metadata.PackageNotFoundError:
+        return _CHECKOUT_VERSION
+
+
+__version__ = _version()
 
 __all__ = [
     "ActivationPlacement",
@@ -65,30 +79,20 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointUnverifiedError",
     "CheckpointWriteError",
-    "Chunk",
-    "ChunkManager",
     "ChunkOptimizer",
     "ChunkPlugin",
-    "ChunkRuntime",
-    "ChunkSizeSearch",
     "ChunkedModel",
     "ChunkmemError",
     "CollectiveMismatchError",
-    "Communicator",
     "DiskTierError",
     "HostBudgetTooSmallError",
     "IllegalTransition",
-    "Location",
     "LossScaleConfig",
     "MaterializeError",
-    "MemoryKind",
-    "MemoryLedger",
     "NotSupportedError",
     "OptimizerAfterBoostError",
-    "PendingGather",
     "PlacementConfig",
     "Plan",
-    "PlanningCommunicator",
     "ShardedGradientError",
     "StateDictMismatchError",
     "StaticPlacementConfig",
@@ -96,18 +100,10 @@ __all__ = [
     "StepAfterBackward",
     "StepCounters",
     "StepDuringBackward",
-    "TensorInfo",
-    "TensorState",
     "TraceDivergenceError",
     "UnmanageableParameter",
     "UnscaledBackwardError",
     "checkpoint",
-    "describe_devices",
-    "device_capacity",
-    "device_free",
-    "host_memory",
     "load_placement_config",
     "plan",
-    "process_capacity",
-    "search_chunk_size",
 ]

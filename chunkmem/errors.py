@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointUnverifiedError",
     "CheckpointWriteError",
     "ChunkmemError",
     "CollectiveMismatchError",

@@ -1,4 +1,5 @@
-"""``python -m chunkmem.plan``: predict a training run of a transformers model without running it.
+"""``chunkmem-plan`` (or ``python -m chunkmem.plan``): predict a training run of a transformers model
+without running it.
 
     python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
@@ -30,11 +31,12 @@ from chunkmem.placement.config import Budget
 
 from .device import PLANNED_DEVICES, planned_precision
 from .errors import ChunkmemError
+from .planning.plan_fixes import FixKind, PlanFix
 from .planning.planner import Plan, plan
 from .plugin import ChunkPlugin
 from .usage.memory import process_capacity
 
-__all__ = ["SHAPES", "build_meta_model", "main"]
+__all__ = ["SHAPES", "build_meta_model", "cli", "main"]
 
 # Published shapes (vocabulary, width, layers, heads, key-value heads, MLP width, positions).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -188,10 +190,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m chunkmem.plan", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter
-    )
+def _parser(prog: str) -> argparse.ArgumentParser:
+    summary = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog=prog, description=summary, formatter_class=_HelpFormatter)
     parser.add_argument("--hf-config", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model dir")
     parser.add_argument(
         "--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB (default: no cap)"
@@ -300,15 +301,79 @@ def _activation_placement(
     return ActivationPlacement(**fields, host_budget=host_budget)
 
 
-def _one_line(error: Exception) -> str:
-    if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
-    return " ".join(str(error).split())
+# The flag that sets each field of the configs the command line builds, by config.
+_FLAGS: dict[str, dict[str, str]] = {
+    "AutoPlacementConfig": {
+        "device_budget": "--device-budget",
+        "host_budget": "--host-budget",
+        "max_prefetch": "--max-prefetch",
+    },
+    "StaticPlacementConfig": {
+        "device_budget": "--device-budget",
+        "host_budget": "--host-budget",
+        "max_prefetch": "--max-prefetch",
+        "offload_optim_frac": "--policy",
+        "offload_param_frac": "--policy",
+        "offload_disk_frac": "--disk-frac",
+        "offload_param_disk_frac": "--param-disk-frac",
+    },
+    "ActivationPlacement": {
+        "recompute": "--activations",
+        "offload": "--activations",
+        "auto": "--activations",
+        "host_budget": "--activation-host-budget",
+    },
+    "ChunkPlugin": {"chunk_size": "--chunk-size", "precision": "--precision", "gradient_accumulation": "--grad-accum"},
+}
+# Where an error names no field (a check across fields): the flags that build that config.
+_WHOLE: dict[str, str] = {
+    "AutoPlacementConfig": "--policy auto",
+    "StaticPlacementConfig": "--policy, --disk-frac and --param-disk-frac",
+    "ActivationPlacement": "--activations",
+    "ChunkPlugin": "--chunk-size",
+}
 
 
-def main(argv: list[str] | None = None) -> Plan:
-    parser = _parser()
+def _refusal(error: Exception) -> str:
+    """A refused setting as argparse says a refused argument: ``argument FLAG: what is wrong``."""
+    if not isinstance(error, ValidationError):
+        return " ".join(str(error).split())
+    first = error.errors()[0]
+    message = " ".join(first["msg"].removeprefix("Value error, ").split())
+    loc = [str(part) for part in first["loc"]]
+    flags = _FLAGS.get(error.title, {})
+    field = next((part for part in loc if part in flags), None)
+    if field is not None:
+        return f"argument {flags[field]}: {message}"
+    return f"argument {_WHOLE.get(error.title, ' / '.join(loc) or error.title)}: {message}"
+
+
+def _size(nbytes: int, up: bool) -> str:
+    """``nbytes`` as a size a flag takes, in whole MiB (rounded ``up`` or down)."""
+    mib = -(-nbytes // 2**20) if up else nbytes // 2**20
+    return f"{mib}MiB"
+
+
+def _flag(fix: PlanFix) -> str:
+    """A fix as the flag that makes it."""
+    value, kind = fix.value, fix.kind
+    if kind is FixKind.RAISE_DEVICE_BUDGET:
+        return f"--device-budget {_size(value, up=True)}" if isinstance(value, int) else "a larger --device-budget"
+    if kind is FixKind.LOWER_DEVICE_BUDGET:
+        assert isinstance(value, int), "a lower device budget has a value"
+        return f"--device-budget {_size(value, up=False)}"
+    if kind is FixKind.RAISE_HOST_BUDGET:
+        assert isinstance(value, int), "a host budget fix has a value"
+        return f"--host-budget {_size(value, up=True)}"
+    if kind is FixKind.RECOMPUTE_BLOCKS:
+        return f"--activations recompute={value}" + (f" ({fix.detail})" if fix.detail else "")
+    if kind is FixKind.SMALLER_BATCH:
+        return "a smaller --batch"
+    return "a smaller --chunk-size"
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m chunkmem.plan") -> Plan:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     for flag, value, policies in (
         ("--disk-frac", args.disk_frac, "static or offload"),
@@ -336,6 +401,9 @@ def main(argv: list[str] | None = None) -> Plan:
             gradient_accumulation=args.grad_accum > 1,
             activations=_activation_placement(args.activations, args.activation_host_budget),
         )
+    except (ChunkmemError, ValueError) as error:  # a ValidationError is a ValueError
+        parser.error(_refusal(error))
+    try:
         ids = torch.zeros(batch, sequence, dtype=torch.long, device="meta")
         result = plan(
             model,
@@ -349,9 +417,13 @@ def main(argv: list[str] | None = None) -> Plan:
             device=args.device,
         )
     except (ChunkmemError, ValueError) as error:  # a ValidationError is a ValueError
-        parser.error(_one_line(error))
+        parser.error(_refusal(error))
+    flags = [_flag(fix) for fix in result.fixes]
     if args.json:
-        json.dump({**result.as_dict(), "model": args.hf_config, "batch": [batch, sequence]}, sys.stdout, indent=2)
+        shown = {**result.as_dict(), "model": args.hf_config, "batch": [batch, sequence]}
+        for fix, flag in zip(shown["fixes"], flags, strict=True):
+            fix["flag"] = flag
+        json.dump(shown, sys.stdout, indent=2)
         print()
     else:
         chosen = "" if args.precision else f" (the default on {args.device})"
@@ -360,7 +432,15 @@ def main(argv: list[str] | None = None) -> Plan:
             f"on {args.device}"
         )
         print(result.table())
+        if flags:
+            print(f"to fit: {'; or '.join(flags)}")
     return result
+
+
+def cli() -> None:
+    """The ``chunkmem-plan`` console script (``main`` returns the plan, which a console script would
+    take for an exit status)."""
+    main(prog="chunkmem-plan")
 
 
 if __name__ == "__main__":

@@ -27,12 +27,13 @@ from chunkmem.placement import (
 )
 
 from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
+from .activations.meter import SavedMeter
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
 from .boosted.model import ChunkedModel
 from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
-from .chunks.search import default_search_range, search_chunk_size
+from .chunks.search import default_search_range, search_chunk_size, trainable_chunk_range
 from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
 from .device.moves import to_device
@@ -155,7 +156,8 @@ class ChunkPlugin:
         process_group: the group to shard over (default: the default group when
             ``torch.distributed`` is initialized, else world size 1), or a ``Communicator``.
         loss_scale: fp16 dynamic loss scaling settings: a ``LossScaleConfig`` or a mapping of its
-            fields (validated the same way).
+            fields (validated the same way). ``None`` (default): ``LossScaleConfig()`` under fp16.
+            Refused with any other precision, where nothing would read it.
         check_plans: agree a fingerprint of every placement plan across ranks before carrying it
             out, and raise on the first difference (a debugging and testing aid: one small
             collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
@@ -214,9 +216,15 @@ class ChunkPlugin:
         self.precision = precision
         self.chunk_size = chunk_size
         self._process_group = process_group
-        self.loss_scale = (
-            LossScaleConfig() if loss_scale is None else _config(loss_scale, LossScaleConfig, "loss_scale")
-        )
+        self.loss_scale = None if loss_scale is None else _config(loss_scale, LossScaleConfig, "loss_scale")
+        if self.loss_scale is not None and precision != "fp16":
+            # Loss scaling exists for fp16's narrow range; accepting it elsewhere would let a user
+            # believe a setting is in force that nothing reads.
+            chosen = " (the default for this device)" if self._precision_is_default else ""
+            raise ValueError(
+                f"loss_scale applies to precision='fp16' only, and precision={precision!r}{chosen} has no loss "
+                "scaling: pass precision='fp16' to scale fp16 gradients, or leave loss_scale unset"
+            )
         if check_plans is None:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
@@ -306,12 +314,14 @@ class ChunkPlugin:
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
-        chunk_size = self.chunk_size or self._search(named, comm.world_size)
+        chunk_size, trainable_chunk_size = (
+            (self.chunk_size, None) if self.chunk_size is not None else self._search(named, comm.world_size)
+        )
 
         values = backing.values(model, weights)
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
-        manager.register(named, chunk_size)
+        manager.register(named, chunk_size, trainable_chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
@@ -343,6 +353,9 @@ class ChunkPlugin:
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        # Measured where an ActivationPlacement already places saved tensors: saved-tensor hooks hand a
+        # custom autograd Function's saved parameter back as a plain tensor (see activations.meter).
+        meter = SavedMeter(model) if placed is not None else None
         activations = (
             ActivationBlocks(
                 model,
@@ -352,13 +365,15 @@ class ChunkPlugin:
                 DeviceBudget(manager.ledger, runtime.transient_room, policy),
                 manager.ledger,
                 backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
+                manager.failures,
+                meter=meter,
             )
             if placed is not None
             else None
         )
-        scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
+        scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None
@@ -437,12 +452,26 @@ class ChunkPlugin:
                 "size that wastes the least padding."
             )
 
-    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> int:
+    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
+        """The chunk size that wastes the least padding, and for trainable parameters that all fit
+        in less than one such chunk beside frozen ones (a LoRA adapter) a size of their own
+        (``trainable_chunk_range``): in a chunk of the model's size their gradient buffers, fp32
+        masters, optimizer states and disk writes would be mostly padding. ``None``: one size."""
         params = [p for _, p in named]
-        low, high = default_search_range(sum(p.numel() for p in params), 1024, self.compute_dtype.itemsize)
-        result = search_chunk_size(params, low, high, 1024, world_size, self.compute_dtype.itemsize)
-        log.info("chunkmem: searched %s", result.describe())
-        return result.chunk_size
+        itemsize = self.compute_dtype.itemsize
+        low, high = default_search_range(sum(p.numel() for p in params), 1024, itemsize)
+        result = search_chunk_size(params, low, high, 1024, world_size, itemsize)
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        if not trainable or not frozen or sum(p.numel() for p in trainable) >= result.chunk_size:
+            log.info("chunkmem: searched %s", result.describe())
+            return result.chunk_size, None
+        low, high = default_search_range(sum(p.numel() for p in frozen), 1024, itemsize)
+        base = search_chunk_size(frozen, low, high, 1024, world_size, itemsize)
+        low, high = trainable_chunk_range(sum(p.numel() for p in trainable), base.chunk_size, 1024, itemsize)
+        adapter = search_chunk_size(trainable, low, high, 1024, world_size, itemsize)
+        log.info("chunkmem: searched %s (frozen), %s (trainable)", base.describe(), adapter.describe())
+        return base.chunk_size, adapter.chunk_size
 
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel

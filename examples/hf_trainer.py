@@ -1,7 +1,8 @@
 """Fine-tune a small LLaMA with ``transformers.Trainer`` under chunkmem, on the CPU.
 
     pip install -e ".[hf]"
-    python examples/hf_trainer.py            # one process
+    python examples/hf_trainer.py            # one process, seconds on a CPU
+    python examples/hf_trainer.py --steps 16 --budget 256KiB
     torchrun --nproc-per-node 2 examples/hf_trainer.py   # two ranks (gloo on a CPU)
 
 The ``TrainingArguments`` are what plain ``Trainer`` would take; the only change is
@@ -11,6 +12,7 @@ so chunks move to and from host memory every step; the log is the same as plain 
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -19,9 +21,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
-from chunkmem import ChunkPlugin
+from chunkmem import AutoPlacementConfig, ChunkPlugin
 from chunkmem.integrations.hf import ChunkTrainer
-from chunkmem.placement import AutoPlacementConfig
 
 
 def model() -> torch.nn.Module:
@@ -46,19 +47,26 @@ def data(n: int = 64, seq: int = 32) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in rows]
 
 
-def arguments(output_dir: str) -> TrainingArguments:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps (a checkpoint every half)")
+    parser.add_argument("--budget", default="512KiB", help="device budget per rank (chunk bytes on the device)")
+    return parser.parse_args(argv)
+
+
+def arguments(output_dir: str, steps: int) -> TrainingArguments:
     return TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
-        max_steps=8,
+        max_steps=steps,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
         warmup_steps=2,
         weight_decay=0.1,
         max_grad_norm=1.0,
         logging_steps=2,
-        save_steps=4,
+        save_steps=max(1, steps // 2),
         report_to="none",
         use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,  # torchrun on a CPU
@@ -66,19 +74,21 @@ def arguments(output_dir: str) -> TrainingArguments:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)  # tiny matmuls: more threads cost more than they save
     # Every rank must write to the same directories: one name per run (torchrun's id, else this process).
     run = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
     root = os.path.join(tempfile.gettempdir(), f"chunkmem-hf-example-{run}")
     start = time.perf_counter()
-    plain = Trainer(model=model(), args=arguments(f"{root}/plain"), train_dataset=data())
+    plain = Trainer(model=model(), args=arguments(f"{root}/plain", args.steps), train_dataset=data())
     plain.train()
     plain_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    plugin = ChunkPlugin(placement=AutoPlacementConfig(device_budget="512KiB"), chunk_size=16384)
-    trainer = ChunkTrainer(model=model(), args=arguments(f"{root}/chunkmem"), train_dataset=data(), plugin=plugin)
+    plugin = ChunkPlugin(placement=AutoPlacementConfig(device_budget=args.budget), chunk_size=16384)
+    chunk_args = arguments(f"{root}/chunkmem", args.steps)
+    trainer = ChunkTrainer(model=model(), args=chunk_args, train_dataset=data(), plugin=plugin)
     trainer.train()
     trainer.save_model(f"{root}/final")  # a save_pretrained directory (every rank calls it; rank 0 writes)
     chunk_seconds = time.perf_counter() - start
@@ -92,7 +102,8 @@ def main() -> None:
             print(f"{reference['step']:>4}  {reference['loss']:>18.6f}  {ours['loss']:>17.6f}")
         print(
             f"model {sum(p.numel() for p in reloaded.parameters()) * 4 / 1024:.0f} KiB fp32, "
-            f"device budget 512 KiB, peak {stats.peak_device_bytes / 1024:.0f} KiB, "
+            f"device budget {int(plugin.placement.device_budget) / 1024:.0f} KiB, "
+            f"peak {stats.peak_device_bytes / 1024:.0f} KiB, "
             f"{stats.evictions} evictions, {stats.h2d_bytes / 2**20:.1f} MiB host-to-device (rank 0)"
         )
         print(f"checkpoints: {sorted(os.listdir(f'{root}/chunkmem'))}")

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from chunkmem import (
-    Chunk,
-    Communicator,
-    Location,
-    MemoryLedger,
-    Stats,
-    TensorInfo,
-    TensorState,
-)
+from chunkmem import Stats
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.tensor_state import TensorInfo, TensorState
+from chunkmem.ranks.comm import Communicator
+from chunkmem.usage.accounting import Location, MemoryLedger
 
 CPU = torch.device("cpu")
 DEV, HOST = Location.DEVICE, Location.HOST

@@ -4,9 +4,12 @@ marker skips where chunkmem computes on a GPU; ``multirank`` and ``benchmark`` t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Every multi-rank test agrees each placement plan across ranks: a rank-local input to a decision
 # fails the test at the op where the plans first differ.
 os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
+# A benchmark run by a test writes its JSON and plots into a temporary directory, never into the
+# checkout's benchmarks/results/ (benchmarks/common.py reads this before choosing its default). Set
+# before anything imports benchmarks.common; pytest-xdist's workers inherit the controller's.
+if not os.environ.get("CHUNKMEM_BENCHMARK_RESULTS"):
+    _results = tempfile.mkdtemp(prefix="chunkmem-benchmark-results-")
+    os.environ["CHUNKMEM_BENCHMARK_RESULTS"] = _results
+    atexit.register(shutil.rmtree, _results, True)
 logging.getLogger("transformers").setLevel(logging.ERROR)
 # In a pytest-xdist worker (``-n 2``: as many workers as this machine's cores) each worker is one
 # core's worth: torch's default of one intra-op thread a core oversubscribes the machine, and its

@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from chunkmem import Booster, ChunkedModel, ChunkOptimizer, ChunkPlugin, Location
+from chunkmem import Booster, ChunkedModel, ChunkOptimizer, ChunkPlugin
+from chunkmem.usage.accounting import Location
 
 VOCAB = 256
 M = TypeVar("M", bound=torch.nn.Module)

@@ -90,6 +90,21 @@ def test_a_graph_dropped_without_its_backward_gives_its_host_bytes_and_disk_regi
         assert ledger.disk_bytes == ledger.host_bytes == 0
 
 
+def test_activations_changed_on_disk_before_their_backward_are_refused_not_used(tmp_path: Path) -> None:
+    """Each piece written carries its CRC-32: bytes read back that differ (the file overwritten
+    between the forward and the backward) raise, naming the block and the file, instead of
+    giving other gradients."""
+    activations = ActivationPlacement(offload=[Block], host_budget=6000)
+    chunked, optimizer, booster = boost(
+        Stack(), adamw_two_groups, chunk_size=4_000, activations=activations, disk_dir=tmp_path
+    )
+    loss = _loss(chunked, _data()[0])
+    (file,) = tmp_path.glob(".chunkmem-scratch-*/activations-0.bin")
+    file.write_bytes(os.urandom(file.stat().st_size))
+    with pytest.raises(DiskTierError, match=r"saved activations of block blocks\.\d.*differ from those written"):
+        booster.backward(loss, optimizer)
+
+
 # --- the planner --------------------------------------------------------------------------------
 def test_the_plan_predicts_the_disk_bytes_a_run_counts(tmp_path: Path) -> None:
     budget = 6000

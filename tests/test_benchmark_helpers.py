@@ -275,3 +275,107 @@ def test_peers_flag_a_system_whose_first_loss_differs_and_take_ratios_from_the_s
     flagged = check_losses(results, "fp32")
     assert len(flagged) == 1 and flagged[0].startswith("chunkmem first-step loss 7.510000")
     assert check_losses(results, "bf16") == []  # 1e-2 relative is within mixed-precision rounding
+
+
+# --- what every benchmark JSON says of its run, and the memory-budget table's spread ---------------
+def test_write_json_records_when_how_and_on_how_busy_a_machine(tmp_path: Path) -> None:
+    import datetime
+    import json
+    import os
+
+    from benchmarks import common
+
+    began = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    run = common.begin_run(str(common.ROOT / "benchmarks" / "x.py"), ["--steps", "2", "--name", "a b"])
+    run.sample()
+    path = common.write_json("x", {"rows": [1, 2]}, tmp_path)
+    ended = datetime.datetime.now(datetime.timezone.utc)
+    written = json.loads(path.read_text())
+    assert list(written) == ["meta", "rows"] and written["rows"] == [1, 2]
+    meta = written["meta"]
+    date = datetime.datetime.fromisoformat(meta["date"])
+    assert date.utcoffset() == datetime.timedelta(0) and began <= date <= ended
+    assert meta["command"] == "python benchmarks/x.py --steps 2 --name 'a b'"  # as a shell reads it
+    assert meta["machine"]["cpu_count"] == os.cpu_count()
+    load = meta["load"]
+    assert all(len(load[key]) == 3 and min(load[key]) >= 0 for key in ("before", "after"))
+    assert len(load["samples"]) == 1
+    peak = max(sample[0] for sample in [load["before"], *load["samples"], load["after"]])
+    assert load["peak_1min"] == peak and load["busy"] == (peak > os.cpu_count())
+
+
+def test_the_tests_benchmarks_write_outside_the_checkout() -> None:
+    """A benchmark run by a test without ``--out-dir`` writes to the temporary directory the tests'
+    conftest names, never into benchmarks/results/ of the checkout."""
+    from benchmarks import common, memory_budget
+
+    assert not common.RESULTS.resolve().is_relative_to(common.ROOT)
+    assert memory_budget.parse_args([]).out_dir == common.RESULTS
+
+
+def test_a_rows_spread_is_its_fastest_and_slowest_step_around_the_median() -> None:
+    from benchmarks.memory_budget import Row, table
+
+    times = [9.0, 1.0, 4.0, 3.0, 5.0]
+    plain = Row("plain", "plain", None, None, None, "plain PyTorch", state="ok", step_times_ms=list(times))
+    plain.summarize_times()
+    ordered = sorted(times)
+    assert (plain.step_ms_min, plain.step_ms, plain.step_ms_max) == (ordered[0], ordered[2], ordered[-1])
+    assert plain.step_ms_min <= plain.step_ms_q1 <= plain.step_ms <= plain.step_ms_q3 <= plain.step_ms_max
+    assert (plain.step_ms_q1, plain.step_ms_q3) == (ordered[1], ordered[3])  # inclusive quartiles of five
+    headers, body = table([plain])
+    cells = dict(zip(headers, body[0], strict=True))
+    assert cells["step ms"] == "4.0" and cells["min-max ms"] == "1.0-9.0"
+
+
+def test_busy_is_a_one_minute_load_above_the_cores() -> None:
+    import os
+
+    from benchmarks.common import RunRecord
+    from benchmarks.memory_budget import busy_warning
+
+    cores = os.cpu_count() or 1
+    quiet = RunRecord("2026-01-01T00:00:00+00:00", "python x.py", [cores * 0.5, 0.0, 0.0], [[cores * 1.0, 0, 0]])
+    assert not quiet.busy([0.1, 0.0, 0.0]) and busy_warning(quiet, [0.1, 0.0, 0.0]) == ""
+    loaded = RunRecord("2026-01-01T00:00:00+00:00", "python x.py", [0.1, 0.0, 0.0], [[cores + 0.5, 0, 0]])
+    assert loaded.busy([0.1, 0.0, 0.0]) and loaded.peak_load([0.1, 0.0, 0.0]) == cores + 0.5
+    assert busy_warning(loaded, [0.1, 0.0, 0.0]).startswith("WARNING: the machine was busy")
+
+
+@pytest.mark.slow  # matplotlib's import and a figure: 2 s
+def test_the_memory_budget_plot_shows_the_budget_over_the_series_and_each_steps_spread() -> None:
+    from benchmarks.common import pyplot
+    from benchmarks.memory_budget import Row, draw
+
+    plt = pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed (the bench extra)")
+
+    def row(key: str, policy: str, frac: float | None, times: list[float], peak: int | None) -> Row:
+        budget = None if frac is None else int(frac * 2**20)
+        made = Row(key, policy, 0, frac, budget, "-", state="ok", step_times_ms=times, peak_device_bytes=peak)
+        made.summarize_times()
+        return made
+
+    plain = row("plain", "plain", None, [10.0, 12.0, 20.0], None)
+    rows = [plain]
+    for policy in ("static", "auto"):
+        rows += [row(f"{policy}-{f}", policy, f, [20.0 * f + 5, 30.0, 40.0 / f], int(f * 2**20)) for f in (1.0, 0.5)]
+    fig = draw(plt, rows, "test")
+    try:
+        peak_axes, _, time_axes = fig.axes
+        budget = next(line for line in peak_axes.get_lines() if line.get_label() == "budget")
+        # Drawn above every series, at the budgets (MiB), so a peak equal to its budget cannot hide it.
+        assert all(budget.get_zorder() > line.get_zorder() for line in peak_axes.get_lines() if line is not budget)
+        assert sorted(budget.get_ydata()) == [0.5, 1.0]
+        # One error bar per point, from its fastest to its slowest step, over plain PyTorch's median.
+        bars = time_axes.containers
+        assert len(bars) == 2
+        expected = sorted((r.step_ms_min / 12.0, r.step_ms_max / 12.0) for r in rows[1:])
+        found = []
+        for container in bars:
+            (segments,) = container.lines[2]
+            found += [tuple(sorted(seg[:, 1])) for seg in segments.get_segments()]
+        assert [v for pair in sorted(found) for v in pair] == pytest.approx([v for pair in expected for v in pair])
+    finally:
+        plt.close(fig)

@@ -34,6 +34,8 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 def _run(script: str, *args: str, tiny: bool = True, env: dict[str, str] | None = None) -> str:
     """``script`` run with ``args`` (after the tiny model's flags), in this environment plus ``env``."""
+    # benchmarks/results/*.json is committed (the manual's benchmarks page): a test writes elsewhere.
+    assert "--out-dir" in args, f"{script}: pass --out-dir (a temporary directory), not the checkout's results"
     # Forked from the tests' fork server, not a fresh interpreter: the script runs as its __main__
     # without importing torch and transformers again (a third of each of these tests).
     path = str(ROOT / "benchmarks" / script)
@@ -86,14 +88,13 @@ def _assert_aligned(lines: list[str]) -> None:
             assert padded[end:start].strip() == "", (end, start, line)
 
 
+BUDGET_W1 = ("--steps", "4", "--rounds", "1", "--budgets", "1,0.5,0.2", "--prefetch", "0,1", "--chunk-size", CHUNK)
+
+
 @pytest.fixture(scope="module")
 def budget_w1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("memory_budget")
-    out = _run(
-        "memory_budget.py",
-        *("--steps", "4", "--rounds", "1", "--budgets", "1,0.5,0.2", "--prefetch", "0,1"),
-        *("--chunk-size", CHUNK, "--out-dir", str(out_dir), *FP32),
-    )
+    out = _run("memory_budget.py", *BUDGET_W1, "--out-dir", str(out_dir), *FP32)
     return out, json.loads((out_dir / "memory_budget.json").read_text())
 
 
@@ -118,6 +119,37 @@ def test_memory_budget_measures_plain_pytorch_like_every_other_row(budget_w1: tu
     assert set(counts.values()) == {(3, 4)}, counts
     plain = next(r for r in payload["rows"] if r["key"] == "plain")
     assert plain["step_ms"] == sorted(plain["step_times_ms"])[1]
+
+
+def test_memory_budget_says_the_spread_the_load_and_what_the_data_is(budget_w1: tuple[str, dict[str, Any]]) -> None:
+    import math
+    import shlex
+
+    out, payload = budget_w1
+    meta = payload["meta"]
+    # The command as run (the out dir is the fixture's temporary directory).
+    assert meta["command"].startswith(shlex.join(["python", "benchmarks/memory_budget.py", *TINY, *BUDGET_W1]))
+    assert meta["command"].endswith(" " + shlex.join(FP32)) and " --out-dir " in meta["command"]
+    load = meta["load"]
+    assert len(load["samples"]) == 1, "one sample after the one round"
+    busy = "WARNING: the machine was busy" in out
+    assert (
+        busy == load["busy"] == (max(s[0] for s in [load["before"], *load["samples"], load["after"]]) > load["cores"])
+    )
+    assert "load average (1/5/15 min): before " in out
+    # Each row's spread is its fastest and slowest timed step around the median.
+    table = payload["summary_table"]
+    assert table["headers"][table["headers"].index("step ms") + 1] == "min-max ms"
+    assert len(table["rows"]) == len(payload["rows"])
+    spread = table["headers"].index("min-max ms")
+    for row, cells in zip(payload["rows"], table["rows"], strict=True):
+        times = row["step_times_ms"]
+        assert row["step_ms_min"] == min(times) <= row["step_ms"] <= max(times) == row["step_ms_max"]
+        assert cells[spread] == f"{min(times):.1f}-{max(times):.1f}"
+    # Random tokens: nothing to learn, so every row's loss stays near ln(vocabulary) (256 here).
+    assert "data: random tokens" in out and "random tokens" in table["note"]
+    assert all(abs(row["final_loss"] - math.log(256)) < 0.1 for row in payload["rows"])
+    assert ("WARNING: the machine was busy" in table["note"]) == busy
 
 
 def test_memory_budget_offload_bytes_match_the_analytic_counts(budget_w1: tuple[str, dict[str, Any]]) -> None:

@@ -19,8 +19,9 @@ from models import (
 )
 from tier import slow_cases
 
-from chunkmem import Booster, ChunkPlugin, Location, MemoryKind
+from chunkmem import Booster, ChunkPlugin
 from chunkmem.placement import AutoPlacementConfig, BudgetTooSmallError, StaticPlacementConfig
+from chunkmem.usage.accounting import Location, MemoryKind
 
 CHUNK = 12_000
 

@@ -22,10 +22,9 @@ from models import (
     train_reference,
 )
 
-from chunkmem import process_capacity
 from chunkmem.placement import AutoPlacementConfig
 from chunkmem.placement.policy import format_bytes
-from chunkmem.usage.memory import DeviceMemory
+from chunkmem.usage.memory import DeviceMemory, process_capacity
 
 BUDGET = 3_000_000
 

@@ -22,18 +22,11 @@ from chunk_helpers import (
     make_params,
 )
 
-from chunkmem import (
-    Chunk,
-    Communicator,
-    IllegalTransition,
-    Location,
-    MemoryKind,
-    MemoryLedger,
-    PendingGather,
-    Stats,
-    TensorInfo,
-    TensorState,
-)
+from chunkmem import IllegalTransition, Stats
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.tensor_state import TensorInfo, TensorState
+from chunkmem.ranks.comm import Communicator, PendingGather
+from chunkmem.usage.accounting import Location, MemoryKind, MemoryLedger
 
 
 # --- ledger and tensor states --------------------------------------------------------------------

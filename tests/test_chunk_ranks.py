@@ -22,16 +22,11 @@ from chunk_helpers import (
 )
 from distributed import run_ranks
 
-from chunkmem import (
-    Chunk,
-    Communicator,
-    IllegalTransition,
-    MemoryKind,
-    MemoryLedger,
-    PendingGather,
-    Stats,
-    TensorState,
-)
+from chunkmem import IllegalTransition, Stats
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.tensor_state import TensorState
+from chunkmem.ranks.comm import Communicator, PendingGather
+from chunkmem.usage.accounting import MemoryKind, MemoryLedger
 
 
 # --- world size 2 --------------------------------------------------------------------------------

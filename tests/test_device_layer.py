@@ -13,10 +13,10 @@ import pytest
 import torch
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss
 
-from chunkmem import Location
 from chunkmem.device import AcceleratorLayer, DeviceLayer, device_layer
 from chunkmem.device.simulated import simulated_device
 from chunkmem.placement import StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("chunkmem",)

@@ -18,8 +18,9 @@ from distributed import run_ranks
 from forked import run_script
 from tier import slow_cases
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location
+from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 WIDTH, LAYERS, CHUNK = 64, 6, 4_200  # one layer a chunk
 ON_DISK = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=0)

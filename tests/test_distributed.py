@@ -31,8 +31,8 @@ from models import (
     train_reference,
 )
 
-from chunkmem import Communicator
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.ranks.comm import Communicator
 
 PLACEMENTS: dict[str, Any] = {
     "static": StaticPlacementConfig(),

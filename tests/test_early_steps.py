@@ -15,8 +15,9 @@ from distributed import run_ranks
 from models import assert_state_close, copies, device_of, tolerance
 from tier import slow_cases
 
-from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
+from chunkmem import Booster, ChunkPlugin, StepAfterBackward, StepDuringBackward
 from chunkmem.placement import StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 WIDTH, LAYERS, CHUNK = 64, 8, 4_200  # one layer a chunk
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)

@@ -17,9 +17,10 @@ from models import batches
 from test_param_disk import CHUNK, IN_RAM, ON_DISK, boosted, train_counted
 from test_peft import STEPS, assert_same_adapter, assert_same_states, lora_model, plain_peft
 
-from chunkmem import ChunkPlugin, Location, MemoryKind, plan
+from chunkmem import ChunkPlugin, plan
 from chunkmem.placement import StaticPlacementConfig
 from chunkmem.tiers.disk import DISK_BLOCK
+from chunkmem.usage.accounting import Location, MemoryKind
 
 PLACEMENTS = {"on-disk": ON_DISK, "in-ram": IN_RAM}
 ADAM = 4 + 4 + 4 + 4  # per trainable element: fp32 master, fp32 gradient, exp_avg, exp_avg_sq

@@ -17,11 +17,12 @@ import pytest
 import torch
 from models import copies, device_of
 
-from chunkmem import Booster, ChunkPlugin, Location, StepAfterBackward, StepDuringBackward
+from chunkmem import Booster, ChunkPlugin, StepAfterBackward, StepDuringBackward
 from chunkmem.device import DeviceLayer
 from chunkmem.device.simulated import simulated_device
 from chunkmem.optim.host_kernels import HostKernels
 from chunkmem.placement import StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 HOST = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=0)
 

@@ -27,6 +27,7 @@ packages of lower layers, never one of its own layer or above, type-only imports
 10. ``chunkmem.booster``; ``chunkmem.planning``
 11. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
 12. ``chunkmem`` (its ``__init__``: the public API)
+13. ``chunkmem.env`` (the environment report: it reports the public API's ``__version__``)
 
 Every module of chunkmem lives in one of these subpackages; only the public entry points
 (``ENTRY_POINTS``) sit at its top level.
@@ -189,9 +190,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("chunkmem.booster", "chunkmem.planning"),
     ("chunkmem.integrations", "chunkmem.plan"),
     ("chunkmem",),
+    ("chunkmem.env",),
 )
 # The modules at the top of chunkmem: what users import or run; everything else is in a subpackage.
-ENTRY_POINTS = {"chunkmem", "chunkmem.errors", "chunkmem.plugin", "chunkmem.booster", "chunkmem.plan"}
+ENTRY_POINTS = {"chunkmem", "chunkmem.errors", "chunkmem.plugin", "chunkmem.booster", "chunkmem.plan", "chunkmem.env"}
 
 
 def unit_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:

@@ -15,8 +15,11 @@ from hypothesis import strategies as st
 from models import gpt2
 from tier import examples
 
-from chunkmem import Communicator, Location, MemoryKind, Stats, UnmanageableParameter, search_chunk_size
+from chunkmem import Stats, UnmanageableParameter
 from chunkmem.chunks.manager import ChunkManager
+from chunkmem.chunks.search import search_chunk_size
+from chunkmem.ranks.comm import Communicator
+from chunkmem.usage.accounting import Location, MemoryKind
 
 CPU = torch.device("cpu")
 DEV, HOST = Location.DEVICE, Location.HOST

@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkmem import describe_devices, device_capacity, device_free, host_memory
 from chunkmem.device import probes
 from chunkmem.device.probes import DeviceMemory
-from chunkmem.usage.memory import device_memory, nvml_memory
+from chunkmem.usage.memory import (
+    describe_devices,
+    device_capacity,
+    device_free,
+    device_memory,
+    host_memory,
+    nvml_memory,
+)
 
 CPU = torch.device("cpu")
 GiB = 2**30

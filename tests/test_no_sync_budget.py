@@ -13,8 +13,9 @@ import pytest
 from distributed import run_ranks
 from models import adamw_two_groups, assert_state_close, batches, boost, copies, gpt2, lm_loss, tolerance
 
-from chunkmem import BudgetTooSmallError, Location, MemoryKind
+from chunkmem import BudgetTooSmallError
 from chunkmem.placement import AutoPlacementConfig, ChunkPlacement, Layout, StaticPlacementConfig, Verb
+from chunkmem.usage.accounting import Location, MemoryKind
 
 CHUNK = 10_000
 # The step that records the trace and one that follows the plans: each moves gradients in no_sync.

@@ -28,12 +28,12 @@ from distributed import run_ranks
 from models import batches, gpt2
 from test_peft import STEPS, lora_model, plain_peft, steps_on, train
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, Location, MemoryKind, plan
+from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, plan
 from chunkmem.chunks.param_on_disk import ParamOnDisk, ParamOnDiskState
 from chunkmem.placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
 from chunkmem.placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
 from chunkmem.tiers.transfers import HostTransfers
-from chunkmem.usage.accounting import MemoryLedger
+from chunkmem.usage.accounting import Location, MemoryKind, MemoryLedger
 from chunkmem.usage.stats import Stats
 
 ON_DISK = StaticPlacementConfig(

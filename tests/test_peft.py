@@ -20,8 +20,9 @@ import torch
 from distributed import run_ranks
 from models import Step, as_reference, batches, device_of, gpt2, optimizer_step_side
 
-from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError, UnmanageableParameter
+from chunkmem import Booster, ChunkPlugin, NotSupportedError, UnmanageableParameter
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.accounting import Location, MemoryKind
 
 # peft is imported where a test uses it: collecting this module (every pytest-xdist worker collects
 # every module, and three more test modules import its helpers) needs no peft.
@@ -230,6 +231,41 @@ def test_lora_trains_like_plain_peft_bit_for_bit(precision: str, placement: str,
     resumed_booster.load_optimizer(resumed_optimizer, tmp_path / "optim.pt")
     assert train(resumed, resumed_optimizer, resumed_booster, more, 0, 1) == after
     assert_same_states(resumed.state_dict(), chunked.state_dict())
+
+
+@pytest.mark.slow
+def test_an_adapter_gets_chunks_sized_for_it_not_for_the_base(tmp_path: Path) -> None:
+    """With the chunk size searched, the adapter (a small part of a frozen model) is packed in chunks
+    of its own size: its gradient shard, optimizer states, disk scratch and writes per step are the
+    adapter's bytes (plain AdamW's state over it), not a base-sized chunk's; training equals plain PEFT."""
+    model = lora_model()
+    placement = PLACEMENTS["sides-on-disk"]()
+    booster = Booster(ChunkPlugin(placement=placement, precision="fp32", disk_dir=tmp_path))  # chunk_size searched
+    chunked, optimizer, *_ = booster.boost(model, adamw(model))
+    chunks = chunked.manager.chunks
+    assert sum(c.capacity for c in chunks if c.trainable) == ADAPTER_NUMEL  # 2048: no padding
+    assert min(c.capacity for c in chunks if not c.trainable) > 10 * ADAPTER_NUMEL  # the base's size, searched
+    plain = lora_model()
+    plain_optimizer = adamw(plain)
+    ids = batches(1)[0]
+    plain(input_ids=ids, labels=ids).loss.backward()
+    plain_optimizer.step()
+    state_bytes = sum(t.numel() * t.element_size() for s in plain_optimizer.state.values() for t in s.values())
+    data = batches(STEPS)
+    before = chunked.stats()
+    losses = train(chunked, optimizer, booster, data, 0, 1)
+    after = chunked.stats()
+    report = adapter_report(chunked, optimizer)
+    assert report["grad_shard_bytes"] == 4 * ADAPTER_NUMEL
+    assert report["optim_state_bytes"] == report["optim_state_on_disk"] == state_bytes
+    assert chunked.manager.ledger.disk_bytes == 4 * ADAPTER_NUMEL + state_bytes  # the scratch: gradient and states
+    # Every step writes the adapter's fp32 gradient and its two AdamW moments, nothing of the base.
+    assert after.disk_write_bytes - before.disk_write_bytes == STEPS * (4 + 2 * 4) * ADAPTER_NUMEL
+    expected_losses, reference = plain_peft("fp32", data, steps_on(chunked))
+    assert losses == [step[0] for step in expected_losses]
+    state = chunked.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value.cpu()), name
 
 
 def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from test_param_disk import ON_DISK
 from test_peft import DTYPES, adamw, plain_peft, train
 
-from chunkmem import Booster, ChunkPlugin, Location, MaterializeError, MemoryKind
+from chunkmem import Booster, ChunkPlugin, MaterializeError
+from chunkmem.usage.accounting import Location, MemoryKind
 
 SEED = 7
 STEPS = 2

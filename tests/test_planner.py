@@ -20,9 +20,10 @@ from distributed import run_ranks
 from forked import run_main
 from models import batches, gpt2, llama, reference_device
 
-from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan, process_capacity
+from chunkmem import Booster, BudgetTooSmallError, ChunkPlugin, Plan, StepCounters, plan
 from chunkmem.device.simulated import simulated_device
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.memory import process_capacity
 
 CHUNK = 6_000
 CAPACITY = process_capacity(torch.device("cpu"))
@@ -275,6 +276,7 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
         expected = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**small)).parameters())
     assert result.parameters == expected  # the file given, not the directory's config.json
     (tmp_path / "odd.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    small_file = ["--hf-config", str(tmp_path / "small.json")]
     refusals = {
         "unknown model_type": (["--hf-config", str(tmp_path / "odd.json")], "model_type 'no-such-model'"),
         "batch 0": (["--hf-config", "gpt2", "--batch", "0x16"], "at least 1"),
@@ -288,6 +290,23 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
         "no disk bandwidth": (["--hf-config", "gpt2", "--disk-bandwidth", "0"], "argument --disk-bandwidth"),
         "accumulation": (["--hf-config", "gpt2", "--grad-accum", "0"], "argument --grad-accum"),
         "chunk": (["--hf-config", str(tmp_path / "small.json"), "--chunk-size", str(2**40)], "chunk_size="),
+        # A refused config's error names the flag that set it, where the check is of one field or of several.
+        "activation host budget": (
+            [*small_file, "--activations", "offload=GPT2Block", "--activation-host-budget", "1KiB"],
+            "error: argument --activation-host-budget: host_budget=1024 bytes is below the minimum",
+        ),
+        "activation host budget alone": (
+            [*small_file, "--activation-host-budget", "1MiB"],
+            "error: argument --activation-host-budget: host_budget caps",
+        ),
+        "one placement per class": (
+            [*small_file, "--activations", "offload=GPT2Block", "--activations", "recompute=GPT2Block"],
+            "error: argument --activations: offload and recompute both name",
+        ),
+        "parameters on disk beyond optimizer sides": (
+            [*small_file, "--policy", "offload", "--disk-frac", "0.2", "--param-disk-frac", "0.5"],
+            "error: argument --policy, --disk-frac and --param-disk-frac: offload_param_disk_frac=0.5",
+        ),
     }
     for name, (argv, message) in refusals.items():
         with pytest.raises(SystemExit) as exit_:
@@ -324,6 +343,34 @@ def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fit
 
         count = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**small)).parameters())
     assert f"parameters                     {count / 1e3:.3g}K ({count:,})" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # plans a small model four times
+def test_a_plan_that_does_not_fit_names_the_flags_that_make_it_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Following what "to fit" says makes the plan fit: the fix is checked against the planner itself
+    planning what it names, not against its own text."""
+    plan_cli = importlib.import_module("chunkmem.plan")
+    small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "4x64", "--device", "cpu", "--precision", "fp32"]
+    # The activations of three GPT-2 blocks overflow a 1 MiB device; recomputing them (all but one call's
+    # saved tensors leave the device) fits.
+    over = plan_cli.main([*common, "--device-memory", "1MiB"])
+    shown = capsys.readouterr().out
+    assert not over.fits and "more than the 1.00 MiB device capacity" in over.why_not
+    assert "ActivationPlacement(recompute=['GPT2Block'])" in over.why_not
+    (to_fit,) = [line for line in shown.splitlines() if line.startswith("to fit: ")]
+    assert to_fit.startswith("to fit: --activations recompute=GPT2Block (") and "a smaller --batch" in to_fit
+    fixed = plan_cli.main([*common, "--device-memory", "1MiB", "--activations", "recompute=GPT2Block"])
+    assert fixed.fits, fixed.why_not
+    assert "to fit" not in capsys.readouterr().out
+    # A device budget below the placement's minimum: the flag with the minimum, rounded up to a MiB, fits.
+    low = plan_cli.main([*common, "--device-budget", "64KiB", "--json"])
+    flags = [fix["flag"] for fix in json.loads(capsys.readouterr().out)["fixes"]]
+    assert not low.fits and flags[0] == f"--device-budget {-(-low.min_device_budget // 2**20)}MiB", flags
+    assert plan_cli.main([*common, *flags[0].split()]).fits
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ from models import (
     tolerance,
 )
 
-from chunkmem import Location
 from chunkmem.placement import StaticPlacementConfig
+from chunkmem.usage.accounting import Location
 
 
 @pytest.fixture

@@ -134,9 +134,10 @@ def test_the_verbs_say_what_is_wrong_and_name_the_chunk_and_the_rank() -> None:
     """The residency is the one record of what is on the device (a chunk keeps no state of its
     own: ``ChunkState`` is gone), so its refusals name the chunk, the rank and what to do."""
     import chunkmem
+    from chunkmem.chunks.chunk import Chunk
     from chunkmem.chunks.chunk_residency import ChunkResidency
 
-    assert not hasattr(chunkmem, "ChunkState") and not hasattr(chunkmem.Chunk, "state")
+    assert not hasattr(chunkmem, "ChunkState") and not hasattr(Chunk, "state")
     assert not hasattr(ChunkResidency, "state")
     residency = _residency(rank=1)
     trace = trace_of([(F, (0,)), (F, (1,))])
@@ -194,9 +195,10 @@ def test_the_residency_alone_knows_which_gradient_shards_hold_reduced_gradients(
     tensors and is told (``prepare_grad``/``start_reduce`` take ``onto_reduced``), with no state of
     its own to keep equal."""
     import chunkmem
+    from chunkmem.chunks.chunk import Chunk
     from chunkmem.chunks.chunk_grads import ChunkGrads
 
-    assert not hasattr(chunkmem, "GradState") and not hasattr(chunkmem.Chunk, "grad_state")
+    assert not hasattr(chunkmem, "GradState") and not hasattr(Chunk, "grad_state")
     assert not hasattr(ChunkGrads, "state")
     trace = trace_of([(F, (0, 1)), (B, (0,))])
     with_grads = catalog(3, grad=500)

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from tier import examples, slow_cases
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from chunkmem import search_chunk_size
-from chunkmem.chunks.search import CANDIDATE_BLOCK, default_search_range
+from chunkmem.chunks.search import CANDIDATE_BLOCK, default_search_range, search_chunk_size
 
 
 @functools.cache

@@ -29,8 +29,9 @@ from models import (
 )
 from tier import slow_cases
 
-from chunkmem import Booster, ChunkPlugin, Location, MemoryKind, NotSupportedError
+from chunkmem import Booster, ChunkPlugin, NotSupportedError
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.usage.accounting import Location, MemoryKind
 
 PLACEMENTS: dict[str, Any] = {
     "static": StaticPlacementConfig(),

@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from test_param_disk import ON_DISK, train_counted
 from test_peft import adamw, plain_peft
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, Location, MemoryKind, StateDictMismatchError, plan
+from chunkmem import Booster, ChunkPlugin, DiskTierError, StateDictMismatchError, plan
 from chunkmem.tiers.disk import DISK_BLOCK
+from chunkmem.usage.accounting import Location, MemoryKind
 
 WIDTH = 64
 CHUNK = WIDTH * WIDTH  # every base weight fills a chunk, the four adapter matrices another: no padding
@@ -70,12 +71,30 @@ def write_weights(out: Path, dtype: torch.dtype) -> Path:
     return path
 
 
+def _overwrite_keeping_size_and_time(weights: str) -> None:
+    """Write other weights of the same shapes over ``weights``, in place, and put its modification time back."""
+    kept = os.stat(weights)
+    other = Path(weights).with_suffix(".other")
+    save_file({n: p.detach().contiguous() * 2 for n, p in tiny().named_parameters()}, str(other))
+    with open(weights, "r+b") as file:
+        file.write(other.read_bytes())
+    assert os.stat(weights).st_size == kept.st_size
+    os.utime(weights, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+
+
 def _run(
-    rank: int, world_size: int, weights: str, out: str, changer: int | None, in_backward: bool = False
+    rank: int,
+    world_size: int,
+    weights: str,
+    out: str,
+    changer: int | None,
+    in_backward: bool = False,
+    keep_time: bool = False,
 ) -> dict[str, Any]:
     """Boost from ``weights`` (``{rank}`` in it: each rank's own copy) and train; ``changer``: the
     rank that rewrites its file after boost, before training (``in_backward``: between the first
-    forward and its backward)."""
+    forward and its backward; ``keep_time``: other weights written over it, its size and
+    modification time kept)."""
     weights = weights.format(rank=rank)
     with torch.device("meta"):
         model = tiny()
@@ -90,7 +109,9 @@ def _run(
         adapters = [c.store.readable_master().clone() for c in chunks if c.trainable]
         share = batches(1)[0].chunk(world_size)[rank]
         loss = chunked(input_ids=share, labels=share).loss if in_backward else None
-        if rank == changer:
+        if rank == changer and keep_time:
+            _overwrite_keeping_size_and_time(weights)
+        elif rank == changer:
             data = bytearray(Path(weights).read_bytes())
             data[-2:] = b"\x00\x00"
             Path(weights).write_bytes(bytes(data))
@@ -103,7 +124,7 @@ def _run(
             booster.backward(loss, optimizer)
             optimizer.step()
         after = [c.store.readable_master() for c in chunks if c.trainable]
-        with pytest.raises(DiskTierError, match="changed after boost"):  # no checkpoint of other weights either
+        with pytest.raises(DiskTierError, match=r"changed after boost|overwritten in place"):  # no checkpoint either
             chunked.state_dict()
         return {
             "error": str(raised.value),
@@ -235,5 +256,22 @@ def test_a_weights_file_changed_on_one_rank_only_is_refused_on_every_rank_at_onc
     for result in results:
         assert "on rank 1: rank 1: chunk" in result["error"] and changed in result["error"], result
         assert "changed after boost" in result["error"] and "on rank 0" not in result["error"], result
+        assert result["seconds"] < 10, result
+        assert result["unchanged"] and result["steps"] == 0, result
+
+
+@pytest.mark.multirank
+def test_a_weights_file_overwritten_with_its_size_and_time_kept_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's copy gets other weights written over it in place, its size and modification time put
+    back: the pages each read checks against boost's differ, and both ranks raise the same error."""
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+        write_weights(tmp_path / f"rank{rank}", torch.bfloat16)
+    template = str(tmp_path / "rank{rank}" / "bfloat16.safetensors")
+    results = run_ranks(_run, 2, args=(template, str(tmp_path), 1, False, True), timeout=40)
+    assert results[0]["error"] == results[1]["error"]
+    for result in results:
+        assert "on rank 1: chunk" in result["error"] and template.format(rank=1) in result["error"], result
+        assert "overwritten in place" in result["error"] and "on rank 0" not in result["error"], result
         assert result["seconds"] < 10, result
         assert result["unchanged"] and result["steps"] == 0, result

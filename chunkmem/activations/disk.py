@@ -15,16 +15,22 @@ the block's backward.
   piece then copied to its place in the device copy on the fetch stream. The window is held, and
   accounted in the ledger (host, ``MemoryKind.ACTIVATION``, as the host copies), from the first
   piece until no region is left.
+* **Checked**: the CRC-32 of each piece is taken on the I/O thread once its write is done, and
+  the piece read back is checked against it before it is copied to the device: a file changed
+  under the run (truncated, overwritten) is an error, never other values in the backward.
 * **Failures**: a file that cannot be made or reserved (a full disk), or a write that failed, is
   raised at the end of the block call on every rank (``settle``: the ranks agree, one small
-  collective per offloaded call), naming the directory and the fixes. A read that fails raises on
-  its rank, in the backward.
+  collective per offloaded call), naming the directory and the fixes. A read that fails in the
+  backward, or reads other bytes than were written, leaves zeros in the device copy and is noted
+  (``ranks.local_failures``): the ranks agree on it in the all-reduce that ends the synchronised
+  backward, and every rank raises the same ``DiskTierError`` (at one rank it raises at once).
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +42,7 @@ from chunkmem.placement import HostRoom
 from ..errors import DiskTierError
 from ..ranks.agreement import agree
 from ..ranks.comm import Communicator
+from ..ranks.local_failures import Lasts, LocalFailures
 from ..tiers.disk import DISK_BLOCK, DiskFile, ScratchDir
 from ..tiers.transfers import Direction, HostTransfers
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
@@ -79,6 +86,7 @@ class DiskCopy:
     nbytes: int
     region: _Region
     writes: list[Future[None]] = field(default_factory=list)
+    sums: list[int] = field(default_factory=list)  # each piece's CRC-32, once its write is done
     free: weakref.finalize | None = None  # gives the region back (once; also when collected)
 
 
@@ -92,10 +100,12 @@ class ActivationDisk:
         comm: Communicator,
         ledger: MemoryLedger,
         transfers: HostTransfers,
+        failures: LocalFailures,
     ) -> None:
         self.room = room
         self._disk_dir = disk_dir
         self._comm = comm
+        self._failures = failures
         self._ledger = ledger
         self._transfers = transfers
         self.stats = Stats()
@@ -128,14 +138,18 @@ class ActivationDisk:
         copy = DiskCopy(nbytes, region)
         copy.free = weakref.finalize(copy, self._free, region, nbytes)
         file = self._files[region.file]
-        for start in range(0, nbytes, self.room.piece):
+        for index, start in enumerate(range(0, nbytes, self.room.piece)):
             size = min(self.room.piece, nbytes - start)
             # No wait for the copies to the device that read the piece before: they ran on the fetch
             # stream, which the compute stream (and so the copy stream) waited for at their unpack.
             which, stage = self._piece()
             self._transfers.copy(stage[:size], source[start : start + size], Direction.TO_HOST)
             self._transfers.before_host_read(stage)
-            write = file.write(stage[:size], region.offset + start)
+            copy.sums.append(0)
+            piece = stage[:size]
+            # On the I/O thread after the write, while the piece is still the window's (``_piece``
+            # waits for this write before handing it out again).
+            write = file.write(piece, region.offset + start, then=lambda i=index, p=piece: _sum_into(copy, i, p))
             self._busy[which] = write
             copy.writes.append(write)
         return copy
@@ -161,20 +175,43 @@ class ActivationDisk:
         )
 
     # --- backward -----------------------------------------------------------------------------
-    def read(self, copy: DiskCopy, target: torch.Tensor) -> None:
-        """Read ``copy`` back into ``target`` (flat ``uint8`` on the compute device), through the
-        window; the copies to the device are queued on the current stream; the region is freed."""
+    def read(self, copy: DiskCopy, target: torch.Tensor, block: str) -> None:
+        """Read ``copy`` (saved by ``block``) back into ``target`` (flat ``uint8`` on the compute
+        device), through the window, each piece checked against its checksum; the copies to the
+        device are queued on the current stream; the region is freed. A read that fails leaves
+        zeros in ``target`` and is noted for the ranks to agree on (module docstring)."""
         for write in copy.writes:  # settled at the call's end; a call whose forward raised is not
             write.result()
         file = self._files[copy.region.file]
-        for start in range(0, copy.nbytes, self.room.piece):
-            size = min(self.room.piece, copy.nbytes - start)
-            _, stage = self._piece()
-            self._transfers.before_host_write(stage)  # the copy to the device that read it is done
-            file.read(stage[:size], copy.region.offset + start).result()
-            self._transfers.copy(target[start : start + size], stage[:size], Direction.TO_DEVICE)
-        assert copy.free is not None, "a written copy frees its region"
-        copy.free()
+        try:
+            for index, start in enumerate(range(0, copy.nbytes, self.room.piece)):
+                size = min(self.room.piece, copy.nbytes - start)
+                _, stage = self._piece()
+                self._transfers.before_host_write(stage)  # the copy to the device that read it is done
+                offset = copy.region.offset + start
+                file.read(stage[:size], offset).result()
+                read = _crc32(stage[:size])
+                if read != copy.sums[index]:
+                    raise DiskTierError(
+                        f"the {size} bytes at offset {offset} of {file.path} differ from those written there (CRC-32 "
+                        f"{read:#010x}, written {copy.sums[index]:#010x}): the file was changed while the run used it"
+                    )
+                self._transfers.copy(target[start : start + size], stage[:size], Direction.TO_DEVICE)
+        except DiskTierError as error:
+            target.zero_()  # after the copies queued before, on the same stream
+            self._failures.note(
+                "reading back saved activations from the disk tier",
+                DiskTierError(
+                    f"rank {self._comm.rank}: cannot read back the saved activations of block {block} "
+                    f"({copy.nbytes} bytes) for its backward: {error}. This backward's gradients are lost: leave the "
+                    f".chunkmem-scratch-* directories in {self._disk_dir} alone while a job runs (give every job its "
+                    "own files there), then call zero_grad() and go on, or resume from the last checkpoint"
+                ),
+                Lasts.ITERATION,
+            )
+        finally:
+            assert copy.free is not None, "a written copy frees its region"
+            copy.free()
 
     # --- regions and the window ---------------------------------------------------------------
     def _piece(self) -> tuple[int, torch.Tensor]:
@@ -233,3 +270,12 @@ class ActivationDisk:
                 self._transfers.give_back(stage)
             self._window = []
             self._ledger.free(Location.HOST, MemoryKind.ACTIVATION, 2 * self.room.piece)
+
+
+def _crc32(piece: torch.Tensor) -> int:
+    """The CRC-32 of a piece of the window (``zlib`` lets go of the GIL for it)."""
+    return zlib.crc32(piece.numpy())
+
+
+def _sum_into(copy: DiskCopy, index: int, piece: torch.Tensor) -> None:
+    copy.sums[index] = _crc32(piece)

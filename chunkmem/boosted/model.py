@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 from chunkmem.placement import ActivationPlacement, ActivationPlan
 
 from ..activations import ActivationBlocks
+from ..activations.meter import SavedMeter
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
@@ -122,7 +123,10 @@ class ChunkedModel(torch.nn.Module):
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
+        meter: SavedMeter | None = None,
     ) -> None:
+        """``meter``: what measures the saved activations no budget governs (with ``activations``:
+        the one it counts its ``offload`` blocks' in); ``None``: they are not measured."""
         super().__init__()
         self.module = module
         self._runtime = runtime
@@ -134,6 +138,7 @@ class ChunkedModel(torch.nn.Module):
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
         self._activations = activations
+        self._meter = meter
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
         weakref.finalize(module, runtime.detach)
@@ -177,14 +182,18 @@ class ChunkedModel(torch.nn.Module):
         _refuse_compiling(torch.compiler.is_compiling())
         self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
+        if self._activations is not None:
+            kwargs = self._activations.training_kwargs(self.module, kwargs)
         self._runtime.begin_forward()
         try:
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
             outside = self._activations.outside_blocks() if self._activations is not None else nullcontext()
-            with self._runtime.forward_context(), outside:
+            # The meter's hooks beneath every other (outermost): it counts what none of them places.
+            measured = self._meter.forward(self._device) if self._meter is not None else nullcontext()
+            with measured, self._runtime.forward_context(), outside:
                 out = self.module(*args, **kwargs)
-            self._runtime.agree_reads_in_place()
+            self._runtime.agree_reads()
             if self._activations is not None:  # every rank's forward returned: agreed over ranks
                 self._activations.end_forward()
             return out
@@ -229,6 +238,9 @@ class ChunkedModel(torch.nn.Module):
         stats = self._runtime.stats()
         if self._activations is not None:
             self._activations.counts(stats)
+        if self._meter is not None:
+            stats.unbudgeted_activation_bytes = self._meter.bytes
+            stats.peak_unbudgeted_activation_bytes = self._meter.peak_bytes
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -316,7 +328,7 @@ class ChunkedModel(torch.nn.Module):
                     continue
                 for info in chunk.tensors:  # copies: ``full`` may be the master itself
                     values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
-        runtime.agree_reads_in_place()
+        runtime.agree_reads()
         return values
 
     def full_state_dict(
@@ -485,7 +497,7 @@ class ChunkedModel(torch.nn.Module):
     def _module_calls_are_iterations(self) -> Iterator[None]:
         runtime = self._runtime
         before = self.module.register_forward_pre_hook(lambda module, args: runtime.begin_forward())
-        returned = self.module.register_forward_hook(lambda module, args, out: runtime.agree_reads_in_place())
+        returned = self.module.register_forward_hook(lambda module, args, out: runtime.agree_reads())
         after = self.module.register_forward_hook(lambda module, args, out: runtime.end_forward(), always_call=True)
         try:
             yield

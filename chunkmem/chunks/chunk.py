@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..ranks.comm import Communicator, PendingGather
+from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.stats import Stats
@@ -55,9 +56,11 @@ class Chunk:
         ledger: MemoryLedger,
         stats: Stats,
         transfers: HostTransfers | None = None,
+        failures: LocalFailures | None = None,
     ) -> None:
         self.layout = ChunkLayout(chunk_id, capacity, comm.world_size, comm.rank, compute_dtype, trainable)
         self._comm = comm
+        self._failures = failures  # where a read of its shard from disk that failed waits (None: raised)
         self._ledger = ledger
         self._stats = stats
         self._transfers = transfers if transfers is not None else HostTransfers(stats, comm.layer)
@@ -165,6 +168,7 @@ class Chunk:
             host_device=self._comm.host_device,
             disk=disk,
             in_place=in_place,
+            failures=self._failures,
         )
         if in_place is None:
             master_tensor = store.master

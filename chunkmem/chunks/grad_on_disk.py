@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import DiskTierError
+from ..ranks.local_failures import Lasts, LocalFailures
 from ..tiers.transfers import Direction, HostTransfers
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from .grad_norm import flat_norm
@@ -41,8 +43,10 @@ class GradOnDisk:
         ledger: MemoryLedger,
         transfers: HostTransfers,
         host_device: torch.device,
+        failures: LocalFailures | None = None,
     ) -> None:
         self._label = label
+        self._failures = failures  # where a read back in the backward that failed waits (None: raised)
         self._numel = numel
         self._file = file
         self._ledger = ledger
@@ -93,7 +97,9 @@ class GradOnDisk:
                     f"{self._label}: a gradient arrived after the step's checks scaled the one on disk (clip or fp16 "
                     "unscale before the last backward); reduce all gradients before clipping"
                 )
-            host.add_(self._read_now())  # what an earlier reduction left (a + b is b + a, bit for bit)
+            earlier = self._read_in_backward()
+            if earlier is not None:
+                host.add_(earlier)  # what an earlier reduction left (a + b is b + a, bit for bit)
         self._measure(host)
         if self._off_disk:  # what memory held is superseded by this write
             self._off_disk = False
@@ -120,6 +126,25 @@ class GradOnDisk:
         self._largest = float(values.abs().max()) if values.numel() else 0.0
         self._finite = bool(torch.isfinite(values).all())
         self._factor = 1.0
+
+    def _read_in_backward(self) -> torch.Tensor | None:
+        """What an earlier reduction left, read back; ``None`` where the read failed and is noted
+        for the ranks to agree on at the end of the backward (``ranks.local_failures``: raising here,
+        on one rank, would leave the others waiting in their next collective)."""
+        try:
+            return self._read_now()
+        except DiskTierError as error:
+            if self._failures is None:
+                raise
+            self._failures.note(
+                "reading back a gradient from the disk tier",
+                DiskTierError(
+                    f"{self._label}: {error}. The disk tier's files are this run's scratch: leave the "
+                    ".chunkmem-scratch-* directories of a running job alone; resume from the last checkpoint"
+                ),
+                Lasts.ITERATION,
+            )
+            return None
 
     def _read_now(self) -> torch.Tensor:
         self._settle_writes()

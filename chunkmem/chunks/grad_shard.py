@@ -22,6 +22,7 @@ from .grad_on_disk import GradOnDisk
 from .master_buffer import MASTER_DTYPE, MasterSideBuffer
 
 if TYPE_CHECKING:
+    from ..ranks.local_failures import LocalFailures
     from ..tiers.disk import SidesFile
 
 __all__ = ["GradShard"]
@@ -42,6 +43,7 @@ class GradShard:
         pin: bool,
         host_device: torch.device,
         disk: SidesFile | None = None,
+        failures: LocalFailures | None = None,
     ) -> None:
         self._label = label
         self._ledger = ledger
@@ -49,7 +51,9 @@ class GradShard:
         self._host_device = host_device
         self._location = location
         self._nbytes = numel * MASTER_DTYPE.itemsize
-        self._disk = GradOnDisk(label, numel, disk, ledger, transfers, host_device) if disk is not None else None
+        self._disk = (
+            GradOnDisk(label, numel, disk, ledger, transfers, host_device, failures) if disk is not None else None
+        )
         self._buffers = MasterSideBuffer(
             MemoryKind.GRAD_SHARD, numel, device, ledger, pin, transfers.layer, False, host_device
         )

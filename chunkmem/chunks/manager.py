@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..errors import UnmanageableParameter
 from ..ranks.comm import Communicator
+from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import Location, MemoryLedger
 from ..usage.memory import return_freed_host_memory
@@ -51,7 +52,8 @@ class ChunkManager:
         self._infos: dict[int, TensorInfo] = {}
         self._ordered: list[TensorInfo] = []
         self._weight_files: WeightFiles | None = None  # some chunk reads in place from them
-        self._some_rank_reads_in_place = False
+        self._failures = LocalFailures(comm.world_size)
+        self._some_rank_reads_from_disk = False
 
     @property
     def ledger(self) -> MemoryLedger:
@@ -75,9 +77,15 @@ class ChunkManager:
         return self._weight_files
 
     @property
-    def some_rank_reads_in_place(self) -> bool:
-        """Some chunk of some rank reads in place (the same on every rank)."""
-        return self._some_rank_reads_in_place
+    def failures(self) -> LocalFailures:
+        """This rank's failures (reads in a forward or a backward) kept for the ranks to agree on."""
+        return self._failures
+
+    @property
+    def some_rank_reads_from_disk(self) -> bool:
+        """Some chunk of some rank reads what gathers read from disk: in place from the weights
+        files, or from the disk tier's file (the same on every rank)."""
+        return self._some_rank_reads_from_disk
 
     @property
     def comm(self) -> Communicator:
@@ -111,18 +119,27 @@ class ChunkManager:
         return info
 
     # --- registration -----------------------------------------------------------------------
-    def register(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], chunk_size: int) -> None:
+    def register(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        chunk_size: int,
+        trainable_chunk_size: int | None = None,
+    ) -> None:
         """Pack parameters, in order, into chunks of ``chunk_size`` elements (rounded up to a
-        multiple of the world size). Each group (dtype, requires_grad) fills its own open chunk; a
-        parameter larger than ``chunk_size`` gets a chunk of its own."""
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
+        multiple of the world size), the trainable ones into chunks of ``trainable_chunk_size``
+        where given (an adapter a small part of a frozen model: its chunks sized for it, not for
+        the model). Each group (dtype, requires_grad) fills its own open chunk; a parameter larger
+        than its group's size gets a chunk of its own."""
+        for size in (chunk_size, trainable_chunk_size):
+            if size is not None and size <= 0:
+                raise ValueError(f"chunk_size must be a positive number of elements, got {size}")
         world = self._comm.world_size
-        capacity = -(-chunk_size // world) * world
+        sizes = {False: chunk_size, True: trainable_chunk_size or chunk_size}
         open_chunks: dict[tuple[torch.dtype, bool], Chunk] = {}
         for name, param in named_params:
             self._check_manageable(name, param)
             key = group_key(param)
+            capacity = -(-sizes[param.requires_grad] // world) * world
             numel = param.numel()
             if numel > capacity:
                 chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad)
@@ -155,6 +172,7 @@ class ChunkManager:
             self._ledger,
             self._stats,
             self._transfers,
+            self._failures,
         )
         self._chunks.append(chunk)
         return chunk
@@ -185,7 +203,7 @@ class ChunkManager:
     def choose_in_place(self, param_on_disk: Sequence[bool]) -> dict[int, InPlaceShard]:
         """The chunks whose shard this rank reads in place from the weights files, chosen once at
         boost (``choose_in_place``); ``param_on_disk``: the placement's, by chunk id."""
-        files = WeightFiles(self._comm.rank, defer=self._comm.world_size > 1)
+        files = WeightFiles(self._comm.rank, self._failures)
         chosen = {}
         for chunk in self._chunks:
             label = f"chunk {chunk.chunk_id} (rank {self._comm.rank})"
@@ -195,9 +213,9 @@ class ChunkManager:
         self._weight_files = files if chosen else None
         # Whether the ranks agree their reads after each forward (``agree_reads``): asked of every
         # rank once here, as some may read in place and others not (files of their own).
-        some = torch.tensor([int(bool(chosen))], device=self._comm.tensor_device)
+        some = torch.tensor([int(bool(chosen) or any(param_on_disk))], device=self._comm.tensor_device)
         self._comm.all_reduce(some, dist.ReduceOp.MAX)
-        self._some_rank_reads_in_place = bool(some.item())
+        self._some_rank_reads_from_disk = bool(some.item())
         return chosen
 
     def close_all(

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import DiskTierError
+from ..ranks.local_failures import Lasts, LocalFailures
 from ..tiers.transfers import Direction, HostTransfers
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
 from .state_machine import StateMachine, Transition
@@ -62,6 +64,8 @@ def read_for_gather(
     transfers: HostTransfers,
     ledger: MemoryLedger,
     host_device: torch.device,
+    failures: LocalFailures | None = None,
+    label: str = "",
 ) -> None:
     """Read ``slot.numel()`` values of ``slot``'s dtype into a staging buffer (``read`` fills it:
     from a region of the disk tier's file, or in place from weights files) and copy them into
@@ -69,20 +73,42 @@ def read_for_gather(
     copy has read it (so the pool hands out no buffer a copy still reads); it is accounted as host
     staging meanwhile. Where the device computes on the host, ``slot`` is host memory: ``read``
     fills it directly (a copy of every shard read less: as much memory traffic as the op's own
-    matmul with a few tokens). A failed read raises ``DiskTierError`` (naming the file)."""
+    matmul with a few tokens). A failed read raises ``DiskTierError`` (naming the file), or with
+    ``failures`` (several ranks) leaves zeros and is noted there for the ranks to agree on
+    (``ranks.local_failures``: the other ranks would wait in the gather's collective); ``label``
+    names the chunk."""
     if transfers.layer.computes_on_host:
-        read(slot).result()
+        _read_or_note(read, slot, failures, label)
         return
     staged = transfers.staging(slot.numel(), slot.dtype, host_device)
     nbytes = staged.numel() * staged.element_size()
     ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
     try:
-        read(staged).result()
+        _read_or_note(read, staged, failures, label)
         transfers.copy(slot, staged, Direction.TO_DEVICE)
         transfers.before_host_write(staged)  # the pool's next user writes it
     finally:
         transfers.give_back(staged)
         ledger.free(Location.HOST, MemoryKind.STAGING, nbytes)
+
+
+def _read_or_note(
+    read: Callable[[torch.Tensor], Future[None]], into: torch.Tensor, failures: LocalFailures | None, label: str
+) -> None:
+    try:
+        read(into).result()
+    except DiskTierError as error:
+        if failures is None:
+            raise
+        into.zero_()  # what the others gather from this rank: no stale values
+        failures.note(
+            "reading a parameter shard from the disk tier",
+            DiskTierError(
+                f"{label}: {error}. The disk tier's files are this run's scratch: leave the .chunkmem-scratch-* "
+                "directories of a running job alone; resume from the last checkpoint"
+            ),
+            Lasts.ITERATION,
+        )
 
 
 class ParamOnDisk:
@@ -97,7 +123,10 @@ class ParamOnDisk:
         ledger: MemoryLedger,
         transfers: HostTransfers,
         host_device: torch.device,
+        failures: LocalFailures | None = None,
     ) -> None:
+        self._label = label
+        self._failures = failures
         self._numel = numel
         self._dtype = dtype
         self._file = file
@@ -173,5 +202,11 @@ class ParamOnDisk:
             return
         file, offset = self._file, self._offset
         read_for_gather(
-            lambda staged: file.read(staged, offset, param=True), slot, self._transfers, self._ledger, self._host_device
+            lambda staged: file.read(staged, offset, param=True),
+            slot,
+            self._transfers,
+            self._ledger,
+            self._host_device,
+            self._failures,
+            self._label,
         )

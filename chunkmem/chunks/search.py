@@ -22,6 +22,7 @@ __all__ = [
     "default_search_range",
     "group_key",
     "search_chunk_size",
+    "trainable_chunk_range",
 ]
 
 
@@ -77,6 +78,18 @@ def default_search_range(total_elements: int, granularity: int = 1024, element_s
     high = min(2**26, max(granularity, total_elements // 4))
     efficient = MIN_EFFICIENT_CHUNK_BYTES // element_size
     low = min(high, max(granularity, high // 16, efficient))
+    return low, high
+
+
+def trainable_chunk_range(
+    trainable_elements: int, chunk_size: int, granularity: int = 1024, element_size: int = 2
+) -> tuple[int, int]:
+    """Sizes to search for trainable parameters that are a small part of a frozen model: from
+    ``MIN_EFFICIENT_CHUNK_BYTES`` up to what holds them all in one chunk (each bounded by the
+    frozen ``chunk_size``): their chunks are as small as their collectives stay efficient, and no
+    larger than they need."""
+    high = min(chunk_size, max(granularity, _round_up(trainable_elements, granularity)))
+    low = min(high, max(granularity, MIN_EFFICIENT_CHUNK_BYTES // element_size))
     return low, high
 
 

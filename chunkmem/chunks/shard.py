@@ -43,6 +43,7 @@ from .param_on_disk import ParamOnDisk, read_for_gather
 from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
+    from ..ranks.local_failures import LocalFailures
     from ..tiers.disk import SidesFile
     from .chunk_layout import ShardPiece
     from .values_in_place import InPlaceShard
@@ -69,6 +70,7 @@ class ShardStore:
         host_device: torch.device = _CPU,
         disk: SidesFile | None = None,
         in_place: InPlaceShard | None = None,
+        failures: LocalFailures | None = None,
     ) -> None:
         if in_place is not None and (kind is not ShardKind.FROZEN_VALUES or shard is not Location.DISK or disk is None):
             raise ValueError(f"{label}: only a frozen chunk of values alone, its shard on disk, reads them in place")
@@ -89,6 +91,7 @@ class ShardStore:
         self._version = 0
         self._master_location = master
         self._host_device = host_device
+        self._failures = failures
         if disk is not None and master is not Location.HOST:
             raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
         if shard is Location.DISK and disk is None:
@@ -98,7 +101,7 @@ class ShardStore:
         # parameter shard goes to disk too. The gradient shard goes in both cases.
         self._disk = disk if self._needs_host_cast or shard is Location.DISK else None
         self._param_disk = (
-            ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device)
+            ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device, failures)
             if disk is not None and shard is Location.DISK and self._needs_host_cast
             else None
         )
@@ -118,7 +121,9 @@ class ShardStore:
         self._master = self._master_buffers.take(master)
         self._grads: GradShard | None = None
         if kind.has_grad:
-            self._grads = GradShard(label, numel, device, ledger, transfers, master, self._pin, host_device, disk)
+            self._grads = GradShard(
+                label, numel, device, ledger, transfers, master, self._pin, host_device, disk, failures
+            )
         self._host_cast: torch.Tensor | None = None
         self._host_cast_version = -1
         if master is Location.HOST and self._needs_host_cast and shard is not Location.DISK:
@@ -299,7 +304,7 @@ class ShardStore:
                 if in_place is not None
                 else (lambda staged: file.read(staged, offset, param=True))
             )
-            read_for_gather(read, slot, self._transfers, self._ledger, self._host_device)
+            read_for_gather(read, slot, self._transfers, self._ledger, self._host_device, self._failures, self._label)
 
     def _host_compute(self) -> torch.Tensor:
         if self._host_cast is None:
@@ -482,8 +487,3 @@ class ShardStore:
             self._transfers.copy(self._device_copy, self._host_compute(), Direction.TO_DEVICE)
             self._device_copy_version = self._version
         return self._device_copy
-
-    def _drop_device_copy(self) -> None:
-        if self._device_copy is not None:
-            self._device_copy = None
-            self._ledger.free(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

@@ -11,12 +11,14 @@ rest (another dtype in the file, a trained chunk, a parameter replayed from its 
 The files are opened read-only at boost and held open for the run, so a file replaced by a new
 one (renamed over it) is still read as it was at boost. One changed where it is (its size or
 modification time differ from those at boost, checked before and after every read) is refused:
-``DiskTierError`` names it and the fix, rather than training on other weights.
+``DiskTierError`` names it and the fix, rather than training on other weights. So is one
+overwritten in place with its size and modification time kept, where the change covers a page
+that each read checks against what it held at boost (``sampled_check``: a few pages a piece).
 
 With several ranks, each may read files of its own (a copy on each node's disk), so a read can
 fail on one rank only. A gather's read that fails there does not raise at once (the other ranks
 would wait in the gather's all-gather until the process-group timeout): the rank takes part with
-zeros and notes the error (``WeightFiles.failure``), and the ranks agree on it at the next point
+zeros and notes the error (``ranks.local_failures``), and the ranks agree on it at the next point
 where they already exchange something before values are used to change anything: the all-reduce
 that ends every synchronised backward (``execution.backward_agreement``), and after a forward
 that returned, for models reading in place (``agree_reads``). Every rank then raises the same
@@ -25,8 +27,10 @@ that returned, for models reading in place (``agree_reads``). Every rank then ra
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+import random
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,8 +41,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import DiskTierError
+from ..ranks.local_failures import Lasts, LocalFailures
 from .chunk_layout import ChunkLayout
 from .param_values import ParamValues
+from .sampled_check import ContentSample
 from .shard_kind import ShardKind
 
 if TYPE_CHECKING:
@@ -56,6 +62,8 @@ class Extent:
     file_offset: int
     shard_offset: int
     nbytes: int
+    sample: ContentSample | None = None
+    """Its sampled pages and what they held at boost (taken once the file is opened)."""
 
 
 def _close_all(fds: dict[Path, int]) -> None:
@@ -67,12 +75,12 @@ class WeightFiles:
     """The weights files some chunk reads in place, opened read-only once, with their size and
     modification time then; see the module docstring."""
 
-    def __init__(self, rank: int, defer: bool = False) -> None:
+    def __init__(self, rank: int, failures: LocalFailures) -> None:
         self._rank = rank
-        self._defer = defer
-        self._failure: DiskTierError | None = None
+        self._failures = failures
         self._fds: dict[Path, int] = {}
         self._seen: dict[Path, tuple[int, int]] = {}
+        self._rng = random.Random(os.urandom(8))  # where the sampled pages lie: not known before boost
         weakref.finalize(self, _close_all, self._fds)
 
     def open(self, path: Path) -> None:
@@ -84,17 +92,21 @@ class WeightFiles:
         info = os.fstat(fd)
         self._seen[path] = (info.st_size, info.st_mtime_ns)
 
-    @property
-    def failure(self) -> DiskTierError | None:
-        """The first gather's read that failed on this rank and was left for the ranks to agree on."""
-        return self._failure
+    def sampled(self, extent: Extent) -> Extent:
+        """``extent`` (of a file opened) with the pages each read checks, as they are now."""
+        try:
+            sample = ContentSample.take(self._fds[extent.path], extent.file_offset, extent.nbytes, self._rng)
+        except OSError as error:
+            raise DiskTierError(
+                f"rank {self._rank}: cannot read the weights file {extent.path} at offset {extent.file_offset} "
+                f"({error}): is it complete? Boost from a complete checkpoint"
+            ) from error
+        return dataclasses.replace(extent, sample=sample)
 
     def note(self, error: DiskTierError) -> None:
-        """A gather's read failed: raise it now (one rank), or keep it for the agreement (module docstring)."""
-        if not self._defer:
-            raise error
-        if self._failure is None:
-            self._failure = error
+        """A gather's read failed: raise it now (one rank), or keep it for the agreement (module
+        docstring); it holds for the run (the files stay as they are)."""
+        self._failures.note("reading the frozen weights in place", error, Lasts.RUN)
 
     def fd(self, path: Path, label: str) -> int:
         """The descriptor of ``path``, refused when the file changed since boost (``label``: the
@@ -183,6 +195,16 @@ class InPlaceShard:
                 f"file {extent.path} it reads in place ({error.strerror or error}); leave weights= files as they "
                 "were at boost while a run reads them"
             ) from error
+        sample = extent.sample
+        if sample is not None and sample.of(target) != sample.crc:
+            raise DiskTierError(
+                f"{self._label}: the weights file {extent.path} it reads in place holds other bytes at offset "
+                f"{extent.file_offset} ({extent.nbytes} bytes) than at boost (a CRC-32 of pages sampled at boost), "
+                "though its size and modification time are those of boost: it was overwritten in place, and training "
+                "on would use other weights than the model was boosted with. Put the file back as it was (leave "
+                "weights= files alone while a run reads them; write new ones elsewhere) and resume from the last "
+                "checkpoint, or boost again with the new weights"
+            )
 
 
 def choose_in_place(
@@ -208,4 +230,5 @@ def choose_in_place(
         return None
     for extent in extents:
         files.open(extent.path)
-    return InPlaceShard(label, sorted(extents, key=lambda e: e.shard_offset), files)
+    sampled = [files.sampled(extent) for extent in extents]
+    return InPlaceShard(label, sorted(sampled, key=lambda e: e.shard_offset), files)

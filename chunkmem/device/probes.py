@@ -5,8 +5,9 @@ this process's share of it, its allocator's peak, bf16 support. The host's side 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,12 +24,14 @@ __all__ = [
     "bf16_supported",
     "compute_device",
     "gpu_device",
+    "nvml_gpu_count",
     "nvml_memory",
     "peak_allocated",
     "planned_precision",
     "reset_peak",
 ]
 
+T = TypeVar("T")
 _CUDA = "cuda"
 # The device kinds the planner plans for (the machine it plans for need not be this one), the
 # accelerator first: what its CLI offers and defaults to.
@@ -88,8 +91,9 @@ def bf16_supported(device: torch.device | None) -> bool:
     return on_gpu and torch.cuda.is_bf16_supported()
 
 
-def nvml_memory(index: int) -> DeviceMemory | None:
-    """The GPU's memory as NVML sees it (all processes), or ``None`` when NVML is unavailable."""
+def _ask_nvml(query: Callable[[Any], T]) -> T | None:
+    """``query(pynvml)`` between NVML's init and shutdown, or ``None`` when NVML is unavailable
+    (no ``nvidia-ml-py``, no driver)."""
     try:
         import pynvml
     except ImportError:
@@ -97,12 +101,27 @@ def nvml_memory(index: int) -> DeviceMemory | None:
     try:
         pynvml.nvmlInit()
         try:
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-            return DeviceMemory(total=int(info.total), free=int(info.free), source="nvml")
+            return query(pynvml)
         finally:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError:
         return None
+
+
+def nvml_memory(index: int) -> DeviceMemory | None:
+    """The GPU's memory as NVML sees it (all processes), or ``None`` when NVML is unavailable."""
+
+    def query(nvml: Any) -> DeviceMemory:
+        info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+        return DeviceMemory(total=int(info.total), free=int(info.free), source="nvml")
+
+    return _ask_nvml(query)
+
+
+def nvml_gpu_count() -> int | None:
+    """How many GPUs the driver reports (whatever ``CUDA_VISIBLE_DEVICES`` hides from torch), or
+    ``None`` when NVML is unavailable."""
+    return _ask_nvml(lambda nvml: int(nvml.nvmlDeviceGetCount()))
 
 
 def _cuda_memory(device: torch.device) -> DeviceMemory:

@@ -1,6 +1,7 @@
-"""The ranks agree whether a gather's read in place from the weights files failed on any of them
-(``chunks.values_in_place``): a rank whose read failed took part in the gather with zeros, so
-every rank raises the same ``DiskTierError`` before those values change anything."""
+"""The ranks agree whether a read failed on any of them in a forward or a backward
+(``ranks.local_failures``: a read in place from the weights files, saved activations read back
+from the disk tier): a rank whose read failed went on with zeros, so every rank raises the same
+``DiskTierError`` before those values change anything."""
 
 from __future__ import annotations
 
@@ -9,35 +10,39 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..chunks.values_in_place import WeightFiles
 from ..errors import DiskTierError
 from ..ranks.comm import Communicator
+from ..ranks.local_failures import LocalFailures
 
 __all__ = ["agree_reads", "raise_read_failure", "read_failed"]
 
 
-def read_failed(files: WeightFiles | None) -> int:
-    """1 when a gather's read in place failed on this rank, else 0 (a flag to reduce with MAX)."""
-    return int(files is not None and files.failure is not None)
+def read_failed(failures: LocalFailures) -> int:
+    """1 when a read failed on this rank, else 0 (a flag to reduce with MAX)."""
+    return int(bool(failures.kept))
 
 
-def raise_read_failure(comm: Communicator, files: WeightFiles | None) -> NoReturn:
+def raise_read_failure(comm: Communicator, failures: LocalFailures) -> NoReturn:
     """Some rank's read failed (the ranks agreed a flag): every rank raises the same error, naming
-    each failing rank's file and the fix. A collective (one small exchange)."""
-    own = files.failure if files is not None else None
-    messages: list[str | None] = comm.all_gather_object(str(own) if own is not None else None)
-    failed = "; ".join(f"on rank {rank}: {text}" for rank, text in enumerate(messages) if text is not None)
-    error = DiskTierError(
-        f"reading the frozen weights in place failed {failed}. Every rank raises this error; no optimizer step used "
-        "the values read (that rank gathered zeros)"
+    each failing rank's error and the fix. A collective (one small exchange)."""
+    kept = failures.kept
+    own = [(failure.what, str(failure.error)) for failure in kept]
+    everyone: list[list[tuple[str, str]]] = comm.all_gather_object(own)
+    failed = "; ".join(
+        f"{what} failed on rank {rank}: {text}" for rank, texts in enumerate(everyone) for what, text in texts
     )
-    raise error from own
+    error = DiskTierError(
+        f"{failed}. Every rank raises this error; no optimizer step used the values read (that rank went on with "
+        "zeros in their place)"
+    )
+    failures.agreed(error)
+    raise error from (kept[0].error if kept else None)
 
 
-def agree_reads(comm: Communicator, files: WeightFiles | None) -> None:
-    """After a forward that returned: raise on every rank if a read in place failed on any (one
-    all-reduce of a flag)."""
-    flag = torch.tensor([read_failed(files)], dtype=torch.int64, device=comm.tensor_device)
+def agree_reads(comm: Communicator, failures: LocalFailures) -> None:
+    """After a forward that returned: raise on every rank if a read failed on any (one all-reduce
+    of a flag)."""
+    flag = torch.tensor([read_failed(failures)], dtype=torch.int64, device=comm.tensor_device)
     comm.all_reduce(flag, dist.ReduceOp.MAX)
     if int(flag.item()):
-        raise_read_failure(comm, files)
+        raise_read_failure(comm, failures)

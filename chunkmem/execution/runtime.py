@@ -281,6 +281,7 @@ class ChunkRuntime(ParamOpHook):
             self._executor.reduce_all()
             if self._comm.world_size > 1:
                 self._agree_across_ranks()
+        self._manager.failures.refuse_step()  # a read failed on some rank: these gradients are not the model's
         self._executor.wait_all()
         self._executor.release_all()
 
@@ -289,6 +290,7 @@ class ChunkRuntime(ParamOpHook):
         iteration (a zero_grad between a forward and its backward does not)."""
         self.cancel_early_steps()
         self._executor.zero_grads()
+        self._manager.failures.end_iteration()
         if self._tracker.mode is Mode.IDLE:
             if self._end_training_iteration():
                 self._stepped_last = False
@@ -324,17 +326,18 @@ class ChunkRuntime(ParamOpHook):
 
     def _agree_across_ranks(self) -> None:
         try:
-            agree_backward(self._comm, self._tracker.digest, self._manager.chunks, self._manager.weight_files)
+            agree_backward(self._comm, self._tracker.digest, self._manager.chunks, self._manager.failures)
         except DiskTierError:
             self.cancel_early_steps()  # they stepped on gradients of values a rank never read
+            self._tracker.end_backward()  # over on every rank; its step is refused until zero_grad
             raise
 
-    def agree_reads_in_place(self) -> None:
+    def agree_reads(self) -> None:
         """A forward returned on this rank, or a state dict was gathered: with several ranks, where
-        some read in place, they agree that no read in place failed (``read_agreement``) before
-        its values are used."""
-        if self._comm.world_size > 1 and self._manager.some_rank_reads_in_place:
-            agree_reads(self._comm, self._manager.weight_files)
+        some read what gathers read from disk, they agree that no read failed (``read_agreement``)
+        before its values are used."""
+        if self._comm.world_size > 1 and self._manager.some_rank_reads_from_disk:
+            agree_reads(self._comm, self._manager.failures)
 
     def _report(self, divergence: Divergence) -> None:
         self.cancel_early_steps()  # they trusted the trace this iteration has left

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .activation_host import MIN_HOST_BUDGET
 from .config import Budget
@@ -110,8 +110,11 @@ class ActivationPlacement(BaseModel):
     bandwidth, the maximum over ranks) and each is kept, offloaded or recomputed from then on, the
     kept ones while they fit, chosen to add the least estimated step time
     (``placement.choose_activations``; the plan is ``model.activation_plan``). A budget that cannot
-    hold model data and one block's saved bytes is refused at the end of the first step with the
-    minimum. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
+    hold model data and one block's saved bytes is refused by the first training forward, as it
+    measures the calls (``BudgetTooSmallError`` naming the minimum, on every rank; ``chunkmem.plan``
+    gives it before a run); one where the first step's backward cannot fetch a call back beside the
+    small tensors the calls before it keep on the device is refused there, naming a budget that
+    holds them. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
     in ``Stats.peak_device_bytes``); offloaded calls are fetched up to ``max_prefetch`` calls ahead of
     their backward (the plan's ``prefetch``: the depth with the least estimated time whose room fits,
     reserved in the budget) and keep tensors under ``min_offload_bytes`` on the device, accounted."""
@@ -187,20 +190,23 @@ class ActivationPlacement(BaseModel):
                 )
         return self
 
-    @model_validator(mode="after")
-    def _host_budget_for_offload(self) -> ActivationPlacement:
-        if self.host_budget is None:
-            return self
-        if not self.offload and not self.auto and not self.offload_outside:
+    @field_validator("host_budget")
+    @classmethod
+    def _host_budget_for_offload(cls, host_budget: int | None, info: ValidationInfo) -> int | None:
+        # A field's own check (after the fields before it), so that the error names host_budget.
+        if host_budget is None:
+            return host_budget
+        given = info.data
+        if not given.get("offload") and not given.get("auto") and not given.get("offload_outside"):
             raise ValueError(
                 "host_budget caps the host memory of the offload blocks' copies (and of the auto blocks' offloaded "
                 "calls and the stretches offload_outside offloads), but neither offload nor auto names a block class "
                 "and offload_outside is off: name the blocks to offload (offload=[...]) or to place under the budget "
                 "(auto=[...]), set offload_outside=True, or drop host_budget"
             )
-        if self.host_budget < MIN_HOST_BUDGET:
+        if host_budget < MIN_HOST_BUDGET:
             raise ValueError(
-                f"host_budget={int(self.host_budget)} bytes is below the minimum of {MIN_HOST_BUDGET} bytes (the disk "
+                f"host_budget={int(host_budget)} bytes is below the minimum of {MIN_HOST_BUDGET} bytes (the disk "
                 "tier's staging window takes a quarter of it): give at least 4KiB"
             )
-        return self
+        return host_budget

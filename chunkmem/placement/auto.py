@@ -28,7 +28,7 @@ class AutoPolicy(PlacementPolicy):
         if device_capacity is None or device_capacity <= 0:
             raise ValueError(
                 f"AutoPolicy: device_capacity must be a positive byte count, got {device_capacity}; "
-                "pass what the process may use of the compute device (chunkmem.process_capacity())"
+                "pass what the process may use of the compute device (chunkmem.usage.memory.process_capacity())"
             )
         super().__init__(
             config.max_prefetch,

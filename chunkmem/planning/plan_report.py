@@ -21,6 +21,7 @@ from chunkmem.placement.policy import format_bytes
 
 from ..activations.forecast import BlockForecast
 from ..usage.stats import Stats
+from .plan_fixes import PlanFix
 
 __all__ = ["Plan", "StepCounters", "format_count"]
 
@@ -131,6 +132,8 @@ class Plan:
     repeated_block: str | None = None
     """The block class ``RepeatedBlocks()`` found (its instances and share of the parameters), which
     ``activation_calls`` are the calls of; ``None`` when every block is named."""
+    fixes: tuple[PlanFix, ...] = ()
+    """When it does not fit, what would make it fit, the first first (``why_not`` says them too)."""
     activation_min_device_budget: int | None = None
     """With ``auto`` blocks, the smallest ``device_budget`` their plan accepts at this budget's layout:
     what the placement of model data needs plus the largest ``auto`` call's saved bytes (below it a run
@@ -262,6 +265,8 @@ class Plan:
         out = dataclasses.asdict(self)
         for call in out["activation_calls"]:
             call["how"] = call["how"].value
+        for fix in out["fixes"]:
+            fix["kind"] = fix["kind"].value
         out["transfer_seconds_per_step"] = self.transfer_seconds_per_step
         out["disk_seconds_per_step"] = self.disk_seconds_per_step
         for name in (

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from chunkmem.placement import ActivationPlacement, RepeatedBlocks
 from chunkmem.placement.activation_plan import activation_minimum
 from chunkmem.placement.activations import BlockPlacement
 from chunkmem.placement.policy import format_bytes
@@ -57,6 +58,7 @@ from ..ranks.comm import Communicator
 from ..tiers.disk import PlannedDiskFile, SidesFile
 from ..usage.stats import Stats
 from .meta_cache import MetaResults
+from .plan_fixes import FixKind, PlanFix, describe_all
 from .plan_report import Plan, StepCounters
 
 __all__ = ["Plan", "PlanningBacking", "PlanningCommunicator", "StepCounters", "plan"]
@@ -338,6 +340,39 @@ def _activation_calls(
         return forecast(local, config, lambda: local(**inputs)), found
 
 
+def _capacity_fixes(
+    model: torch.nn.Module,
+    plugin: ChunkPlugin,
+    inputs: Mapping[str, Any],
+    non_model: int,
+    capacity: int,
+    minimum: int,
+    budget: int | None,
+) -> list[PlanFix]:
+    """What would bring chunk data and activations within the device's capacity: recomputing the
+    model's repeated layers (where no activation placement is given: estimated from their calls'
+    saved bytes, all but one call's leave the device), a device budget that leaves room for the
+    activations (where the placement's minimum allows one), a smaller micro-batch."""
+    fixes = []
+    if plugin.activations is None:
+        local = copy.deepcopy(model).to(plugin.compute_dtype)
+        try:
+            config, found = resolve_blocks(local, ActivationPlacement(recompute=[RepeatedBlocks()]))
+        except ValueError:  # no repeated layers: nothing to name
+            found = None
+        if found is not None:
+            with torch.enable_grad():
+                saved = [call.saved_bytes for call in forecast(local, config, lambda: local(**inputs))]
+            spared = sum(saved) - max(saved, default=0)
+            detail = f"{format_bytes(spared)} of saved activations leave the device: all but one of its calls'"
+            fixes.append(PlanFix(FixKind.RECOMPUTE_BLOCKS, found.cls.__name__, detail))
+    room = capacity - non_model
+    if minimum <= room and (budget is None or budget > room):
+        fixes.append(PlanFix(FixKind.LOWER_DEVICE_BUDGET, room))
+    fixes.append(PlanFix(FixKind.SMALLER_BATCH))
+    return fixes
+
+
 def _activation_host_budget(plugin: ChunkPlugin) -> int | None:
     activations = plugin.activations
     return None if activations is None or activations.host_budget is None else int(activations.host_budget)
@@ -412,6 +447,7 @@ def plan(
     finally:
         log.setLevel(quiet)
     refusals: list[str] = []
+    fixes: list[PlanFix] = []
     planned_budget = budget
     for _ in range(3):  # a host budget and a device budget may each be refused once
         try:
@@ -423,9 +459,12 @@ def plan(
         except HostBudgetTooSmallError as refused:
             # What it would need: plan at the minimum, and say it does not fit.
             refusals.append(str(refused))
+            fixes += [PlanFix(FixKind.RAISE_HOST_BUDGET, refused.minimum), PlanFix(FixKind.RAISE_DEVICE_BUDGET)]
             plugin = _with_host_budget(plugin, refused.minimum)
         except (BudgetTooSmallError, BudgetExceededError) as refused:
             refusals.append(str(refused))
+            fixes.insert(0, PlanFix(FixKind.RAISE_DEVICE_BUDGET, minimum))
+            fixes.append(PlanFix(FixKind.SMALLER_CHUNK_SIZE))
             planned_budget = minimum
     else:  # pragma: no cover - each budget is raised to its minimum once
         raise ChunkmemError(f"plan: no placement runs: {'; '.join(refusals)}")
@@ -436,18 +475,20 @@ def plan(
     profile = getattr(policy, "non_model_profile", ())
     non_model = max(profile, default=0)
     if not why_not and peak + non_model > capacity:
+        fixes = _capacity_fixes(model, plugin, inputs, non_model, capacity, minimum, budget)
         why_not = (
             f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
-            f"{format_bytes(capacity)} device capacity"
+            f"{format_bytes(capacity)} device capacity. {describe_all(tuple(fixes))}"
         )
     calls, repeated = _activation_calls(model, plugin, inputs)
     model_need = policy.placement_need().minimum
     auto_minimum = _auto_minimum(calls, model_need)
     if not why_not and auto_minimum is not None and budget is not None and budget < auto_minimum:
+        fixes = [PlanFix(FixKind.RAISE_DEVICE_BUDGET, auto_minimum), PlanFix(FixKind.SMALLER_BATCH)]
         why_not = (
             f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data ({format_bytes(model_need)}) and "
             f"the saved activations of the largest auto block call; it needs at least {auto_minimum} "
-            f"({format_bytes(auto_minimum)})"
+            f"({format_bytes(auto_minimum)}). {describe_all(tuple(fixes))}"
         )
     manager = chunked.manager
     return Plan(
@@ -484,4 +525,5 @@ def plan(
         model_need_bytes=model_need,
         activation_max_prefetch=plugin.activations.max_prefetch if plugin.activations is not None else 0,
         activation_host_budget=_activation_host_budget(plugin),
+        fixes=tuple(fixes) if why_not else (),
     )
