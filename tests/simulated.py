@@ -145,6 +145,15 @@ def disk_io_seen() -> Iterator[None]:
         disk._close_file = close
 
 
+def _early_disk(rank: int, world_size: int) -> dict[str, Any]:
+    """Half the chunks' optimizer states and gradients on disk (the disk tier's I/O threads), the
+    other half's host steps during the backward (the early-step worker: chunks with sides on disk
+    step after it): at two ranks, the host threads beside the collectives."""
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.5, max_prefetch=2)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _train(rank, world_size, placement, host_step=StepDuringBackward(), disk_dir=Path(scratch))
+
+
 def _activation_disk(rank: int, world_size: int) -> dict[str, Any]:
     """Offloaded activations beyond a host budget go to disk through the staging window (pieces of
     8 KiB: a storage takes several, read back into the two pieces in turn)."""
@@ -471,6 +480,7 @@ SCENARIOS: dict[str, Scenario] = {
     "w2-offload-p3-gloo": Scenario(2, lambda r, w: _train(r, w, _offload(3)), CollectiveWaits.HOST),
     "w2-no-sync-spill": Scenario(2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
     "w2-activation-auto": Scenario(2, _activation_auto),
+    "w2-early-disk": Scenario(2, _early_disk),
 }
 
 
@@ -534,3 +544,13 @@ def caught_without(rank: int, world_size: int, site: Site, name: str) -> str | N
     except Exception as error:  # any failure is a failing test
         return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     return None
+
+
+def caught_on_every_rank(site: Site, name: str) -> list[str | None]:
+    """``caught_without`` on each rank of scenario ``name`` (W=2 ones on the rank pool)."""
+    world_size = SCENARIOS[name].world_size
+    if world_size == 1:
+        return [caught_without(0, 1, site, name)]
+    from distributed import run_ranks
+
+    return run_ranks(caught_without, world_size, args=(site, name))

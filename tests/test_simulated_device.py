@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from distributed import run_ranks
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_chunked
-from simulated import SCENARIOS, assert_identical, caught_without, every_auto_call_offloaded, run_scenario, synchronous
-from simulated_waits import Site, wait_sites
+from simulated import (
+    SCENARIOS,
+    assert_identical,
+    caught_on_every_rank,
+    every_auto_call_offloaded,
+    run_scenario,
+    synchronous,
+)
+from simulated_waits import wait_sites
 
 from chunkmem import Booster, ChunkPlugin
 from chunkmem.device import CollectiveWaits, bf16_supported, compute_device, device_layer
@@ -274,6 +284,38 @@ def test_the_allocators_round_and_reuse_as_cudas_do() -> None:
         del small, other, host
 
 
+def test_a_use_of_memory_freed_by_resize_0_is_a_use_after_free() -> None:
+    """``untyped_storage().resize_(0)`` frees the memory under every tensor on the storage: an op
+    on one before the storage is allocated again is a use after free (on a GPU it reads or writes
+    memory the allocator may have handed to another tensor)."""
+    with simulated_device(check=False) as simulator:
+        tensor = torch.empty(8)
+        tensor.untyped_storage().resize_(0)
+        with pytest.raises(UnorderedAccessError, match="use after free"):
+            tensor.fill_(1.0)
+        tensor.untyped_storage().resize_(32)
+        tensor.fill_(1.0)  # allocated again
+    assert len(simulator.errors) == 1
+
+
+def test_a_free_under_a_tasks_unordered_use_raises_before_the_memory_goes() -> None:
+    """A host buffer a pool task wrote, freed by ``resize_(0)`` with no ``result()`` between: the
+    free raises, and the memory is still there (a real task's access, by ctypes say, would
+    otherwise land in freed memory and corrupt the process). After ``result()`` the free is fine."""
+    with simulated_device(check=False) as simulator:
+        layer = device_layer(torch.device("cpu"))
+        host = layer.host_empty(1_000, torch.float32, torch.device("cpu"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-pool") as pool:
+            future = pool.submit(host.fill_, 1.0)
+            concurrent.futures.wait([future])  # done, though nothing orders the host after it
+            with pytest.raises(UnorderedAccessError, match=r"test-pool task .* freed \(resize_\(0\)\)"):
+                host.untyped_storage().resize_(0)
+            assert host.untyped_storage().nbytes() == 4_000
+            future.result()
+            host.untyped_storage().resize_(0)
+    assert len(simulator.errors) == 1
+
+
 # --- the budget against what the allocator holds ----------------------------------------------
 def _plain_non_model_peak() -> int:
     """Plain PyTorch's peak of live device blocks beyond its model state (parameters, gradients and
@@ -326,12 +368,14 @@ def test_the_allocator_holds_the_budget_and_what_a_step_needs_beyond_it(case: st
         )
         simulator.reset_peaks()  # the user's model built on the host before boosting is not the budget's
         train_chunked(chunked, optimizer, booster, batches(2))
-        memory = simulator.device_memory()
+        memory, pinned = simulator.device_memory(), simulator.pinned_memory()
     budget = placement.device_budget
-    ledger = chunked.stats().peak_device_bytes
+    stats = chunked.stats()
+    ledger = stats.peak_device_bytes
     print(
         f"{case}: budget {budget}, ledger peak {ledger}, allocated peak {memory.peak_allocated}, reserved peak "
-        f"{memory.peak_reserved}, plain PyTorch's non-model peak {non_model}"
+        f"{memory.peak_reserved}, plain PyTorch's non-model peak {non_model}; pinned: ledger's host peak "
+        f"{stats.peak_host_bytes}, allocated peak {pinned.peak_allocated}, reserved peak {pinned.peak_reserved}"
     )
     assert ledger <= budget
     assert memory.peak_allocated <= budget + 2 * non_model, (memory, budget, non_model)
@@ -438,15 +482,13 @@ def test_collectives_run_on_a_stream_of_their_own_and_work_wait_orders_the_curre
 CATCHES: dict[str, str] = {
     "activations/disk.py: ActivationDisk.write: self._transfers.before_host_read(stage) #1": "activation-disk",
     "activations/disk.py: ActivationDisk.read: self._transfers.before_host_write(stage) #1": "activation-disk",
-    (
-        "activations/disk.py: ActivationDisk.read: file.read(stage[:size], copy.region.offset + start).result() #2"
-    ): "activation-disk",
+    "activations/disk.py: ActivationDisk.read: file.read(stage[:size], offset).result() #2": "activation-disk",
     "activations/disk.py: ActivationDisk._piece: busy.exception() #1": "activation-disk",
     "activations/disk.py: ActivationDisk._free: busy.exception() #1": "forward-raises",
     "activations/disk.py: ActivationDisk._free: self._transfers.before_host_write(stage) #1": "activation-disk",
-    (
-        "activations/offload.py: ActivationOffload.recycle: self._transfers.before_host_write(copy.host) #1"
-    ): "activation-offload",
+    "activations/offload.py: ActivationOffload.recycle: self._transfers.before_host_write(host) #1": (
+        "activation-offload"
+    ),
     "activations/offload.py: ActivationOffload._unpack: self._layer.wait_event(call.ready) #1": "activation-offload",
     (
         "activations/offload.py: ActivationOffload._unpack: self._layer.record_stream(device, "
@@ -473,8 +515,7 @@ CATCHES: dict[str, str] = {
     (
         "chunks/manager.py: ChunkManager.prepare_master_writes: chunk.store.prepare_host_write() #1"
     ): "evaluate-before-step",
-    "chunks/param_on_disk.py: read_for_gather: read(slot).result() #1": "param-disk-cpu",
-    "chunks/param_on_disk.py: read_for_gather: read(staged).result() #2": "param-disk-bf16",
+    "chunks/param_on_disk.py: _read_or_note: read(into).result() #1": "param-disk-bf16",
     "chunks/param_on_disk.py: read_for_gather: transfers.before_host_write(staged) #1": "param-disk-bf16",
     "chunks/param_on_disk.py: ParamOnDisk.write: transfers.before_host_write(self._kept) #1": "param-disk-full",
     "chunks/param_on_disk.py: ParamOnDisk.write: future.exception() #1": "param-disk-full",
@@ -492,8 +533,8 @@ CATCHES: dict[str, str] = {
     "chunks/shard.py: ShardStore.resident_master: written.exception() #1": "param-disk-full",
     "chunks/values_in_place.py: InPlaceShard.values: self.read(disk, values).result() #1": "values-in-place",
     "execution/executor.py: ResidencyExecutor._carry: chunk.wait() #1": "auto-p3",
-    "optim/disk_sides.py: DiskSides._settle: future.exception() #1": "disk-bf16",
-    "optim/early_steps.py: EarlySteps._wait: f.exception() #1": "auto-p3",
+    "optim/disk_sides.py: DiskSides._settle: future.exception() #1": "w2-early-disk",
+    "optim/early_steps.py: EarlySteps._wait: f.exception() #1": "w2-early-disk",
     "optim/optimizer.py: ChunkOptimizer._step_on: self._manager.prepare_master_writes() #1": "evaluate-before-step",
     "optim/scaling.py: GradScaling.prepare: self._early.settle() #1": "fp16-early",
     "ranks/comm.py: PendingGather.wait: self._comm.layer.wait_event(self._event) #1": "auto-p3",
@@ -687,18 +728,38 @@ def test_every_wait_the_scan_finds_is_listed() -> None:
     )
 
 
-def _caught(site: Site, name: str) -> list[str | None]:
-    world_size = SCENARIOS[name].world_size
-    if world_size == 1:
-        return [caught_without(0, 1, site, name)]
-    return run_ranks(caught_without, world_size, args=(site, name))
-
-
 @pytest.mark.parametrize(
     "label",
     [pytest.param(label, marks=[pytest.mark.slow, *_marks(name)[1:]]) for label, name in CATCHES.items()],
 )
 def test_removing_one_wait_fails_a_run_on_the_simulated_device_by_its_checker(label: str) -> None:
+    """The suite removes each wait once; ``CHUNKMEM_WAIT_RUNS=5`` repeats each removal (every run
+    must be caught: the checker does not depend on how the threads and gloo happened to run)."""
     name = CATCHES[label]
-    found = _caught(SITES[label], name)
-    assert any(f is not None and f.startswith("checker:") for f in found), f"{label}: {name} without it: {found}"
+    for run in range(RUNS):
+        found = caught_on_every_rank(SITES[label], name)
+        assert any(f is not None and f.startswith("checker:") for f in found), f"{label}: {name}, run {run}: {found}"
+
+
+RUNS = int(os.environ.get("CHUNKMEM_WAIT_RUNS", "1"))
+
+
+def test_the_wait_removal_table_counts_a_run_only_when_the_checker_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``benchmarks/wait_removal.py``, which makes the remove-one-wait table: a removal the checker
+    catches counts caught in every run, with the checker's message; a removal the scenario never
+    notices (a wait that orders nothing, made to stand as one the scenario needs) counts missed, and
+    the tool fails."""
+    from benchmarks import wait_removal
+
+    caught = "tiers/transfers.py: HostTransfers.copy: layer.record_stream(source, stream) #1"
+    assert wait_removal.main(["--runs", "2", "--only", caught, "--out-dir", str(tmp_path)]) == 0
+    [entry] = json.loads((tmp_path / "wait_removal.json").read_text())["waits"]
+    assert (entry["caught_by_checker"], entry["runs"], entry["world_size"]) == (2, 2, 1)
+    assert "not record_stream-ed to the stream" in entry["message"]
+    nothing = "tiers/transfers.py: HostTransfers._timed: self.settle() #1"
+    monkeypatch.setitem(CATCHES, nothing, "host-write-after-copy")
+    assert wait_removal.main(["--runs", "1", "--only", nothing, "--out-dir", str(tmp_path)]) == 1
+    [entry] = json.loads((tmp_path / "wait_removal.json").read_text())["waits"]
+    assert entry["caught_by_checker"] == 0 and entry["message"] is None

@@ -123,7 +123,7 @@ class _Storage:
     host: bool = False  # host memory: a buffer the layer allocated, or what host ops made
     pinned: bool = False
     block: Block | None = None
-    released: Clock | None = None  # given back to a pool: the clock of whoever gave it
+    freed_by: str | None = None  # its memory was freed (resize_(0)) by this actor, and not allocated again
     death: Any = None  # weakref.ref with the callback that frees the block
 
     def uses(self) -> list[tuple[str, int, str]]:
@@ -273,6 +273,7 @@ class Simulator:
         if actor in self._device_actors:
             host = self.host_actor()
             queued = self._clocks[host]
+            queued[host] = queued.get(host, 0) + 1  # queuing is the host's act, in its program order
             joined = (host, self._joins.get(host, 0))
             if self._queued_from.get(actor) != joined:
                 _merge(clock, queued)
@@ -578,6 +579,25 @@ class Simulator:
             entry.block = self.allocator.allocate(nbytes, stream, self._passed)
             self._watch_death(entry, tensor.untyped_storage())
 
+    def before_resize(self, storage: torch.UntypedStorage, size: int) -> None:
+        """``storage.resize_(size)`` is about to run: a free under a host thread's unordered use
+        raises here, before the memory goes (the thread's real access would land in freed memory,
+        and corrupt what the process allocates next)."""
+        if size != 0 or storage.device.type != "cpu" or storage.nbytes() == 0:
+            return
+        with self._lock:
+            entry = self._storages.get(storage._cdata)
+            if entry is not None and not entry.ref.expired():
+                self._check_host_uses_before_free(entry, self.host_actor(), self._clocks[self.host_actor()])
+
+    def _check_host_uses_before_free(self, entry: _Storage, freer: str, clock: Clock) -> None:
+        for actor, tick, op in entry.uses():
+            if actor not in self._device_actors and actor != freer and clock.get(actor, 0) < tick:
+                self._fail(
+                    f"simulated device: a buffer that {op} on the {actor} uses was freed (resize_(0)) by the "
+                    f"{freer} before that use is ordered before the free (wait for it: its future's result())"
+                )
+
     def resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """``storage.resize_`` changed its size from ``before`` bytes: to 0, a free (on this
         thread's host actor); from 0, an allocation on the current stream (or, for a host buffer,
@@ -594,7 +614,9 @@ class Simulator:
                 if entry is not None and (entry.block is not None or entry.uses()):
                     actor = self.host_actor()
                     self._free(entry, actor, dict(self._clocks[actor]), resized=True)
-                    self._storages[key] = _Storage(StorageWeakRef(storage), host=entry.host, pinned=entry.pinned)
+                    self._storages[key] = _Storage(
+                        StorageWeakRef(storage), host=entry.host, pinned=entry.pinned, freed_by=actor
+                    )
                 return
             host, pinned = (entry.host, entry.pinned) if entry is not None else (False, False)
             fresh = self._storages[key] = _Storage(StorageWeakRef(storage), host=host, pinned=pinned)
@@ -624,12 +646,7 @@ class Simulator:
         entry.death = None
         uses = entry.uses()
         if resized:
-            for actor, tick, op in uses:
-                if actor not in self._device_actors and actor != freer and clock.get(actor, 0) < tick:
-                    self._fail(
-                        f"simulated device: a buffer that {op} on the {actor} uses was freed (resize_(0)) by the "
-                        f"{freer} before that use is ordered before the free (wait for it: its future's result())"
-                    )
+            self._check_host_uses_before_free(entry, freer, clock)
         if entry.host:
             # The pinned allocator holds a block until the copies that used it are done.
             if block is not None:
@@ -686,6 +703,11 @@ class Simulator:
         if key is None:
             return
         entry = self._entry(key, tensor)
+        if entry.freed_by is not None:
+            self._fail(
+                f"simulated device: {op} on the {actor} uses a buffer whose memory the {entry.freed_by} freed "
+                "(untyped_storage().resize_(0)) and did not allocate again: a use after free"
+            )
         clock = self._clocks[actor]
         issuer = self.host_actor()
         use = _Use(actor, clock[actor], op, issuer, self._clocks[issuer].get(issuer, 0))

@@ -168,6 +168,7 @@ def _patched(simulator: Simulator) -> Iterator[None]:
 
     def resize_(storage: torch.UntypedStorage, size: int) -> Any:
         before = storage.nbytes()
+        simulator.before_resize(storage, size)
         out = resize(storage, size)
         simulator.resized(storage, before)
         return out
