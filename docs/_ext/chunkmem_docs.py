@@ -3,9 +3,11 @@
 - ``_generated/benchmark-results.md``: the tables of ``benchmarks/results/*.json``
   (``benchmark_tables.render``), included by ``benchmarks.md``;
 - ``_generated/examples.md``: every ``examples/*.py``, its docstring and its code, included by
-  ``examples.md``.
+  ``examples.md``;
+- ``_generated/wait-removal.md``: the table of ``benchmarks/results/wait_removal.json`` alone,
+  included by ``guide/simulated-device.md``.
 
-Both are written before Sphinx reads the sources, and only when their text changes (so an
+They are written before Sphinx reads the sources, and only when their text changes (so an
 incremental build does not read every page again).
 """
 
@@ -48,6 +50,7 @@ def examples_markdown(examples: Path = ROOT / "examples") -> str:
 def generate(app: Any = None) -> None:
     _write(GENERATED / "benchmark-results.md", benchmark_tables.render())
     _write(GENERATED / "examples.md", examples_markdown())
+    _write(GENERATED / "wait-removal.md", benchmark_tables.render_one("wait_removal"))
 
 
 def setup(app: Any) -> dict[str, Any]:
