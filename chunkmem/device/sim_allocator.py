@@ -104,13 +104,54 @@ class _Counts:
         self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
 
 
-class CachingAllocator:
+class _Allocator:
+    """What both allocators do with a freed block: cache it for reuse at once, or hold it until
+    the streams it waits for pass their points; and count."""
+
+    def __init__(self) -> None:
+        self._held: list[_Held] = []
+        self._counts = _Counts()
+
+    def _cache(self, block: Block) -> None:
+        raise NotImplementedError
+
+    def free(self, block: Block, waits: Clock) -> None:
+        """``block`` is freed; with ``waits`` (stream -> its point at the free: ``record_stream``,
+        or the copies that used pinned memory, after each of which CUDA records an event) it is
+        held until those streams pass them."""
+        if not block.live:
+            return
+        block.live = False
+        self._counts.give(block)
+        if waits:
+            self._held.append(_Held(block, dict(waits)))
+        else:
+            self._cache(block)
+
+    def _release_held(self, passed: Callable[[Clock], bool]) -> None:
+        if self._held:
+            waiting = []
+            for held in self._held:
+                if passed(held.waits):
+                    self._cache(held.block)
+                else:
+                    waiting.append(held)
+            self._held = waiting
+
+    def figures(self) -> MemoryFigures:
+        return self._counts.figures()
+
+    def reset_peaks(self) -> None:
+        """Peaks from now on (``torch.cuda.reset_peak_memory_stats``)."""
+        self._counts.reset_peaks()
+
+
+class CachingAllocator(_Allocator):
     """Device blocks by stream; see the module docstring."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._pools: dict[tuple[str, bool], list[int]] = {}  # (stream, small) -> cached block sizes, sorted
-        self._held: list[_Held] = []
-        self._counts = _Counts()
 
     def allocate(self, nbytes: int, stream: str, passed: Callable[[Clock], bool]) -> Block:
         """A block for ``nbytes`` on ``stream``; ``passed`` says whether the streams a held block
@@ -134,56 +175,22 @@ class CachingAllocator:
         self._counts.take(block, new=True)
         return block
 
-    def free(self, block: Block, waits: Clock) -> None:
-        """``block`` is freed; with ``waits`` (stream -> its point at the free) it is held until
-        those streams pass them."""
-        if not block.live:
-            return
-        block.live = False
-        self._counts.give(block)
-        if waits:
-            self._held.append(_Held(block, dict(waits)))
-        else:
-            self._cache(block)
-
     def _cache(self, block: Block) -> None:
         bisect.insort(self._pools.setdefault((block.stream, block.size <= _SMALL), []), block.size)
 
-    def _release_held(self, passed: Callable[[Clock], bool]) -> None:
-        if self._held:
-            waiting = []
-            for held in self._held:
-                if passed(held.waits):
-                    self._cache(held.block)
-                else:
-                    waiting.append(held)
-            self._held = waiting
 
-    def figures(self) -> MemoryFigures:
-        return self._counts.figures()
-
-    def reset_peaks(self) -> None:
-        """Peaks from now on (``torch.cuda.reset_peak_memory_stats``)."""
-        self._counts.reset_peaks()
-
-
-class PinnedAllocator:
+class PinnedAllocator(_Allocator):
     """Pinned host blocks, by power-of-two size; see the module docstring."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._cached: dict[int, int] = {}  # size -> cached blocks of it
-        self._held: list[_Held] = []
-        self._counts = _Counts()
+
+    def _cache(self, block: Block) -> None:
+        self._cached[block.size] = self._cached.get(block.size, 0) + 1
 
     def allocate(self, nbytes: int, passed: Callable[[Clock], bool]) -> Block:
-        if self._held:
-            waiting = []
-            for held in self._held:
-                if passed(held.waits):
-                    self._cached[held.block.size] = self._cached.get(held.block.size, 0) + 1
-                else:
-                    waiting.append(held)
-            self._held = waiting
+        self._release_held(passed)
         size = pinned_block_size(nbytes)
         block = Block(size, nbytes, "host")
         if self._cached.get(size, 0):
@@ -192,21 +199,3 @@ class PinnedAllocator:
         else:
             self._counts.take(block, new=True)
         return block
-
-    def free(self, block: Block, waits: Clock) -> None:
-        """``block`` is freed; the copies that used it (``waits``: stream -> its point) must be
-        done before it is handed out again (CUDA records an event after each such copy)."""
-        if not block.live:
-            return
-        block.live = False
-        self._counts.give(block)
-        if waits:
-            self._held.append(_Held(block, dict(waits)))
-        else:
-            self._cached[block.size] = self._cached.get(block.size, 0) + 1
-
-    def figures(self) -> MemoryFigures:
-        return self._counts.figures()
-
-    def reset_peaks(self) -> None:
-        self._counts.reset_peaks()
