@@ -66,6 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None and computes_on_gpu:
             why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
             item.add_marker(pytest.mark.skip(reason=f"chunkmem computes on a GPU here: {why}"))
+    # The longest tests first: under xdist each starts while the other workers run the short ones,
+    # instead of one of them running alone at the end (a stable sort: every worker collects the
+    # same order, as xdist requires).
+    items.sort(key=lambda item: "long" not in item.keywords)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
