@@ -3,9 +3,11 @@
 - ``_generated/benchmark-results.md``: the tables of ``benchmarks/results/*.json``
   (``benchmark_tables.render``), included by ``benchmarks.md``;
 - ``_generated/examples.md``: every ``examples/*.py``, its docstring and its code, included by
-  ``examples.md``.
+  ``examples.md``;
+- ``_generated/test-map.md``: which tests import each of chunkmem's modules (``test_map.render``),
+  included by ``development.md``.
 
-Both are written before Sphinx reads the sources, and only when their text changes (so an
+They are written before Sphinx reads the sources, and only when their text changes (so an
 incremental build does not read every page again).
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import benchmark_tables
+import test_map
 
 DOCS = Path(__file__).resolve().parent.parent
 ROOT = DOCS.parent
@@ -48,6 +51,7 @@ def examples_markdown(examples: Path = ROOT / "examples") -> str:
 def generate(app: Any = None) -> None:
     _write(GENERATED / "benchmark-results.md", benchmark_tables.render())
     _write(GENERATED / "examples.md", examples_markdown())
+    _write(GENERATED / "test-map.md", test_map.render())
 
 
 def setup(app: Any) -> dict[str, Any]:
