@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -46,8 +47,31 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     # The fast tier (``-m "not slow"``) gives property tests a smaller budget (see ``tier``); set
     # before test modules are imported, which read it at import.
-    if "not slow" in (config.getoption("markexpr", "") or ""):
+    if is_fast_tier(config.getoption("markexpr", "") or ""):
         os.environ.setdefault("CHUNKMEM_TEST_TIER", "fast")
+
+
+def is_fast_tier(markexpr: str) -> bool:
+    """``-m markexpr`` chooses the fast tier: it keeps a test with no marker and leaves out one
+    marked only ``slow`` (``not slow``, ``not (slow or cuda)``, ``not slow and not cuda`` alike; not
+    ``simulated``, which keeps no unmarked test). The expression is evaluated as pytest evaluates
+    it, over marker names, so no spelling of it is matched as text."""
+    if not markexpr.strip():
+        return False
+    return _selects(markexpr, set()) and not _selects(markexpr, {"slow"})
+
+
+def _selects(markexpr: str, markers: set[str]) -> bool:
+    # pytest's grammar: names, ``not``/``and``/``or`` and parentheses (a name's keyword arguments,
+    # ``name(key=value)``, are read as the name alone).
+    tokens = re.findall(r"\(|\)|[^\s()]+", re.sub(r"(\w)\([^()]*\)", r"\1", markexpr))
+    words = []
+    for token in tokens:
+        if token in ("(", ")", "and", "or", "not"):
+            words.append(token)
+        else:
+            words.append(str(token in markers))
+    return bool(eval(" ".join(words), {"__builtins__": {}}, {}))  # the words are True/False/and/or/not only
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -66,6 +90,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None and computes_on_gpu:
             why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
             item.add_marker(pytest.mark.skip(reason=f"chunkmem computes on a GPU here: {why}"))
+    # The longest tests first: under xdist each starts while the other workers run the short ones,
+    # instead of one of them running alone at the end (a stable sort: every worker collects the
+    # same order, as xdist requires).
+    items.sort(key=lambda item: "long" not in item.keywords)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

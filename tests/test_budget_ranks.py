@@ -95,6 +95,7 @@ def test_budgets_from_the_minimum_to_twice_it_at_two_ranks(policy: str) -> None:
     _check(per_rank)
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 def test_budgets_at_four_ranks() -> None:
     # One spawn of four ranks for both policies (each spawn costs ~10 s on 2 cores): the tightest

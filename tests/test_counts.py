@@ -232,6 +232,7 @@ def host_memory() -> dict[str, dict[str, int]]:
 HOST_TRAINING = pytest.mark.cpu_compute(reason="compares host RSS of CPU training with plain PyTorch's")
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 @HOST_TRAINING
 def test_host_memory_measurement_sees_the_model(host_memory: dict[str, dict[str, int]]) -> None:
@@ -243,6 +244,7 @@ def test_host_memory_measurement_sees_the_model(host_memory: dict[str, dict[str,
     assert plain["peak"] - plain["after_setup"] >= 0.9 * 12 * plain["params"]
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 @HOST_TRAINING
 def test_host_memory_after_boost_and_at_peak_within_5_percent_of_plain(

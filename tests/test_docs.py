@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 import benchmark_tables
 import chunkmem_docs
+import test_map
 
 DOCS = ROOT / "docs"
 
@@ -133,3 +134,27 @@ def test_the_readme_is_a_front_door() -> None:
     assert rows, "the README has a results table"
     for row in rows:
         assert re.search(r"\b20\d\d-\d\d-\d\d\b", row) and "`python " in row, f"a result without date or command: {row}"
+
+
+def test_the_test_map_finds_each_way_of_importing_a_module_by_name(tmp_path: Path) -> None:
+    (tmp_path / "test_a.py").write_text(
+        "import chunkmem\nimport chunkmem.tiers.owned_dir\nfrom chunkmem.placement import auto\n"
+    )
+    (tmp_path / "test_b.py").write_text(
+        "def test_x():\n    from chunkmem.usage.saved import KeptTensor\n    from chunkmem import Booster\n"
+    )
+    (tmp_path / "helper.py").write_text("import chunkmem.ranks.where\n")  # not a test module
+    rows = {
+        line.split(" | ")[0].strip("| `"): line.split(" | ")[1]
+        for line in test_map.render(tmp_path).splitlines()
+        if line.startswith("| `")
+    }
+    assert set(rows) == {
+        "chunkmem.tiers.owned_dir",
+        "chunkmem.placement",
+        "chunkmem.placement.auto",
+        "chunkmem.usage.saved",
+    }
+    folder = tmp_path.name
+    assert rows["chunkmem.placement.auto"] == f"`{folder}/test_a.py` |", rows
+    assert rows["chunkmem.usage.saved"] == f"`{folder}/test_b.py` |", rows

@@ -475,6 +475,7 @@ def assert_close_training(
         torch.testing.assert_close(actual_state[name], value, rtol=0, atol=CROSS_WORLD_WEIGHTS, msg=name)
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 def test_two_ranks_same_losses_as_ddp_trainer_and_resume_at_either_world_size(tmp_path: Path) -> None:
     """W=2 (gloo): ChunkTrainer's losses equal plain Trainer's with DDP bit for bit (DDP adds the

@@ -158,6 +158,7 @@ def _scratch(disk_dir: Path) -> list[Path]:
     return sorted(disk_dir.glob(".chunkmem-scratch-*"))
 
 
+@pytest.mark.long
 @pytest.mark.slow  # the killed job runs in processes of its own
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["lora", "full"])

@@ -382,6 +382,7 @@ def _rss_rank(rank: int, world_size: int, directory: str, disk_dir: str) -> dict
     return {"stream": _boost_growth(directory), "init": _boost_growth(None), "disk": disk}
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")
 def test_peak_host_memory_while_boosting_is_near_the_shard(tmp_path: Path) -> None:

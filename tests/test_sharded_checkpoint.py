@@ -110,6 +110,7 @@ def _save_at_two_ranks(rank: int, world_size: int, directory: str) -> dict[str, 
     return {"chunk_gathers": counted["all_gather"], "resumed": _resume(rank, world_size, directory, 5_000, True)}
 
 
+@pytest.mark.long
 @pytest.mark.multirank
 def test_saved_at_two_ranks_resumes_at_one_two_and_four_ranks_like_plain_pytorch(tmp_path: Path) -> None:
     saving = run_ranks(_save_at_two_ranks, args=(str(tmp_path),))

@@ -105,6 +105,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_sft_trainer_with_lora_at_two_ranks_same_losses_as_plain_trl_with_ddp(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Which tier of the suite is running.
 
 The everyday command, ``python -m pytest -m "not slow"``, is the **fast tier**: ``conftest.py``
-sees the marker expression and sets ``CHUNKMEM_TEST_TIER=fast`` before any test module is
+evaluates the marker expression (``is_fast_tier``: it keeps unmarked tests and leaves out those
+marked ``slow``, however it is spelt) and sets ``CHUNKMEM_TEST_TIER=fast`` before any test module is
 imported, and property tests then draw fewer examples (``examples``). The full suite (CI, README's
 test command) draws them all. ``slow_cases`` leaves some cases of a parametrized test to the full
 suite, the fast tier keeping one representative of the path.

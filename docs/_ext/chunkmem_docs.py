@@ -5,7 +5,9 @@
 - ``_generated/examples.md``: every ``examples/*.py``, its docstring and its code, included by
   ``examples.md``;
 - ``_generated/wait-removal.md``: the table of ``benchmarks/results/wait_removal.json`` alone,
-  included by ``guide/simulated-device.md``.
+  included by ``guide/simulated-device.md``;
+- ``_generated/test-map.md``: which tests import each of chunkmem's modules (``test_map.render``),
+  included by ``development.md``.
 
 They are written before Sphinx reads the sources, and only when their text changes (so an
 incremental build does not read every page again).
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import benchmark_tables
+import test_map
 
 DOCS = Path(__file__).resolve().parent.parent
 ROOT = DOCS.parent
@@ -51,6 +54,7 @@ def generate(app: Any = None) -> None:
     _write(GENERATED / "benchmark-results.md", benchmark_tables.render())
     _write(GENERATED / "examples.md", examples_markdown())
     _write(GENERATED / "wait-removal.md", benchmark_tables.render_one("wait_removal"))
+    _write(GENERATED / "test-map.md", test_map.render())
 
 
 def setup(app: Any) -> dict[str, Any]:
