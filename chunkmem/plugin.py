@@ -36,6 +36,7 @@ from .chunks.manager import ChunkManager
 from .chunks.search import default_search_range, search_chunk_size, trainable_chunk_range
 from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
+from .device.moves import to_device
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
@@ -518,5 +519,5 @@ class ChunkPlugin:
                     continue
                 original[f"{module_name}.{name}" if module_name else name] = buf.dtype
                 target = dtype if buf.is_floating_point() else buf.dtype
-                setattr(module, name, buf.to(device=device, dtype=target))
+                setattr(module, name, to_device(buf, device, target))
         return original

@@ -5,30 +5,38 @@ simulated device raises for, or changed numbers) fails it."""
 
 from __future__ import annotations
 
-import re
-import sys
+import dataclasses
+import gc
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from disk_faults import parameter_writes_fail
 from models import adamw_two_groups, batches, boost, gpt2, lm_loss, train_accumulating, train_chunked
+from simulated_waits import Site, without
+from torch.utils._python_dispatch import _disable_current_modes
 
 from chunkmem import (
     Booster,
     BudgetTooSmallError,
     ChunkedModel,
     ChunkOptimizer,
+    ChunkPlugin,
     DiskTierError,
     StepAfterBackward,
     StepDuringBackward,
 )
-from chunkmem.device.simulated import UnorderedAccessError, simulated_device
+from chunkmem.device import CollectiveWaits
+from chunkmem.device.simulated import SimulatedDeviceError, simulated_device
+from chunkmem.optim.host_kernels import HostKernels
 from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.ranks.comm import Communicator
+from chunkmem.tiers import disk
 from chunkmem.tiers.disk import DiskFile
 
 OFFLOAD = {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
@@ -85,29 +93,72 @@ def _disk(rank: int, world_size: int) -> dict[str, Any]:
 
 @contextmanager
 def disk_io_seen() -> Iterator[None]:
-    """The disk tier's I/O threads move bytes with ``pwritev`` / ``preadv`` through ``ctypes``,
-    which no ``TorchDispatchMode`` sees: within the block each write first reads its tensor and
-    each read first writes it with a torch op on the I/O thread, so the simulated device checks
-    that the host waited for the copies using the tensor (a write to disk of a piece before the copy
-    into it landed, a read into a piece a copy to the device still reads)."""
-    real = DiskFile._transfer
+    """The disk tier's I/O threads move bytes with ``pwritev`` / ``preadv`` (or a reader of the
+    user's weights files) through ``ctypes``, which no ``TorchDispatchMode`` sees: within the block
+    each transfer is also a torch op on the I/O thread, on its tensor (one element: the checks are
+    per storage) and on a tensor standing for its region of the file, so the simulated device checks
+    the I/O tasks' accesses against everyone else's: a write to disk of a piece before the copy into
+    it landed, a read into a piece a copy still reads, a read of a region before the write to it is
+    waited for, a file closed under a transfer."""
+    transfer, read_with, close = DiskFile._transfer, DiskFile.read_with, disk._close_file
+    regions: dict[tuple[Any, int], torch.Tensor] = {}
+    lock = threading.Lock()
 
-    def transfer(file: DiskFile, tensor: torch.Tensor, offset: int, write: bool, then: Any, param: bool) -> None:
-        _ = tensor.clone() if write else tensor.zero_()
-        real(file, tensor, offset, write, then, param)
+    def touch(tensor: torch.Tensor, write: bool) -> None:
+        if tensor.numel():
+            first = tensor.view(-1)[:1]
+            _ = first.zero_() if write else first.clone()
 
-    DiskFile._transfer = transfer  # type: ignore[method-assign]
+    def region(file: Any, offset: int) -> torch.Tensor:
+        with lock:
+            key = (id(file) if isinstance(file, DiskFile) else file, offset)
+            if key not in regions:
+                with _disable_current_modes():  # bookkeeping: not an access of the task's
+                    regions[key] = torch.zeros(1)
+            return regions[key]
+
+    def seen_transfer(file: DiskFile, tensor: torch.Tensor, offset: int, write: bool, then: Any, param: bool) -> None:
+        touch(tensor, write=not write)
+        touch(region(file, offset), write=write)
+        touch(region(file._fd, -1), write=False)  # the file stays open under the transfer
+        transfer(file, tensor, offset, write, then, param)
+
+    def seen_close(fd: int, pool: Any) -> None:
+        close(fd, pool)  # joins the I/O threads, then closes
+        touch(region(fd, -1), write=True)
+
+    def seen_read_with(file: DiskFile, tensor: torch.Tensor, fill: Callable[[memoryview], int]) -> Any:
+        def filled(view: memoryview) -> int:
+            touch(tensor, write=True)
+            return fill(view)
+
+        return read_with(file, tensor, filled)
+
+    DiskFile._transfer = seen_transfer  # type: ignore[method-assign]
+    DiskFile.read_with = seen_read_with  # type: ignore[method-assign]
+    disk._close_file = seen_close
     try:
         yield
     finally:
-        DiskFile._transfer = real  # type: ignore[method-assign]
+        DiskFile._transfer = transfer  # type: ignore[method-assign]
+        DiskFile.read_with = read_with  # type: ignore[method-assign]
+        disk._close_file = close
+
+
+def _early_disk(rank: int, world_size: int) -> dict[str, Any]:
+    """Half the chunks' optimizer states and gradients on disk (the disk tier's I/O threads), the
+    other half's host steps during the backward (the early-step worker: chunks with sides on disk
+    step after it): at two ranks, the host threads beside the collectives."""
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.5, max_prefetch=2)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _train(rank, world_size, placement, host_step=StepDuringBackward(), disk_dir=Path(scratch))
 
 
 def _activation_disk(rank: int, world_size: int) -> dict[str, Any]:
     """Offloaded activations beyond a host budget go to disk through the staging window (pieces of
     8 KiB: a storage takes several, read back into the two pieces in turn)."""
     activations = ActivationPlacement(offload=["GPT2Block"], host_budget=65_536)
-    with tempfile.TemporaryDirectory() as scratch, disk_io_seen():
+    with tempfile.TemporaryDirectory() as scratch:
         return _train(rank, world_size, StaticPlacementConfig(), activations=activations, disk_dir=Path(scratch))
 
 
@@ -204,41 +255,256 @@ def _host_write_after_copy(rank: int, world_size: int) -> dict[str, Any]:
     return {"losses": [], "state": {"buffer": host.clone()}}
 
 
-SCENARIOS: dict[str, tuple[int, Callable[[int, int], dict[str, Any]]]] = {
-    # name: (world size, run)
-    "offload-p0": (1, lambda r, w: _train(r, w, _offload(0), host_step=StepAfterBackward())),
-    "offload-p3-bf16": (1, lambda r, w: _train(r, w, _offload(3), "bf16", host_step=StepAfterBackward())),
-    "offload-p3-early-undo": (1, lambda r, w: _train(r, w, _offload(3), host_step=StepDuringBackward(), clip=0.05)),
-    "optim-offload-p2-bf16": (
-        1,
-        lambda r, w: _train(r, w, StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=2), "bf16"),
+def _early_checkpoint(rank: int, world_size: int) -> dict[str, Any]:
+    """Host steps during the backward, and a checkpoint saved between a backward and its step:
+    the save puts the pending early steps back first (and the step then takes them again)."""
+    chunked, optimizer, booster = _boost(
+        gpt2(), precision="fp32", chunk_size=6_000, placement=_offload(2), host_step=StepDuringBackward()
+    )
+    losses: list[Any] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for step, ids in enumerate(batches(3)):
+            loss = lm_loss(chunked, ids.chunk(world_size)[rank])
+            booster.backward(loss, optimizer)
+            if step == 1:
+                booster.save_model(chunked, Path(scratch) / "model.pt")
+                booster.save_optimizer(optimizer, Path(scratch) / "optim.pt")
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+    return {"losses": losses, "state": chunked.state_dict()}
+
+
+def _evaluate_between(rank: int, world_size: int) -> dict[str, Any]:
+    """A forward without gradients between training steps, with prefetch: the chunks prefetched
+    for a backward that never comes are released while their gathers may be in flight."""
+    chunked, optimizer, booster = _boost(gpt2(), precision="bf16", chunk_size=6_000, placement=_offload(3))
+    data = batches(3)
+    losses = train_chunked(chunked, optimizer, booster, data[:2], rank, world_size)
+    with torch.no_grad():
+        losses.append(float(lm_loss(chunked, data[0].chunk(world_size)[rank])))
+    losses += train_chunked(chunked, optimizer, booster, data[2:], rank, world_size)
+    return {"losses": losses, "state": chunked.state_dict()}
+
+
+def _disk_accumulate(rank: int, world_size: int) -> dict[str, Any]:
+    """Two micro-batches a step, both reduced (no ``no_sync``), with the gradient shards on disk:
+    the second reduction adds onto the gradient the first wrote there."""
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=1.0, max_prefetch=2)
+    with tempfile.TemporaryDirectory() as scratch:
+        chunked, optimizer, booster = _boost(
+            gpt2(), precision="fp32", chunk_size=10_000, placement=placement, disk_dir=Path(scratch)
+        )
+        losses: list[Any] = train_accumulating(
+            chunked, optimizer, booster, batches(2, batch=8), rank, world_size, False
+        )
+        return {"losses": losses, "state": chunked.state_dict()}
+
+
+class _Raised(RuntimeError):
+    """What the block of ``_forward_raises`` raises, once."""
+
+
+def _forward_raises(rank: int, world_size: int) -> dict[str, Any]:
+    """Offloaded activations beyond a host budget go to disk, and the second step's forward raises
+    in the middle of the second block's call (after the first block's saved tensors and part of
+    its own went out): the loop catches it and trains on with the next batch. What the failed
+    forward wrote is dropped with its graph, while its writes to disk may be in flight."""
+    activations = ActivationPlacement(offload=["GPT2Block"], host_budget=65_536)
+    losses: list[Any] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        chunked, optimizer, booster = _boost(
+            gpt2(),
+            precision="fp32",
+            chunk_size=6_000,
+            placement=StaticPlacementConfig(),
+            activations=activations,
+            disk_dir=Path(scratch),
+        )
+        calls = [0]
+
+        def raise_once(module: torch.nn.Module, args: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 3:  # the second step, the second block
+                raise _Raised("the forward raises here")
+
+        chunked.module.transformer.h[1].mlp.register_forward_pre_hook(raise_once)
+        for ids in batches(4):
+            try:
+                loss = lm_loss(chunked, ids.chunk(world_size)[rank])
+            except _Raised as error:
+                losses.append(str(error))
+                continue
+            booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        return {"losses": losses, "state": chunked.state_dict()}
+
+
+def _dropped_with_writes_in_flight(rank: int, world_size: int) -> dict[str, Any]:
+    """Parameter shards on disk: the last step writes them (nothing waits for those writes until
+    the next gather), and the model is dropped then, which closes its disk file."""
+    with tempfile.TemporaryDirectory() as scratch:
+        chunked, optimizer, booster = _boost(
+            gpt2(), precision="bf16", chunk_size=6_000, placement=_param_disk_placement(), disk_dir=Path(scratch)
+        )
+        losses = train_chunked(chunked, optimizer, booster, batches(2), rank, world_size)
+        del chunked, optimizer, booster
+        gc.collect()
+        return {"losses": losses, "state": {}}
+
+
+def _evaluate_before_step(rank: int, world_size: int) -> dict[str, Any]:
+    """A forward without gradients between a backward and its step (an evaluation where a trainer
+    evaluates): its gathers read host masters after the gradients went to the host, and the step
+    then writes those masters."""
+    chunked, optimizer, booster = _boost(gpt2(), precision="fp32", chunk_size=6_000, placement=_offload(2))
+    data = batches(3)
+    losses: list[Any] = []
+    for ids in data[:2]:
+        loss = lm_loss(chunked, ids.chunk(world_size)[rank])
+        booster.backward(loss, optimizer)
+        with torch.no_grad():
+            losses.append(float(lm_loss(chunked, data[2].chunk(world_size)[rank])))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": chunked.state_dict()}
+
+
+@contextmanager
+def every_auto_call_offloaded() -> Iterator[None]:
+    """The ``auto`` activation plan offloads every call, whatever the timings say (the simulated
+    device takes no time, the CPU some: both runs must take one plan)."""
+    import chunkmem.activations.auto as auto
+    from chunkmem.placement import ActivationChoice
+
+    choose = auto.choose_activations
+
+    def offload_all(*args: Any) -> Any:
+        plan = choose(*args)
+        return dataclasses.replace(plan, choices=(ActivationChoice.OFFLOAD,) * len(plan.choices), kept_bytes=0)
+
+    auto.choose_activations = offload_all
+    try:
+        yield
+    finally:
+        auto.choose_activations = choose
+
+
+def _activation_auto(rank: int, world_size: int) -> dict[str, Any]:
+    """``auto`` blocks under a device budget: the first step measures every call (its copies timed
+    and waited for), the plan offloads them; the next steps copy out and fetch back by the plan."""
+    activations = ActivationPlacement(auto=["GPT2Block"])
+    with every_auto_call_offloaded():
+        return _train(rank, world_size, StaticPlacementConfig(device_budget=2_735_616), activations=activations)
+
+
+def _values_in_place(rank: int, world_size: int) -> dict[str, Any]:
+    """A frozen bf16 base read in place from its safetensors file by the disk tier's threads for
+    every gather, adapters trained; the full state read at the end reads the base in place too."""
+    from test_values_in_place import BASE, CHUNK, tiny, write_weights
+
+    from chunkmem.placement import StaticPlacementConfig as Static
+
+    with tempfile.TemporaryDirectory() as scratch:
+        weights = write_weights(Path(scratch), torch.bfloat16)
+        with torch.device("meta"):
+            model = tiny()
+        placement = Static(
+            offload_optim_frac=1.0,
+            offload_param_frac=1.0,
+            offload_disk_frac=1.0,
+            offload_param_disk_frac=1.0,
+            max_prefetch=2,
+        )
+        cpu = Communicator(None, torch.device("cpu"), check_plans=True)
+        booster = Booster(
+            ChunkPlugin(placement=placement, precision="bf16", chunk_size=CHUNK, disk_dir=scratch, process_group=cpu)
+        )
+        trained = [p for n, p in model.named_parameters() if n not in BASE]
+        chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(trained, lr=1e-2), weights=str(weights))
+        assert optimizer is not None
+        losses = train_chunked(chunked, optimizer, booster, batches(2), rank, world_size)
+        booster.save_model(chunked, Path(scratch) / "model.pt")
+        booster.load_model(chunked, Path(scratch) / "model.pt")  # checks the base in the file is the one loaded
+        return {"losses": losses, "state": chunked.state_dict()}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A training run the simulated device checks: on how many ranks, and what a wait for the chunk
+    group's collectives does there (a GPU's, NCCL's, by default)."""
+
+    world_size: int
+    run: Callable[[int, int], dict[str, Any]]
+    collectives: CollectiveWaits = CollectiveWaits.STREAM
+    asynchronous: bool = True
+    """``False``: on the synchronous CPU (its paths), its host threads checked."""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "offload-p0": Scenario(1, lambda r, w: _train(r, w, _offload(0), host_step=StepAfterBackward())),
+    "offload-p3-bf16": Scenario(1, lambda r, w: _train(r, w, _offload(3), "bf16", host_step=StepAfterBackward())),
+    "offload-p3-early-undo": Scenario(
+        1, lambda r, w: _train(r, w, _offload(3), host_step=StepDuringBackward(), clip=0.05)
     ),
-    "auto-p3": (1, lambda r, w: _train(r, w, AutoPlacementConfig(device_budget=600_000, max_prefetch=3))),
-    "accumulate-offload": (1, lambda r, w: _accumulate(r, w, _offload(2), no_sync=False)),
-    "disk-bf16": (1, _disk),
-    "param-disk-bf16": (1, _param_disk),
-    "param-disk-full": (1, _param_disk_full),
-    "checkpoint-mid-training": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=False)),
-    "load-after-eval-bf16": (1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
-    "load-after-eval": (1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),
-    "w2-offload-p3": (2, lambda r, w: _train(r, w, _offload(3))),
-    "activation-offload": (
-        1,
-        lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"])),
+    "fp16-early": Scenario(1, lambda r, w: _train(r, w, _offload(2), "fp16", host_step=StepDuringBackward())),
+    "early-checkpoint": Scenario(1, _early_checkpoint),
+    "optim-offload-p2-bf16": Scenario(
+        1, lambda r, w: _train(r, w, StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=2), "bf16")
     ),
-    "activation-disk": (1, _activation_disk),
-    "w2-no-sync-spill": (2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
-    "host-write-after-copy": (1, _host_write_after_copy),
+    "auto-p3": Scenario(1, lambda r, w: _train(r, w, AutoPlacementConfig(device_budget=600_000, max_prefetch=3))),
+    "evaluate-between": Scenario(1, _evaluate_between),
+    "evaluate-before-step": Scenario(1, _evaluate_before_step),
+    "accumulate-offload": Scenario(1, lambda r, w: _accumulate(r, w, _offload(2), no_sync=False)),
+    "disk-bf16": Scenario(1, _disk),
+    "disk-accumulate": Scenario(1, _disk_accumulate),
+    "param-disk-bf16": Scenario(1, _param_disk),
+    "param-disk-cpu": Scenario(1, _param_disk, asynchronous=False),
+    "values-in-place": Scenario(1, _values_in_place),
+    "param-disk-full": Scenario(1, _param_disk_full),
+    "dropped-with-writes": Scenario(1, _dropped_with_writes_in_flight),
+    "checkpoint-mid-training": Scenario(1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=False)),
+    "load-after-eval-bf16": Scenario(1, lambda r, w: _checkpoint(r, w, "bf16", evaluate=True)),
+    "load-after-eval": Scenario(1, lambda r, w: _checkpoint(r, w, "fp32", evaluate=True)),
+    "activation-offload": Scenario(
+        1, lambda r, w: _train(r, w, StaticPlacementConfig(), activations=ActivationPlacement(offload=["GPT2Block"]))
+    ),
+    "activation-disk": Scenario(1, _activation_disk),
+    "activation-auto": Scenario(1, _activation_auto),
+    "forward-raises": Scenario(1, _forward_raises),
+    "host-write-after-copy": Scenario(1, _host_write_after_copy),
+    "w2-offload-p3": Scenario(2, lambda r, w: _train(r, w, _offload(3))),
+    "w2-offload-p3-gloo": Scenario(2, lambda r, w: _train(r, w, _offload(3)), CollectiveWaits.HOST),
+    "w2-no-sync-spill": Scenario(2, lambda r, w: _accumulate(r, w, _smallest(_spilling), True)),
+    "w2-activation-auto": Scenario(2, _activation_auto),
+    "w2-early-disk": Scenario(2, _early_disk),
 }
 
 
+@contextmanager
+def host_kernels_of_a_gpu() -> Iterator[None]:
+    """Within the block the synchronous CPU steps host runs with the kernel a GPU's (and so the
+    simulated device's) host runs take (``HostKernels``), so that the two runs of a scenario compare
+    bit for bit."""
+    decides = HostKernels.__dict__["decides"]
+    HostKernels.decides = staticmethod(lambda layer: True)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        HostKernels.decides = decides  # type: ignore[method-assign]
+
+
 def run_scenario(rank: int, world_size: int, name: str, simulated: bool) -> dict[str, Any]:
-    """One scenario on this rank, on the simulated device or the synchronous CPU."""
-    run = SCENARIOS[name][1]
+    """One scenario on this rank, on the simulated device (its disk I/O seen) or the synchronous CPU."""
+    scenario = SCENARIOS[name]
     if not simulated:
-        return run(rank, world_size)
-    with simulated_device():
-        return run(rank, world_size)
+        with host_kernels_of_a_gpu() if scenario.asynchronous else nullcontext():
+            return scenario.run(rank, world_size)
+    with simulated_device(collectives=scenario.collectives, asynchronous=scenario.asynchronous), disk_io_seen():
+        return scenario.run(rank, world_size)
 
 
 def assert_identical(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
@@ -249,49 +515,6 @@ def assert_identical(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
 
 
 # --- removing one wait ------------------------------------------------------------------------
-LIBRARY = Path(__file__).resolve().parent.parent / "chunkmem"
-_WAIT = re.compile(r"before_host_(read|write)\(|layer\.(wait_stream|wait_event|synchronize|record_stream)\(")
-
-
-def wait_sites() -> list[tuple[str, int, str]]:
-    """Every call of a wait of the protocol in the library outside the device layer: (path
-    relative to the library, line, the call's name)."""
-    sites = []
-    for path in sorted(LIBRARY.rglob("*.py")):
-        if "device" in path.relative_to(LIBRARY).parts:
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            found = _WAIT.search(line)
-            if found and not line.lstrip().startswith("def "):
-                name = found.group(0).removesuffix("(").split(".")[-1]
-                sites.append((str(path.relative_to(LIBRARY)), number, name))
-    return sites
-
-
-@contextmanager
-def without(site: tuple[str, int, str]) -> Iterator[None]:
-    """The wait called at ``site`` does nothing there (everywhere else it waits)."""
-    from chunkmem.device.simulated import SimulatedLayer
-    from chunkmem.tiers.transfers import HostTransfers
-
-    relative, line, name = site
-    owner = HostTransfers if name.startswith("before_host") else SimulatedLayer
-    original = getattr(owner, name)
-    target = str(LIBRARY / relative)
-
-    def skipped(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)
-        if caller.f_lineno == line and caller.f_code.co_filename == target:
-            return None
-        return original(*args, **kwargs)
-
-    setattr(owner, name, skipped)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 _SYNCHRONOUS: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
@@ -304,18 +527,30 @@ def synchronous(rank: int, world_size: int, name: str) -> dict[str, Any]:
     return _SYNCHRONOUS[key]
 
 
-def caught_without(rank: int, world_size: int, site: tuple[str, int, str], name: str) -> str | None:
+def caught_without(rank: int, world_size: int, site: Site, name: str) -> str | None:
     """How scenario ``name`` on the simulated device fails with the wait at ``site`` removed
-    (``None``: it does not), against the synchronous run."""
+    (``None``: it does not): ``checker: ...`` when the simulated device found it (whatever the run
+    raised then: the library may wrap it, or fail on what it led to), else how the run failed (its
+    numbers differ from the synchronous run's, or it raised)."""
     expected = synchronous(rank, world_size, name)
     try:
         with without(site):
             result = run_scenario(rank, world_size, name, True)
         assert_identical(result, expected, name)
-    except UnorderedAccessError as error:
-        return f"unordered access: {str(error)[:160]}"
+    except SimulatedDeviceError as error:
+        return f"checker: {error}"
     except AssertionError as error:
         return f"numbers differ: {str(error).splitlines()[0]}"
     except Exception as error:  # any failure is a failing test
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     return None
+
+
+def caught_on_every_rank(site: Site, name: str) -> list[str | None]:
+    """``caught_without`` on each rank of scenario ``name`` (W=2 ones on the rank pool)."""
+    world_size = SCENARIOS[name].world_size
+    if world_size == 1:
+        return [caught_without(0, 1, site, name)]
+    from distributed import run_ranks
+
+    return run_ranks(caught_without, world_size, args=(site, name))

@@ -4,6 +4,7 @@ capacity probe goes through ``chunkmem.device``; the host buffers it pins are pi
 
 from __future__ import annotations
 
+import ast
 import re
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,6 +34,76 @@ NOT_THE_ACCELERATOR = {
 
 def _library_files() -> list[Path]:
     return [path for package in LIBRARY for path in sorted((ROOT / package).rglob("*.py")) if LAYER not in path.parents]
+
+
+# Moves, pinning and asynchronous copies outside the layer: on the CPU a move to the CPU is the
+# tensor itself and ``non_blocking`` changes nothing, so the simulated device cannot see what they
+# would do on a GPU. Tensors move through ``chunkmem.device.moves`` (blocking) or ``HostTransfers``.
+_MOVES = ("cuda", "cpu", "pin_memory")
+_DEVICE_WORDS = re.compile(r"device|\bcpu\b|cuda|meta|_META")
+NOT_A_TENSOR_MOVE = {
+    # the module's own .cpu() / .cuda(), which refuse anything but the device it computes on
+    ("chunkmem/boosted/model.py", "self.to('cpu')"),
+    ("chunkmem/boosted/model.py", "self.to(gpu_device(device))"),
+    # the user's module before boosting, moved where Lightning asks (a boosted one stays put)
+    ("chunkmem/integrations/lightning.py", "self.model.to(self.root_device)"),
+    # a field of DCP's saved description of a tensor, rebuilt from a checkpoint; nothing is pinned
+    ("chunkmem/checkpoint/dcp_reader.py", "pin_memory=self._typed(pin_memory, bool, 'pin_memory')"),
+}
+
+
+def _names_a_device(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    text = ast.unparse(node)
+    return bool(_DEVICE_WORDS.search(text)) and "dtype" not in text
+
+
+def moves_and_pins(source: str) -> list[tuple[int, str]]:
+    """Every ``non_blocking``, pinning and device move in ``source``: (line, what)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.keyword) and node.arg in ("non_blocking", "pin_memory"):
+            found.append((node.value.lineno, f"{node.arg}={ast.unparse(node.value)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            moved = name == "to" and (
+                any(k.arg == "device" for k in node.keywords) or any(_names_a_device(a) for a in node.args)
+            )
+            if moved or name in _MOVES:
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_tensors_move_only_through_the_layer_and_never_asynchronously() -> None:
+    offending = []
+    for path in _library_files():
+        relative = str(path.relative_to(ROOT))
+        for line, what in moves_and_pins(path.read_text()):
+            if not any(relative == file and what.startswith(allowed) for file, allowed in NOT_A_TENSOR_MOVE):
+                offending.append(f"{relative}:{line}: {what}")
+    assert offending == [], (
+        "device moves, pinning or non_blocking outside chunkmem/device (use chunkmem.device.moves, or "
+        "HostTransfers for chunk memory):\n" + "\n".join(offending)
+    )
+
+
+def test_the_move_check_sees_what_it_forbids() -> None:
+    forbidden = [
+        "t.to('cpu', non_blocking=True)",
+        "t.pin_memory()",
+        "torch.empty(3, pin_memory=True)",
+        "t.cuda()",
+        "t.cpu()",
+        "t.to(self._device)",
+        "t.to(device=d, dtype=x)",
+        "t.to(torch.device('cuda'))",
+        "t.copy_(s, non_blocking=pinned)",
+    ]
+    for source in forbidden:
+        assert moves_and_pins(source), source
+    for source in ("t.to(torch.float32)", "t.to(other.dtype)", "t.to(dtype=self._dtype)", "def cpu(self): pass"):
+        assert not moves_and_pins(source), source
 
 
 def test_only_the_device_layer_names_the_accelerator() -> None:

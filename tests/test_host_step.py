@@ -18,6 +18,8 @@ import torch
 from models import copies, device_of
 
 from chunkmem import Booster, ChunkPlugin, StepAfterBackward, StepDuringBackward
+from chunkmem.device import DeviceLayer
+from chunkmem.device.simulated import simulated_device
 from chunkmem.optim.host_kernels import HostKernels
 from chunkmem.placement import StaticPlacementConfig
 from chunkmem.usage.accounting import Location
@@ -158,14 +160,36 @@ def test_with_an_accelerator_host_runs_left_to_pytorch_step_fused(make: Callable
     the user's, and on a CPU compute device PyTorch's own default is kept."""
     probe = torch.nn.Linear(2, 2)
     unset = make(probe.parameters()).param_groups[0]
-    assert HostKernels(type(make(probe.parameters())), torch.device("cuda")).fuse(unset)
-    assert not HostKernels(type(make(probe.parameters())), torch.device("cpu")).fuse(unset)
+    gpu, cpu = DeviceLayer(torch.device("cuda")), DeviceLayer(torch.device("cpu"))
+    assert HostKernels(type(make(probe.parameters())), gpu).fuse(unset)
+    assert not HostKernels(type(make(probe.parameters())), cpu).fuse(unset)
     for choice in ({"fused": False}, {"foreach": True}, {"foreach": False}):
         chosen = make(probe.parameters(), **choice)
-        assert not HostKernels(type(chosen), torch.device("cuda")).fuse(chosen.param_groups[0]), choice
+        assert not HostKernels(type(chosen), gpu).fuse(chosen.param_groups[0]), choice
     # A setting without a fused kernel keeps PyTorch's default (differentiable has none).
     differentiable = torch.optim.AdamW(probe.parameters(), differentiable=True)
-    assert not HostKernels(torch.optim.AdamW, torch.device("cuda")).fuse(differentiable.param_groups[0])
+    assert not HostKernels(torch.optim.AdamW, gpu).fuse(differentiable.param_groups[0])
+
+
+@pytest.mark.simulated
+@pytest.mark.parametrize("host_step", [StepAfterBackward(), StepDuringBackward()], ids=["after", "during"])
+def test_on_the_simulated_device_host_runs_left_to_pytorch_step_fused_as_on_a_gpu(
+    host_step: StepAfterBackward | StepDuringBackward,
+) -> None:
+    """The simulated device stands for a GPU: host runs whose kernel the user left unset take the
+    fused CPU kernel there too, after the backward and on the early-step worker, one call per step,
+    and equal plain PyTorch's fused AdamW bit for bit."""
+    model, ref = copies(_mlp())
+    reference = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    data = _data(3, 32)
+    with simulated_device(), _counting("_fused_adamw_") as calls:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        chunked, boosted = _boost(model, optimizer, HOST, chunk_size=2_200, host_step=host_step)
+        assert chunked.manager.comm.layer.asynchronous
+        _train(chunked, boosted, data)
+    assert calls, "the host runs left to PyTorch did not take the fused kernel on the simulated device"
+    _train(ref, reference, data)
+    _assert_identical(chunked, boosted, ref, reference)
 
 
 @pytest.mark.cpu_compute(reason="the reference steps the same CPU parameters with the user's kernel")

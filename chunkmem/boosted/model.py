@@ -36,6 +36,7 @@ from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
 from ..device import gpu_device
+from ..device.moves import to_device, to_host
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from ..execution.gather import Destination, gather_full
 from ..execution.runtime import ChunkRuntime
@@ -174,7 +175,7 @@ class ChunkedModel(torch.nn.Module):
         if not isinstance(value, torch.Tensor):
             return value
         dtype = self._compute_dtype if value.is_floating_point() else value.dtype
-        return value.to(device=self._device, dtype=dtype)
+        return to_device(value, self._device, dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module: floating tensors in the compute dtype, all tensors on the device."""
@@ -348,7 +349,7 @@ class ChunkedModel(torch.nn.Module):
             if id(tensor) in values:
                 out[name] = values[id(tensor)]
             else:
-                out[name] = tensor.detach().to("cpu", self._buffer_dtypes.get(name, tensor.dtype)).clone()
+                out[name] = to_host(tensor.detach(), self._buffer_dtypes.get(name, tensor.dtype)).clone()
         return out
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -437,7 +438,7 @@ class ChunkedModel(torch.nn.Module):
             return None
         memo: dict[int, Any] = {}
         for info in self._manager.infos:
-            memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
+            memo[id(info.param)] = torch.nn.Parameter(to_device(values.pop(id(info.param)), device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
             with self._activations.detached() if self._activations is not None else nullcontext():
@@ -449,7 +450,7 @@ class ChunkedModel(torch.nn.Module):
                 if buf is not None:
                     full_name = f"{module_name}.{name}" if module_name else name
                     dtype = self._buffer_dtypes.get(full_name, buf.dtype)
-                    setattr(module, name, buf.detach().to(device=device, dtype=dtype).clone())
+                    setattr(module, name, to_device(buf.detach(), device, dtype).clone())
         return plain
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
@@ -487,7 +488,8 @@ class ChunkedModel(torch.nn.Module):
             raise AttributeError(f"{type(self.module).__name__} has no generate (not a transformers model)")
         if self._manager.comm.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
-        args, kwargs = tree_map(lambda v: v.to(self._device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        device = self._device
+        args, kwargs = tree_map(lambda v: to_device(v, device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         with self._module_calls_are_iterations():
             return generate(*args, **kwargs)
 

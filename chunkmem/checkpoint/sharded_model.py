@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..boosted.model_state import StagedModelLoad, check_model_state
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
+from ..device.moves import to_host
 from .dcp_layout import Entry, FlatRange, Whole, as_meta, read_whole
 from .sharded import Reading
 
@@ -58,7 +59,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
                 entries[info.name] = Whole(torch.zeros(info.shape, dtype=chunk.store.values_dtype))
     if first:
         for name, tensor, dtype in _state(model)[0]:
-            entries[name] = Whole(tensor.detach().to("cpu", dtype))
+            entries[name] = Whole(to_host(tensor.detach(), dtype))
     return entries
 
 

@@ -465,11 +465,13 @@ class ShardStore:
             param = self.write_param(changed=write_back)
             written = self.evict_master(changed=write_back)
             self.settle_param()
-            if written is not None and written.exception() is not None:
+            failure = written.exception() if written is not None else None
+            if failure is not None:
                 self.master_write_failed()
-                raise written.exception()  # type: ignore[misc]
-            if param is not None and param.exception() is not None:
-                raise param.exception()  # type: ignore[misc]
+                raise failure
+            failure = param.exception() if param is not None else None
+            if failure is not None:
+                raise failure
 
     def _alloc_device_copy(self) -> torch.Tensor:
         self._ledger.alloc(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

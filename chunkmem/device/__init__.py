@@ -2,7 +2,7 @@
 host memory, memory capacity and the allocator's statistics); see ``layer`` and ``probes``."""
 
 from .choice import device_layer
-from .layer import AcceleratorLayer, DeviceLayer, is_accelerator
+from .layer import AcceleratorLayer, CollectiveWaits, DeviceLayer, is_accelerator
 from .probes import (
     PLANNED_DEVICES,
     DeviceMemory,
@@ -25,6 +25,7 @@ __all__ = [
     "PLANNED_DEVICES",
     "SIMULATED",
     "AcceleratorLayer",
+    "CollectiveWaits",
     "DeviceLayer",
     "DeviceMemory",
     "accelerator_available",

@@ -16,13 +16,14 @@ and the waits between them go through a :class:`DeviceLayer`; the rest of chunkm
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["AcceleratorLayer", "DeviceLayer", "generic_streams", "is_accelerator"]
+__all__ = ["AcceleratorLayer", "CollectiveWaits", "DeviceLayer", "generic_streams", "is_accelerator"]
 
 _CUDA = "cuda"
 _HOST_TYPES = ("cpu", "meta")
@@ -31,6 +32,15 @@ _HOST_TYPES = ("cpu", "meta")
 # without them.
 Stream = Any
 Event = Any
+
+
+class CollectiveWaits(enum.Enum):
+    """What waiting for an asynchronous collective (``work.wait()``) does."""
+
+    HOST = "host"
+    """The calling thread blocks until the collective is done (gloo, on host memory)."""
+    STREAM = "stream"
+    """The current stream waits for the collective's own stream; the host goes on (NCCL)."""
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -69,6 +79,11 @@ class DeviceLayer:
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream | None) -> None:
         """``tensor``'s memory is used by ``stream``: the allocator keeps it until that work is done."""
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor, asynchronous: bool) -> None:
+        """``target.copy_(source)`` on the current stream; with ``asynchronous`` (pinned host memory
+        on one side) it may return before the bytes moved: the caller waits for it (``HostTransfers``)."""
+        target.copy_(source, non_blocking=asynchronous)
 
     # --- events -------------------------------------------------------------------------------
     def record_event(self, stream: Stream | None = None, timing: bool = False) -> Event | None:
@@ -111,6 +126,16 @@ class DeviceLayer:
 
     def host_buffer_free(self, buffer: torch.Tensor) -> None:
         """A host buffer goes back to a pool: nobody may read what it holds any more."""
+
+    def host_buffer_taken(self, buffer: torch.Tensor) -> None:
+        """A host buffer comes out of a pool to a new user, after whoever gave it back (the pool's
+        lock orders the two; any thread may give one back)."""
+
+    # --- collectives ----------------------------------------------------------------------------
+    def collective_waits(self, group: Any, backend: str) -> CollectiveWaits:
+        """What a wait for a collective of process group ``group`` on ``backend`` does: gloo blocks
+        the host, NCCL (and the other device backends) orders the current stream."""
+        return CollectiveWaits.HOST if backend == "gloo" else CollectiveWaits.STREAM
 
     # --- identity -----------------------------------------------------------------------------
     def same_device(self, other: torch.device) -> bool:

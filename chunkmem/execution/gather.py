@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..chunks.chunk import Chunk
+from ..device.moves import to_device, to_host
 
 if TYPE_CHECKING:
     from ..ranks.comm import Communicator
@@ -51,7 +52,7 @@ def gather_full(
     chunks in the same order."""
     receives = destination.receives(comm.rank)
     if comm.world_size == 1:
-        return shard.detach().cpu() if receives else None
+        return to_host(shard.detach()) if receives else None
     staged = shard.device != comm.device
     # Device bytes per element of this rank's shard: one from every rank, plus the staged copy.
     per_element = (comm.world_size + (1 if staged else 0)) * shard.element_size()
@@ -63,14 +64,14 @@ def gather_full(
     if step == numel:
         with runtime.transient(numel * per_element, f"{what} (chunk {chunk.chunk_id})"):
             whole = torch.empty(chunk.capacity, dtype=shard.dtype, device=comm.device)
-            comm.all_gather(whole, shard.detach().to(comm.device), async_op=False)
-            return whole.cpu() if receives else None
+            comm.all_gather(whole, to_device(shard.detach(), comm.device), async_op=False)
+            return to_host(whole) if receives else None
     out = torch.empty(comm.world_size, numel, dtype=shard.dtype) if receives else None
     for begin in range(0, numel, step):
         end = min(numel, begin + step)
         with runtime.transient((end - begin) * per_element, f"{what} (chunk {chunk.chunk_id})"):
             gathered = torch.empty(comm.world_size, end - begin, dtype=shard.dtype, device=comm.device)
-            comm.all_gather(gathered.view(-1), shard.detach()[begin:end].to(comm.device), async_op=False)
+            comm.all_gather(gathered.view(-1), to_device(shard.detach()[begin:end], comm.device), async_op=False)
             if out is not None:
                 out[:, begin:end].copy_(gathered)
             del gathered

@@ -19,7 +19,6 @@ step.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ import torch
 
 from chunkmem.placement import DISK_WINDOW
 
+from ..device.moves import to_device
 from ..errors import DiskTierError
 from ..tiers.disk import SidesFile
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
@@ -109,7 +109,7 @@ class DiskSides:
             build = builders.get(chunk.chunk_id)
             for tensor, state in (build() if build is not None else {}).items():
                 table[tensor] = {
-                    key: value.to(dtype=tensor.dtype, device=tensor.device)
+                    key: to_device(value, tensor.device, tensor.dtype)
                     if isinstance(value, torch.Tensor) and key != "step" and value.is_floating_point()
                     else value
                     for key, value in state.items()
@@ -147,8 +147,8 @@ class DiskSides:
         return pending
 
     def evict(self, chunk: Chunk, changed: bool) -> _Pending:
-        """Write ``chunk``'s master and states back when ``changed``, their memory freed once
-        written; a write that fails leaves them in memory, as they are (see ``_settle``)."""
+        """Write ``chunk``'s master and states back when ``changed``, their memory freed once the
+        writes are settled; a write that fails leaves them in memory, as they are (see ``_settle``)."""
         pending: _Pending = []
         param = chunk.store.write_param(changed)  # cast from the master before it leaves memory
         if param is not None:
@@ -180,25 +180,26 @@ class DiskSides:
         if not slot.placed:
             self._gone(slot)
             return pending
-        remaining = [len(slot.placed)]
-        lock = threading.Lock()
-
-        def written() -> None:  # on an I/O thread after each write; the last one frees them all
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                for tensor in tensors:
-                    tensor.untyped_storage().resize_(0)
-
         nbytes = slot.nbytes
+        failures = [False]
 
         def failed() -> None:
+            failures[0] = True
             if not slot.resident:
                 slot.resident, slot.nbytes = True, nbytes
                 self._ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
 
-        pending += [(self._file.write(tensor, offset, then=written), failed, None) for tensor, offset in slot.placed]
+        def free() -> None:
+            # Once every write was waited for (``_settle``, on this thread, in order: this is the
+            # last one's), their memory goes, unless one failed: then they all stay in memory. The
+            # futures order the free after the writes (the I/O threads finishing in any order).
+            if not failures[0]:
+                for tensor in tensors:
+                    tensor.untyped_storage().resize_(0)
+
+        writes = [self._file.write(tensor, offset) for tensor, offset in slot.placed]
+        pending += [(write, failed, None) for write in writes[:-1]]
+        pending.append((writes[-1], failed, free))
         self._gone(slot)
         return pending
 

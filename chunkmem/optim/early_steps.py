@@ -45,11 +45,16 @@ __all__ = ["EarlySteps", "group_settings", "same_settings"]
 log = logging.getLogger("chunkmem")
 
 
+# Not settings of a step's values: the parameters, and the kernel, which the stepper sets for the
+# host runs while a step runs (an early step on the worker, while the backward queues the next).
+_NOT_SETTINGS = frozenset({"params", "fused"})
+
+
 def group_settings(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each param group's settings (everything but its parameters), copied."""
+    """Each param group's settings (everything but its parameters and kernel), copied."""
     return [
         {key: (value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)) for key, value in g.items()}
-        for g in ({k: v for k, v in group.items() if k != "params"} for group in groups)
+        for g in ({k: v for k, v in group.items() if k not in _NOT_SETTINGS} for group in groups)
     ]
 
 
@@ -127,10 +132,11 @@ class EarlySteps:
     def keep_if_unchanged(self, chunks: Sequence[Chunk]) -> frozenset[int]:
         """At the step: keep the early steps when they are the ones this step takes (the same
         hyperparameters, the same parameters with gradients as agreed over ranks), else put them
-        back. Returns the chunks they stepped (the step leaves them out)."""
+        back. Returns the chunks they stepped (the step leaves them out). What the steps used was
+        recorded when they were queued, so the choice waits for none of them: ``commit`` or
+        ``undo`` does."""
         if not self.pending:
             return frozenset()
-        self.settle()
         now = group_settings(self._groups())
         records = self._records
         same = all(same_settings(record.settings, now) for record in records.values()) and all(
@@ -140,7 +146,9 @@ class EarlySteps:
         )
         if same:
             return self.commit()
-        self.undo()
+        failure = self.undo()
+        if failure is not None:
+            raise failure
         return frozenset()
 
     # --- the worker ---------------------------------------------------------------------------
@@ -154,7 +162,9 @@ class EarlySteps:
             self._stats.early_steps_declined += 1
             return False
         self._held += nbytes
-        record = _Record(chunk, chunk.params_with_grad, nbytes)
+        # The hyperparameters the step uses are those now: nothing changes them while the backward
+        # that queues it runs.
+        record = _Record(chunk, chunk.params_with_grad, nbytes, group_settings(self._groups()))
         self._records[chunk.chunk_id] = record
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-step")
@@ -189,7 +199,6 @@ class EarlySteps:
         record.saved = [self._save(run) for run in runs]
         inverse = self._unscale()
         grads = shard if inverse is None else self._scratch(shard).copy_(shard).mul_(inverse)
-        record.settings = group_settings(self._groups())
         try:
             for run in runs:
                 run.tensor.grad = grads[run.start : run.stop]
@@ -227,29 +236,34 @@ class EarlySteps:
 
     # --- settling -----------------------------------------------------------------------------
     def settle(self) -> None:
-        """Wait for every early step queued; a failure in one is raised here."""
-        futures, self._futures = self._futures, []
-        errors = [f.exception() for f in futures]
-        failure = next((e for e in errors if e is not None), None)
+        """Wait for every early step queued; a failure in one is raised here (every restore point
+        put back first)."""
+        failure = self._wait()
         if failure is not None:
             self.undo()
             raise failure
 
+    def _wait(self) -> BaseException | None:
+        """Wait for every early step queued; the first failure among them."""
+        futures, self._futures = self._futures, []
+        errors = [f.exception() for f in futures]  # a failed step restores what it had saved too
+        return next((e for e in errors if e is not None), None)
+
     def commit(self) -> frozenset[int]:
         """Keep every early step: returns the chunks they stepped (``optimizer.step()`` leaves
-        them out)."""
-        self.settle()
+        them out). They were settled by the step's checks (``GradScaling.prepare``)."""
+        if self._futures:
+            raise RuntimeError("EarlySteps.commit: early steps still running; settle() them first")
         done = frozenset(self._records)
         for record in self._records.values():
             self._release(record)
         self._records.clear()
         return done
 
-    def undo(self) -> None:
-        """Put every restore point back: masters and optimizer states as before the early steps."""
-        futures, self._futures = self._futures, []
-        for f in futures:
-            f.exception()  # wait; a failed step restores what it had saved too
+    def undo(self) -> BaseException | None:
+        """Put every restore point back: masters and optimizer states as before the early steps.
+        Returns the first failure of a step (its restore point is put back like the others)."""
+        failure = self._wait()
         table = self._table()
         for record in self._records.values():
             for saved in record.saved:
@@ -272,6 +286,7 @@ class EarlySteps:
             self._stats.early_steps_undone += 1
             self._release(record)
         self._records.clear()
+        return failure
 
     def _release(self, record: _Record) -> None:
         for saved in record.saved:
@@ -281,8 +296,3 @@ class EarlySteps:
                     self._give_back(value)
         record.saved = []
         self._held -= record.nbytes
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None

@@ -9,8 +9,9 @@ and 16.6 ms fused). So, when the model computes on an accelerator, a param group
 unset steps its host runs fused, when the optimizer class has a fused CPU kernel for the group's
 settings (probed once on a tiny tensor). When the model computes on the CPU, plain PyTorch steps
 these very tensors with its CPU default, so that is kept (the results stay plain PyTorch's bit for
-bit). An explicit ``fused`` or ``foreach`` is the user's choice and is kept everywhere, as are the
-device runs' defaults.
+bit). The simulated asynchronous device (``chunkmem.device.simulated``) stands for a GPU: its host
+runs take the kernel they take there. An explicit ``fused`` or ``foreach`` is the user's choice and
+is kept everywhere, as are the device runs' defaults.
 """
 
 from __future__ import annotations
@@ -21,18 +22,26 @@ from typing import Any
 
 import torch
 
+from ..device import DeviceLayer
+
 __all__ = ["HostKernels"]
 
 
 class HostKernels:
     """The kernel decision for one optimizer class; see the module docstring."""
 
-    def __init__(self, cls: type[torch.optim.Optimizer], compute_device: torch.device) -> None:
+    def __init__(self, cls: type[torch.optim.Optimizer], layer: DeviceLayer) -> None:
         self._cls = cls
-        # On a CPU compute device the host runs are what plain PyTorch steps with its own default.
-        self._decide = compute_device.type != "cpu"
+        self._decide = self.decides(layer)
         self._accepted = frozenset(inspect.signature(cls.__init__).parameters)
         self._probed: dict[str, bool] = {}
+
+    @staticmethod
+    def decides(layer: DeviceLayer) -> bool:
+        """Whether the host runs' kernel is chunkmem's to pick: the model computes apart from the
+        host (an accelerator, or the simulated device standing for one). On the CPU itself the host
+        runs are what plain PyTorch steps with its own default."""
+        return layer.device.type != "cpu" or layer.asynchronous
 
     def fuse(self, group: Mapping[str, Any]) -> bool:
         """Whether to step this group's host runs with the fused kernel."""

@@ -86,7 +86,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         # Each group's original parameters, in order: what a full (PyTorch-format) state dict indexes.
         self._group_infos: list[tuple[TensorInfo, ...]] = []
         self._runs = StepRuns(lambda: self._optim.state)
-        self._stepper = RunStepper(optimizer, self._runs, manager.comm.device, runtime.stats_counters)
+        self._stepper = RunStepper(optimizer, self._runs, manager.comm.layer, runtime.stats_counters)
         size = state_size if state_size is not None else optimizer_state_size(optimizer)
         self._ledger = StateLedger(
             manager, places, size, self._runs, lambda: self._optim.state, type(optimizer).__name__

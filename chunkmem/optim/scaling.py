@@ -117,7 +117,9 @@ class GradScaling:
             )
         self._runtime.prepare_step()
         if self._early is not None and self._early.pending:
-            self._early.settle()  # the worker reads gradient shards that are unscaled below
+            # The worker reads (and its kernel may write) gradient shards that the checks below
+            # read or change (fp16 unscaling, clipping): the early steps are done first.
+            self._early.settle()
         if self._scaler is None or self._unscaled:
             return
         inv = 1.0 / self._scaler.scale

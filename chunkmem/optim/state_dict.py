@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..chunks.tensor_state import TensorInfo
+from ..device.moves import to_host
 from ..errors import DiskTierError, StateDictMismatchError
 from ..execution.gather import Destination, gather_full
 from ..ranks.agreement import agree
@@ -201,7 +202,7 @@ def _keys_and_scalars(optimizer: OptimizerSide) -> tuple[dict[int, dict[str, str
                 elementwise.setdefault(piece.chunk.chunk_id, {})[key] = str(value.dtype).removeprefix("torch.")
                 entry.setdefault(key, None)  # keeps the class's key order; filled after the gather
             else:
-                entry[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                entry[key] = to_host(value.detach()).clone() if isinstance(value, torch.Tensor) else value
     return elementwise, scalars
 
 
@@ -217,7 +218,7 @@ def _state_shards(
             for key, shard in shards.items():
                 value = state.get(key)
                 if value is not None:
-                    shard[piece.shard_slice] = value.detach().to("cpu")
+                    shard[piece.shard_slice] = to_host(value.detach())
     return shards
 
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..device import DeviceLayer
 from ..errors import NotSupportedError
 from ..usage.accounting import Location
 from ..usage.stats import Stats
@@ -29,11 +30,11 @@ __all__ = ["RunStepper"]
 class RunStepper:
     """See the module docstring. ``stats`` receives the host step's time."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runs: StepRuns, device: torch.device, stats: Stats) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, runs: StepRuns, layer: DeviceLayer, stats: Stats) -> None:
         self._optim = optimizer
         self._runs = runs
         self._stats = stats
-        self._kernels = HostKernels(type(optimizer), device)
+        self._kernels = HostKernels(type(optimizer), layer)
         self._name = type(optimizer).__name__
         self._inside = 0
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._refuse("step()"))

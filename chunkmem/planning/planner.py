@@ -49,6 +49,7 @@ from ..boosted.model import ChunkedModel
 from ..chunks.param_values import LiveValues, ParamValues
 from ..device import PLANNED_DEVICES, DeviceLayer
 from ..device.layer import Stream
+from ..device.moves import to_device
 from ..errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError, HostBudgetTooSmallError
 from ..optim import ChunkOptimizer
 from ..optim.probe import hyperparameters
@@ -173,7 +174,7 @@ class PlanningBacking:
 
 
 def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.to(_META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+    return {k: to_device(v, _META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
 
 
 def _loss(output: Any) -> torch.Tensor:

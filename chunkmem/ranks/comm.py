@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..device import DeviceLayer, device_layer
+from ..device import CollectiveWaits, DeviceLayer, device_layer
 from ..device.layer import Event, Stream
 from ..errors import CollectiveMismatchError
 from ..usage.memory import device_free, process_capacity
@@ -30,15 +30,7 @@ class PendingGather:
     """What an asynchronous gather left to wait for: a collective ``Work`` and/or a device event
     recorded after the copy that fed it (``comm``'s device layer waits for it)."""
 
-    def __init__(
-        self,
-        work: Any | None = None,
-        event: Event | None = None,
-        comm: Communicator | None = None,
-        what: str = "gather",
-    ) -> None:
-        if event is not None and comm is None:
-            raise ValueError("PendingGather: an event is waited for through its communicator's device layer; pass comm")
+    def __init__(self, work: Any | None, event: Event | None, comm: Communicator, what: str = "gather") -> None:
         self._work = work
         self._event = event
         self._comm = comm
@@ -49,19 +41,16 @@ class PendingGather:
         done = True
         if self._work is not None:
             done = bool(self._work.is_completed())
-        if self._event is not None and self._comm is not None:
+        if self._event is not None:
             done = done and self._comm.layer.query(self._event)
         return done
 
     def wait(self) -> None:
         """Make the current stream (and, on the CPU, this thread) wait for the gather."""
-        if self._event is not None and self._comm is not None:
+        if self._event is not None:
             self._comm.layer.wait_event(self._event)
         if self._work is not None:
-            if self._comm is None:
-                self._work.wait()
-            else:
-                self._comm.wait(self._work, self._what)
+            self._comm.wait(self._work, self._what)
 
 
 _POLL = datetime.timedelta(seconds=1)
@@ -144,9 +133,11 @@ class Communicator:
             pg = group if group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(pg)
             self._checks = RankChecks(ranks, self._rank, _timeout(pg), check_plans)
-            # Waits on gloo block this thread: they wake up now and then to look for alarms. NCCL
-            # waits only order streams, so they never block here.
-            self._poll_waits = dist.get_backend(pg) == "gloo"
+            # Waits that block this thread (gloo) wake up now and then to look for alarms. NCCL
+            # waits only order streams, so they never block here. The device layer says which
+            # (the simulated device runs gloo with NCCL's meaning, so its runs take that branch).
+            waits = self._layer.collective_waits(pg, dist.get_backend(pg))
+            self._poll_waits = waits is CollectiveWaits.HOST
             # gloo's all-reduce is faster than its reduce-scatter at most sizes though it moves
             # twice the bytes (benchmarks/collectives.py, 2-core CPU: W=2, 0.8/8/32 MB: 0.95/7.4/22.9
             # ms against 1.7/10.7/34.3; W=4: 5.0/14.4/50.3 against 7.6/18.7/72.9; equal at 3.2 MB),

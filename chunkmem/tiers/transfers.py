@@ -110,7 +110,7 @@ class HostTransfers:
         if not pinned:
             self._stats.pageable_copies += 1
         if direction is Direction.TO_DEVICE:
-            done = self._timed(direction, lambda: target.copy_(source, non_blocking=pinned))
+            done = self._timed(direction, lambda: layer.copy(target, source, asynchronous=pinned))
             if pinned:
                 self._readers[_storage(source)] = done
             return
@@ -123,7 +123,7 @@ class HostTransfers:
             if divide_by is not None:
                 source.div_(divide_by)
             layer.record_stream(source, stream)
-            done = self._timed(direction, lambda: target.copy_(source, non_blocking=pinned))
+            done = self._timed(direction, lambda: layer.copy(target, source, asynchronous=pinned))
         if pinned:
             self._writers[_storage(target)] = done
 
@@ -158,7 +158,9 @@ class HostTransfers:
         with self._staging_lock:
             free = self._staging.setdefault((numel, dtype, host), [])
             if free:
-                return free.pop()
+                buffer = free.pop()
+                self._layer.host_buffer_taken(buffer)
+                return buffer
         return self._layer.host_empty(numel, dtype, host)
 
     def give_back(self, buffer: torch.Tensor) -> None:

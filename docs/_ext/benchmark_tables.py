@@ -36,6 +36,7 @@ TITLES = {
     "meta_boost_memory": "Host memory while building and boosting",
     "collectives": "Collectives alone",
     "chunk_search": "The chunk-size search",
+    "wait_removal": "Every wait removed alone, on the simulated device",
 }
 
 NO_RESULTS = (
@@ -160,6 +161,16 @@ def render(results: Path = RESULTS) -> str:
         out.append("### Not published\n\nThese files lack what a published figure needs:\n")
         out.append("\n".join(f"- `benchmarks/results/{s.name}.json`: {s.missing}" for s in unpublished) + "\n")
     return "\n".join(out)
+
+
+def render_one(name: str, results: Path = RESULTS) -> str:
+    """The Markdown of results file ``name`` alone (for a page that shows one table), or why it is
+    not shown."""
+    path = results / f"{name}.json"
+    if not path.is_file():
+        return f"`benchmarks/results/{name}.json` is not committed yet: run `python benchmarks/{name}.py`.\n"
+    shown = section(name, json.loads(path.read_text()))
+    return shown.markdown or f"`benchmarks/results/{name}.json` is not published: {shown.missing}.\n"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
   (``benchmark_tables.render``), included by ``benchmarks.md``;
 - ``_generated/examples.md``: every ``examples/*.py``, its docstring and its code, included by
   ``examples.md``;
+- ``_generated/wait-removal.md``: the table of ``benchmarks/results/wait_removal.json`` alone,
+  included by ``guide/simulated-device.md``;
 - ``_generated/test-map.md``: which tests import each of chunkmem's modules (``test_map.render``),
   included by ``development.md``.
 
@@ -51,6 +53,7 @@ def examples_markdown(examples: Path = ROOT / "examples") -> str:
 def generate(app: Any = None) -> None:
     _write(GENERATED / "benchmark-results.md", benchmark_tables.render())
     _write(GENERATED / "examples.md", examples_markdown())
+    _write(GENERATED / "wait-removal.md", benchmark_tables.render_one("wait_removal"))
     _write(GENERATED / "test-map.md", test_map.render())
 
 
