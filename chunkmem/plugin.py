@@ -37,6 +37,7 @@ from .chunks.manager import ChunkManager
 from .chunks.search import default_search_range, search_chunk_size, trainable_chunk_range
 from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
+from .device.probes import peak_allocated
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
@@ -338,6 +339,18 @@ class ChunkPlugin:
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
+        if frozen.models and policy.needs_profile(None) and peak_allocated(device) is None:
+            # Without allocator statistics the auto policy measures its first steps under saved-tensor
+            # hooks, which hand a custom autograd Function's saved parameter back as a plain tensor
+            # (activations.meter): its backward reads the chunk unguarded, and a frozen model's forward
+            # between forward and backward (a reference's) may have evicted it (TRL's fused LM head).
+            raise NotSupportedError(
+                f"frozen models beside the trained model under {type(self.placement).__name__} on {device} are not "
+                "supported yet: the auto policy measures its first steps there under saved-tensor hooks, and a custom "
+                "autograd Function that saves a parameter (TRL's fused LM head) would read its chunk after the frozen "
+                "model's forward evicted it. Use StaticPlacementConfig(device_budget=..., offload_param_frac=..., "
+                "offload_optim_frac=...), or a GPU, where the allocator measures"
+            )
         # RepeatedBlocks() becomes the class it finds (the same on every rank); the user's config stays as given.
         placed = resolve_blocks(model, self.activations, comm)[0] if self.activations is not None else None
         if placed is not None and placed.auto:
