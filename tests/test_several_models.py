@@ -19,7 +19,7 @@ from models import VOCAB, llama
 
 from chunkmem import Booster, ChunkedModel, ChunkPlugin
 from chunkmem.errors import NotSupportedError
-from chunkmem.placement import Phase, StaticPlacementConfig
+from chunkmem.placement import AutoPlacementConfig, Phase, StaticPlacementConfig
 from chunkmem.placement.actions import Action, Verb
 from chunkmem.usage.accounting import Location, MemoryKind
 
@@ -215,6 +215,9 @@ def test_frozen_model_refusals_leave_the_models_as_they_were() -> None:
     tiny = Booster(ChunkPlugin(StaticPlacementConfig(device_budget=1024), precision="bf16", chunk_size=CHUNK))
     with pytest.raises(Exception, match="budget"):
         tiny.boost(policy, None, frozen=reference)
+    auto = Booster(ChunkPlugin(AutoPlacementConfig(device_budget=10**7), precision="bf16", chunk_size=CHUNK))
+    with pytest.raises(NotSupportedError, match="saved-tensor hooks"):  # the CPU: no allocator statistics
+        auto.boost(policy, None, frozen=reference)
     assert all(p.requires_grad and p.dtype == torch.float32 for p in reference.parameters()), "put back"
     with torch.device("meta"):
         meta = llama(n_layer=2, hidden=32)
