@@ -100,9 +100,12 @@ def test_dpo_trainer_with_lora_reference_is_the_base_with_the_adapter_off(tmp_pa
         targets = ["q_proj", "v_proj"]
         return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
 
-    plain = DPOTrainer(model=llama(), peft_config=lora(), **dpo_parts(tmp_path, "plain"))
+    once = {"gradient_accumulation_steps": 1}  # the accumulating case is the explicit reference's
+    plain = DPOTrainer(model=llama(), peft_config=lora(), **dpo_parts(tmp_path, "plain", **once))
     plain.train()
-    chunked = chunk_dpo_trainer()(model=llama(), peft_config=lora(), plugin=plugin(), **dpo_parts(tmp_path, "chunked"))
+    chunked = chunk_dpo_trainer()(
+        model=llama(), peft_config=lora(), plugin=plugin(), **dpo_parts(tmp_path, "chunked", **once)
+    )
     assert not chunked.model.frozen_models, "no second copy: the reference is the policy with its adapter off"
     chunked.train()
     assert_same_training(logged(chunked), logged(plain), exact=True)
