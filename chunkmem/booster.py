@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,7 @@ class Booster:
         lr_scheduler: Any = None,
         *,
         weights: str | os.PathLike[str] | None = None,
+        frozen: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None, Any, Any, Any]:
         """Put the model's parameters in chunks and point the optimizer at the master shards. The
         optimizer must be built over ``model.parameters()``. The returned optimizer is a
@@ -48,8 +49,30 @@ class Booster:
         exactly as a CPU construction would have run it from torch's generator as it is now, or,
         with ``weights`` (a transformers model directory or a safetensors file), the checkpoint's
         values, each rank reading only its slices. The optimizer may be built over the meta model
-        before boosting, without state."""
-        boosted_model, boosted_optimizer = self.plugin.configure(model, optimizer, weights)
+        before boosting, without state.
+
+        ``frozen``: one model or several that a training step runs but never trains (a reference
+        model for DPO or GRPO, a reward model), boosted beside ``model`` under the same budget::
+
+            policy, optimizer, *_ = booster.boost(policy, optimizer, frozen=reference)
+            (reference,) = policy.frozen_models
+
+        One placement policy places the chunks of all of them, from one recorded order spanning
+        every model's ops in a step, and evicts by next use across models (the reference's chunks
+        leave when the policy's backward needs room and come back ahead of the next reference
+        forward). A frozen model keeps only its values in the compute dtype (its parameters are
+        frozen and cast to it: no fp32 master, gradient or optimizer state), on the device, the
+        host or the disk, as the placement puts them. Its forward while ``model`` is in training
+        mode is part of the training step (under ``torch.no_grad()`` as usual); while ``model`` is
+        in eval mode it is an inference forward of its own. Each frozen model must hold its own
+        parameters (a ``copy.deepcopy`` of the policy taken before training, not the policy
+        itself) and its weights in memory (not the meta device; ``weights=`` with frozen models is
+        not supported yet)."""
+        if frozen is None:
+            frozen = ()
+        elif isinstance(frozen, torch.nn.Module):
+            frozen = (frozen,)
+        boosted_model, boosted_optimizer = self.plugin.configure(model, optimizer, weights, frozen=tuple(frozen))
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: ChunkOptimizer) -> None:

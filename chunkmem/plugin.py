@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -30,6 +30,7 @@ from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
 from .activations.meter import SavedMeter
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
+from .boosted.frozen_models import FrozenModels
 from .boosted.model import ChunkedModel
 from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
@@ -37,6 +38,7 @@ from .chunks.search import default_search_range, search_chunk_size, trainable_ch
 from .chunks.shard import MASTER_DTYPE
 from .device import bf16_supported, compute_device
 from .device.moves import to_device
+from .device.probes import peak_allocated
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
@@ -270,6 +272,7 @@ class ChunkPlugin:
         weights: str | os.PathLike[str] | None = None,
         *,
         backing: Backing | None = None,
+        frozen: Sequence[torch.nn.Module] = (),
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         """Build the chunked model and optimizer. Everything that can be refused (parameters,
         optimizer, budget, weights) is checked before the model's parameters are moved into
@@ -279,11 +282,19 @@ class ChunkPlugin:
         the model's own initialisation replayed piece by piece; with ``weights`` (a safetensors
         checkpoint: a transformers model directory or a file) every parameter is read from it,
         this rank's slices only (see ``chunkmem.materialize``). ``backing`` replaces where values
-        come from and where the disk tier writes (the planner's, which moves nothing)."""
+        come from and where the disk tier writes (the planner's, which moves nothing).
+
+        ``frozen``: models boosted beside ``model`` without an optimizer, in the same chunks'
+        manager, runtime and budget (see ``Booster.boost``); the returned model lists them in
+        ``frozen_models``. Their parameters are frozen and cast to the compute dtype here (put back
+        if boosting is refused)."""
         generator_state = torch.random.default_generator.get_state()
+        kept = FrozenModels(model, optimizer, frozen, weights)
         try:
-            return self._configure(model, optimizer, weights, backing or TrainingBacking())
+            kept.freeze(self.compute_dtype)
+            return self._configure(model, optimizer, weights, backing or TrainingBacking(), kept)
         except BaseException:
+            kept.restore()
             torch.random.default_generator.set_state(generator_state)
             raise
 
@@ -293,6 +304,7 @@ class ChunkPlugin:
         optimizer: torch.optim.Optimizer | None,
         weights: str | os.PathLike[str] | None,
         backing: Backing,
+        frozen: FrozenModels,
     ) -> tuple[ChunkedModel, ChunkOptimizer | None]:
         already_boosted(model, optimizer, model.manager if isinstance(model, ChunkedModel) else None)
         if isinstance(optimizer, ChunkOptimizer):
@@ -312,19 +324,34 @@ class ChunkPlugin:
         )
         device = comm.device
         dtype = self.compute_dtype
+        every = named + [pair for one in frozen.named for pair in one]
         if self.chunk_size is not None:
-            self._check_chunk_size(named, comm.world_size)
+            self._check_chunk_size(every, comm.world_size)
         chunk_size, trainable_chunk_size = (
-            (self.chunk_size, None) if self.chunk_size is not None else self._search(named, comm.world_size)
+            (self.chunk_size, None) if self.chunk_size is not None else self._search(every, comm.world_size)
         )
 
         values = backing.values(model, weights)
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
         manager.register(named, chunk_size, trainable_chunk_size)
+        for one in frozen.named:  # chunks of their own: each chunk holds one model's parameters
+            manager.register(one, chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
+        if frozen.models and policy.needs_profile(None) and peak_allocated(device) is None:
+            # Without allocator statistics the auto policy measures its first steps under saved-tensor
+            # hooks, which hand a custom autograd Function's saved parameter back as a plain tensor
+            # (activations.meter): its backward reads the chunk unguarded, and a frozen model's forward
+            # between forward and backward (a reference's) may have evicted it (TRL's fused LM head).
+            raise NotSupportedError(
+                f"frozen models beside the trained model under {type(self.placement).__name__} on {device} are not "
+                "supported yet: the auto policy measures its first steps there under saved-tensor hooks, and a custom "
+                "autograd Function that saves a parameter (TRL's fused LM head) would read its chunk after the frozen "
+                "model's forward evicted it. Use StaticPlacementConfig(device_budget=..., offload_param_frac=..., "
+                "offload_optim_frac=...), or a GPU, where the allocator measures"
+            )
         # RepeatedBlocks() becomes the class it finds (the same on every rank); the user's config stays as given.
         placed = resolve_blocks(model, self.activations, comm)[0] if self.activations is not None else None
         if placed is not None and placed.auto:
@@ -336,7 +363,8 @@ class ChunkPlugin:
                 )
             policy.cover_activations()
         try:
-            layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
+            working_sets = [s for m in (model, *frozen.models) for s in self._working_sets(m, manager)]
+            layout = policy.layout(specs, working_sets, accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         except placement_pkg.HostBudgetTooSmallError as error:
@@ -352,6 +380,7 @@ class ChunkPlugin:
         values.prepare_buffers(model)
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
+        frozen_buffer_dtypes = [self._place_buffers(m, device, dtype) for m in frozen.models]
         runtime = ChunkRuntime(manager, policy, specs, stats)
         # Measured where an ActivationPlacement already places saved tensors: saved-tensor hooks hand a
         # custom autograd Function's saved parameter back as a plain tensor (see activations.meter).
@@ -374,6 +403,8 @@ class ChunkPlugin:
         scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
         boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter)
+        for module, dtypes in zip(frozen.models, frozen_buffer_dtypes, strict=True):
+            ChunkedModel(module, runtime, manager, dtype, dtypes, beside=boosted)  # listed in boosted.frozen_models
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None

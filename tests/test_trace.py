@@ -440,7 +440,7 @@ def test_tracker_digest_does_not_depend_on_when_it_is_asked(asked_at: list[int])
 
     def digest_of(ask: list[int], odd_op: int = -1) -> int:
         tracker = IterationTracker(lambda divergence: None)
-        tracker.begin_forward(grad_enabled=True)
+        tracker.begin_forward(in_step=True)
         for i in range(10_000):
             chunks = (i % 7, i % 5) if i != odd_op else (i % 5, i % 7)
             tracker.observe(F if i % 3 else B, chunks, recompute=False)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -35,6 +34,7 @@ from ..activations.meter import SavedMeter
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
+from ..chunks.tensor_state import TensorInfo
 from ..device import gpu_device
 from ..device.moves import to_device, to_host
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
@@ -124,9 +124,14 @@ class ChunkedModel(torch.nn.Module):
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
         meter: SavedMeter | None = None,
+        *,
+        beside: ChunkedModel | None = None,
     ) -> None:
         """``meter``: what measures the saved activations no budget governs (with ``activations``:
-        the one it counts its ``offload`` blocks' in); ``None``: they are not measured."""
+        the one it counts its ``offload`` blocks' in); ``None``: they are not measured.
+        ``beside``: this is a frozen model boosted beside that trained one, in the same chunks'
+        manager, runtime and budget (``Booster.boost(..., frozen=...)``); its optimizer steps
+        advance both."""
         super().__init__()
         self.module = module
         self._runtime = runtime
@@ -134,14 +139,24 @@ class ChunkedModel(torch.nn.Module):
         self._compute_dtype = compute_dtype
         self._device = manager.comm.device
         self._buffer_dtypes = dict(buffer_dtypes)
-        self._markers = GradientMarkers((info.name, info.param) for info in manager.infos)
+        # The manager may hold other models' chunks too (several models under one budget): this
+        # model's own parameters are those its module holds; each chunk holds one model's.
+        own = {id(p) for p in module.parameters()}
+        self._infos = tuple(info for info in manager.infos if id(info.param) in own)
+        self._chunks = tuple(manager.chunk(i) for i in sorted({info.chunk_id for info in self._infos}))
+        self._markers = GradientMarkers((info.name, info.param) for info in self._infos)
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
-        self._progress = TrainingProgress()
+        self._progress = beside.progress if beside is not None else TrainingProgress()
         self._activations = activations
         self._meter = meter
-        # When the module goes (with this wrapper, which holds it), the runtime lets go of its
-        # parameters: the hook table holds the runtime for each of them, so nothing else would.
-        weakref.finalize(module, runtime.detach)
+        self._beside = beside
+        self._frozen: list[ChunkedModel] = []
+        if beside is not None:
+            beside._frozen.append(self)
+        # When the module goes (with this wrapper, which holds it), and every other model sharing
+        # the runtime too, the runtime lets go of its parameters: the hook table holds the runtime
+        # for each of them, so nothing else would.
+        runtime.held_by(module)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -159,6 +174,28 @@ class ChunkedModel(torch.nn.Module):
     def manager(self) -> ChunkManager:
         """This model's chunks, the parameter -> chunk map and the byte ledger."""
         return self._manager
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """This model's chunks (the manager's may include other models' beside it)."""
+        return self._chunks
+
+    @property
+    def param_infos(self) -> tuple[TensorInfo, ...]:
+        """This model's parameters as the manager holds them, in registration order."""
+        return self._infos
+
+    @property
+    def frozen_models(self) -> tuple[ChunkedModel, ...]:
+        """The frozen models boosted beside this trained one (``Booster.boost(..., frozen=...)``),
+        in the order given: their chunks are placed under the same budget by the same policy, from
+        one trace spanning every model's ops of a step."""
+        return tuple(self._frozen)
+
+    @property
+    def is_frozen(self) -> bool:
+        """Boosted beside a trained model, without an optimizer: its values never change."""
+        return self._beside is not None
 
     @property
     def progress(self) -> TrainingProgress:
@@ -184,7 +221,10 @@ class ChunkedModel(torch.nn.Module):
         args, kwargs = tree_map(self._prepare, (args, kwargs))
         if self._activations is not None:
             kwargs = self._activations.training_kwargs(self.module, kwargs)
-        self._runtime.begin_forward()
+        # A frozen model's forward while the trained model trains is part of the training step
+        # (a reference model's in DPO, under no_grad): it joins the step's trace, so that one
+        # order spans both models and eviction plans by next use across them.
+        self._runtime.begin_forward(in_step=self._beside is not None and self._beside.training)
         try:
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
@@ -245,7 +285,10 @@ class ChunkedModel(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients in the chunks (what ``optimizer.zero_grad()`` does): gradients would
-        otherwise keep accumulating across steps."""
+        otherwise keep accumulating across steps. A frozen model has none: nothing to drop (the
+        trained model's gradients, in the same runtime, are left alone)."""
+        if self._beside is not None:
+            return
         self._runtime.zero_grad()
         if set_to_none:
             clear_markers(self.parameters())
@@ -319,7 +362,7 @@ class ChunkedModel(torch.nn.Module):
         self._runtime.finish_backward()
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
-        for chunk in self._manager.chunks:
+        for chunk in self._chunks:
             if only is not None and not any(id(info.param) in only for info in chunk.tensors):
                 continue
             with chunk.store.resident_master() as master:  # one at a time when masters are on disk
@@ -437,7 +480,7 @@ class ChunkedModel(torch.nn.Module):
         if not destination.receives(self._manager.comm.rank):
             return None
         memo: dict[int, Any] = {}
-        for info in self._manager.infos:
+        for info in self._infos:
             memo[id(info.param)] = torch.nn.Parameter(to_device(values.pop(id(info.param)), device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:

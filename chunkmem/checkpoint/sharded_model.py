@@ -49,7 +49,7 @@ def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
     manager = model.manager
     first = manager.comm.rank == 0
     entries: dict[str, Entry] = {}
-    for chunk in manager.chunks:
+    for chunk in model.chunks:
         for info in chunk.tensors:
             piece = chunk.piece(info)
             if piece is not None:
@@ -78,7 +78,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     )
     targets: dict[str, Entry] = {}
     pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
-    for info in manager.infos:
+    for info in model.param_infos:
         chunk = manager.chunk(info.chunk_id)
         piece = chunk.piece(info)
         if info.name in saved and piece is not None:

@@ -2,9 +2,11 @@
 
 A **training iteration** runs from the first grad-enabled forward after an optimizer step to the next
 step (or to a ``zero_grad`` after a backward): every micro-batch of gradient accumulation and every
-forward call of the step is in it, so the trace is the same from step to step. An **inference**
-forward (grad disabled) is an iteration of its own, on a trace of its own, after which whatever was
-running before it goes on.
+forward call of the step is in it, so the trace is the same from step to step. A forward that is part
+of the step although grad is disabled (a frozen model's beside the trained one, as a reference model's
+in DPO) is in it too: one trace spans every model's ops of the step. Any other **inference** forward
+(grad disabled) is an iteration of its own, on a trace of its own, after which whatever was running
+before it goes on.
 
 Within an iteration the tracker follows the frozen trace op by op (or records one), keeps a digest
 of the op sequence (ranks compare it), and numbers iterations so that messages and cross-rank
@@ -90,10 +92,11 @@ class IterationTracker:
             return Where(IterationKind.TRAINING, self._iterations[IterationKind.TRAINING], -1, between=True)
         return Where(kind, self._iterations[kind], self.position)
 
-    def next_forward(self, grad_enabled: bool) -> Where:
+    def next_forward(self, in_step: bool) -> Where:
         """Where a forward starting now will run: a new inference iteration, the training
-        iteration under way (another micro-batch), or the next training iteration."""
-        if not grad_enabled:
+        iteration under way (another micro-batch), or the next training iteration. ``in_step``:
+        the forward is part of a training step (grad enabled, or a frozen model's in the step)."""
+        if not in_step:
             kind = IterationKind.INFERENCE
             return Where(kind, self._iterations[kind] + 1, -1)
         kind = IterationKind.TRAINING
@@ -114,9 +117,10 @@ class IterationTracker:
         self._unhashed.clear()
 
     # --- transitions ------------------------------------------------------------------------------
-    def begin_forward(self, grad_enabled: bool) -> bool:
-        """A forward starts. Returns whether it begins a new iteration (training or inference)."""
-        if not grad_enabled:
+    def begin_forward(self, in_step: bool) -> bool:
+        """A forward starts (``in_step``: as in ``next_forward``). Returns whether it begins a new
+        iteration (training or inference)."""
+        if not in_step:
             self._resume = (self._cursor, self._mode)
             self._begin(self._infer, IterationKind.INFERENCE)
             self._mode = Mode.FORWARD

@@ -20,6 +20,7 @@ would have nothing to do, yet cost Python time around every op and its backward.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -93,6 +94,7 @@ class ChunkRuntime(ParamOpHook):
             self._executor.keep_served()
         self._early: EarlyStepListener | None = None
         self._stepped_last = False  # the last training iteration ended in an optimizer step
+        self._holders = 0  # boosted models served (``held_by``)
         params = [info.param for info in manager.infos]
         to_hooked(params)
         bind(params, self)
@@ -100,8 +102,19 @@ class ChunkRuntime(ParamOpHook):
             info.param.register_post_accumulate_grad_hook(self._on_grad) for info in manager.infos if info.trainable
         ]
 
+    def held_by(self, module: torch.nn.Module) -> None:
+        """``module`` is one of the models whose parameters this runtime serves (several share one
+        runtime under one budget): when the last of them is collected, the runtime ``detach``es."""
+        self._holders += 1
+        weakref.finalize(module, self._let_go)
+
+    def _let_go(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self.detach()
+
     def detach(self) -> None:
-        """Unbind from the parameters (when the boosted model is collected): the hook table holds
+        """Unbind from the parameters (when the boosted models are collected): the hook table holds
         the runtime for every parameter bound to it, and the runtime holds the parameters, so
         nothing would ever free them otherwise."""
         unbind([info.param for info in self._manager.infos], self)
@@ -223,19 +236,24 @@ class ChunkRuntime(ParamOpHook):
         one rank only would leave the others waiting in its reductions."""
         return "" if self._executor.residency.can_reduce else ", no_sync"
 
-    def begin_forward(self) -> None:
-        """Called by the model wrapper when its forward starts."""
+    def begin_forward(self, in_step: bool = False) -> None:
+        """Called by the model wrapper when its forward starts. ``in_step``: the forward belongs
+        to the training step even with grad disabled (a frozen model's, beside the trained one in
+        training mode): it joins the step's iteration and trace rather than being one of its own."""
         self.cancel_early_steps()
         grad_enabled = torch.is_grad_enabled()
+        in_step = in_step or grad_enabled
         if self._checks is not None:
             detail = f"grad enabled{self._sync_detail()}" if grad_enabled else "grad disabled"
-            self._checks.entry("forward", detail, self._tracker.next_forward(grad_enabled))
+            if in_step and not grad_enabled:
+                detail += ", in the training step"
+            self._checks.entry("forward", detail, self._tracker.next_forward(in_step))
         if self._tracker.mode is Mode.BACKWARD:
             self.finish_backward()
         self._check_requires_grad()
-        if self._tracker.begin_forward(grad_enabled):
+        if self._tracker.begin_forward(in_step):
             self._executor.begin_iteration()
-            if grad_enabled:
+            if in_step:
                 self._comm.note_divergence(None)
                 self._profile.start(self._tracker.last_training_trace)
 

@@ -7,7 +7,10 @@
 ``prepare`` to chunkmem. Checkpoints (``save_steps``) are chunkmem's, inside Trainer's
 ``checkpoint-N`` directories, sharded at world size > 1; ``save_model`` writes a plain
 ``save_pretrained`` directory. What cannot be honoured is refused when the trainer is built
-(``hf_refusals``). ``ChunkTrainerMixin`` puts the same in front of a Trainer subclass.
+(``hf_refusals``). ``ChunkTrainerMixin`` puts the same in front of a Trainer subclass; a trainer that
+keeps a reference model (TRL's ``ref_model``: ``DPOTrainer``...) gets it boosted beside the model under
+the same budget, or, for a PEFT model without one, the model with its adapter off
+(``trainer_references``).
 
 Importing this module imports ``transformers`` and ``accelerate`` (``import chunkmem`` does not).
 """
@@ -28,6 +31,7 @@ from ..plugin import ChunkPlugin
 from ..ranks.agreement import agree
 from .hf_accelerator import routed_to_chunkmem
 from .hf_refusals import refuse_unsupported
+from .trainer_references import plain_reference, reference_after_boost, refuse_second_adapter
 
 __all__ = ["CHECKPOINT_DIR", "ChunkTrainer", "ChunkTrainerMixin"]
 
@@ -56,8 +60,14 @@ class ChunkTrainerMixin:
         self._set_signature_columns_if_needed()
         # Trainer's own optimizer (its param groups, weight decay, optim choice) or the one given.
         optimizer = self.create_optimizer()
-        model, boosted, *_ = self.booster.boost(self.model, optimizer)
+        # A preference or RL trainer's reference model (TRL's ``ref_model``) is boosted beside the
+        # model, under the same budget; a PEFT model's is the model with its adapter off.
+        users_model = self.model
+        refuse_second_adapter(self, users_model)
+        reference = plain_reference(self)
+        model, boosted, *_ = self.booster.boost(self.model, optimizer, frozen=reference)
         assert isinstance(boosted, ChunkOptimizer), "boost returns an optimizer when given one"
+        reference_after_boost(self, users_model, model)
         self.model = self.model_wrapped = model
         self.optimizer = boosted
         self._chunk_optimizer = boosted
