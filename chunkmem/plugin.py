@@ -4,6 +4,7 @@ runs)."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -29,6 +30,8 @@ from chunkmem.placement import (
 from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
+from .boosted.compile_config import CompileBlocks
+from .boosted.compiled_blocks import CompiledBlocks, block_working_sets, find_compiled_blocks
 from .boosted.model import ChunkedModel
 from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
@@ -179,6 +182,11 @@ class ChunkPlugin:
             the block classes whose saved tensors are recomputed in the backward or offloaded to
             host memory, or (``auto``) placed per call under ``device_budget``, which then covers
             them too. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
+        compile: a ``CompileBlocks`` (or a mapping of its fields, validated into one): the block
+            classes compiled with ``torch.compile`` (``CompileBlocks()``: the model's repeated
+            layers, with Inductor), each call one op for chunkmem, its chunks gathered eagerly
+            before it; the rest of the model runs eagerly. ``None`` (default): nothing is compiled
+            (``torch.compile`` of a boosted model is refused).
     """
 
     def __init__(
@@ -193,6 +201,7 @@ class ChunkPlugin:
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         activations: ActivationPlacement | Mapping[str, Any] | None = None,
+        compile: CompileBlocks | Mapping[str, Any] | None = None,
     ) -> None:
         # Left unset, the precision follows the device (``on_device`` picks it again for another).
         self._precision_is_default = precision is None
@@ -223,6 +232,7 @@ class ChunkPlugin:
         self.host_step = None if host_step is None else _host_step_config(host_step)
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
         self.activations = None if activations is None else _config(activations, ActivationPlacement, "activations")
+        self.compile = None if compile is None else _config(compile, CompileBlocks, "compile")
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
@@ -326,8 +336,10 @@ class ChunkPlugin:
                     "(device_budget='20GiB'), or name the blocks in recompute or offload instead"
                 )
             policy.cover_activations()
+        compiled = find_compiled_blocks(model, self.compile, placed, comm) if self.compile is not None else []
+        working_sets = self._working_sets(model, manager) + block_working_sets(compiled, manager)
         try:
-            layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
+            layout = policy.layout(specs, working_sets, accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         except placement_pkg.HostBudgetTooSmallError as error:
@@ -344,6 +356,12 @@ class ChunkPlugin:
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        # Before the activation blocks: they wrap the forward they find, here the compiled blocks'.
+        compiled_blocks = (
+            CompiledBlocks(compiled, functools.partial(backing.compile_block, config=self.compile))
+            if self.compile is not None
+            else None
+        )
         activations = (
             ActivationBlocks(
                 model,
@@ -360,7 +378,7 @@ class ChunkPlugin:
         )
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, compiled_blocks)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None

@@ -40,6 +40,7 @@ from ..execution.gather import Destination, gather_full
 from ..execution.runtime import ChunkRuntime
 from ..ranks.agreement import agree, on_first_rank
 from ..usage.stats import Stats
+from .compiled_blocks import CompiledBlocks
 from .grad_markers import GradientMarkers, clear_markers
 from .model_state import StagedModelLoad, check_model_state
 from .peft_adapter import adapter_entries
@@ -52,8 +53,9 @@ def _compile_refused() -> NotSupportedError:
     return NotSupportedError(
         "torch.compile of a boosted model is not supported: chunkmem gathers and releases parameter chunks in "
         "Python hooks around every op, which a compiled graph would skip (or run on fake tensors while tracing, "
-        "issuing real collectives). Run the boosted model eagerly; torch.compile the model before boosting is "
-        "not supported either, as its parameters become chunk views."
+        "issuing real collectives). Compile its repeated blocks instead, with the hooks eager at their boundaries: "
+        "boost with ChunkPlugin(compile=CompileBlocks()) and run the boosted model itself eagerly; torch.compile "
+        "the model before boosting is not supported either, as its parameters become chunk views."
     )
 
 
@@ -121,6 +123,7 @@ class ChunkedModel(torch.nn.Module):
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
+        compiled: CompiledBlocks | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -133,6 +136,7 @@ class ChunkedModel(torch.nn.Module):
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
         self._activations = activations
+        self._compiled = compiled
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
         weakref.finalize(module, runtime.detach)
@@ -428,7 +432,7 @@ class ChunkedModel(torch.nn.Module):
             memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
-            with self._activations.detached() if self._activations is not None else nullcontext():
+            with self._forwards_detached():
                 plain = copy.deepcopy(self.module, memo)
         finally:
             self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
@@ -439,6 +443,16 @@ class ChunkedModel(torch.nn.Module):
                     dtype = self._buffer_dtypes.get(full_name, buf.dtype)
                     setattr(module, name, buf.detach().to(device=device, dtype=dtype).clone())
         return plain
+
+    @contextmanager
+    def _forwards_detached(self) -> Iterator[None]:
+        """The blocks run their classes' own forward (no activation placement, nothing compiled):
+        the activation blocks first, since their wrappers hold the compiled blocks'."""
+        with (
+            self._activations.detached() if self._activations is not None else nullcontext(),
+            self._compiled.detached() if self._compiled is not None else nullcontext(),
+        ):
+            yield
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
         """Hugging Face ``save_pretrained`` with the full fp32 weights: rank 0 writes (from a plain
