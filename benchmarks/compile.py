@@ -2,15 +2,15 @@
 against chunkmem eager, plain PyTorch eager and plain PyTorch with the same blocks compiled, and at
 two ranks FSDP2 (``fully_shard`` per block) eager and with each block compiled.
 
-GPT-2 and LLaMA from ``transformers`` configs (no download), fp32 ``torch.optim.AdamW``, the same seed
-and the same tokens on every system, ``use_cache=False`` (a KV cache passed through the blocks makes
-each layer compile on its own). Plain PyTorch and FSDP2 compile the block class's ``forward`` once
-(``torch.compile(Block.forward)``, called for every block: PyTorch's regional compilation recipe, and
-torchtitan's per-block compile with FSDP2's hooks outside the compiled code); chunkmem compiles the
-same function. Each system runs in its own processes (``peers.py``'s rank pools); the systems
-alternate round by round (the order rotating) and each reports the median over rounds of its
-per-round median step time, the spread of its round medians, the compile steps' time (the warmup:
-the first step traces and compiles forward and backward) and the graphs Dynamo compiled.
+GPT-2 and LLaMA from ``transformers`` configs (``activation_systems.ModelShape``; no download), fp32
+``torch.optim.AdamW``, the same seed and the same tokens on every system, ``use_cache=False`` (a KV
+cache passed through the blocks makes each layer compile on its own). Plain PyTorch and FSDP2
+compile the block class's ``forward`` once (``torch.compile(Block.forward)``, called for every block:
+PyTorch's regional compilation recipe, and torchtitan's per-block compile with FSDP2's hooks outside
+the compiled code); chunkmem compiles the same function. Each system runs in its own processes
+(``peers.py``'s rank pools); the systems alternate round by round (the order rotating) and each
+reports the median over rounds of its per-round median step time, the spread of its round medians,
+the first step's time (it traces and compiles forward and backward) and the graphs Dynamo compiled.
 
     python benchmarks/compile.py                          # W=1: GPT-2 and LLaMA, Inductor, no budget and a budget
     python benchmarks/compile.py --world-size 2           # W=2 gloo: FSDP2 and chunkmem, eager and compiled
@@ -26,8 +26,10 @@ The targets (issue 46), printed and written to the JSON under ``targets``: at W=
 chunkmem compiled at most 1.05x plain per-block compiled, keeping at least 80% of the speedup compile
 gives plain PyTorch (``kept``: chunkmem's speedup over its eager run, less one, over plain's); under a
 budget the same ratio of speedups against chunkmem eager; at W=2 no slower than FSDP2 compiled.
-Losses are checked: each compiled system's against its eager twin and chunkmem's against plain
-PyTorch's, bit for bit at W=1 in fp32 on the CPU (the same kernels on the same shapes).
+Losses are checked: at W=1 chunkmem's against plain PyTorch computing the same way (eager, or the
+same blocks compiled), bit for bit in fp32 on the CPU (the same kernels on the same shapes); the
+largest relative gap is reported between a compiled system and its eager twin (Inductor's fused
+kernels round otherwise) and between chunkmem and FSDP2 at two ranks.
 """
 
 from __future__ import annotations
@@ -45,106 +47,66 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.activation_systems import ModelShape
 from benchmarks.common import (
     RESULTS,
     GPT2Shape,
     begin_run,
     current_run,
     fmt_bytes,
-    gpt2_model,
     machine,
     median,
     print_table,
     rotated,
-    use_causal_lm_loss,
     write_json,
 )
-from benchmarks.peer_systems import PeerSetup, System, build_system, memory_report, train_steps
+from benchmarks.peer_systems import PeerSetup, System, build_system, memory_report, plain_step, train_steps
 from benchmarks.workers import CallFailure, GroupInit, RankContext, RankPool, init_torch_group
 
 ARCHS = ("gpt2", "llama")
 
 
 # --- the models ------------------------------------------------------------------------------------
-def llama_model(layers: int, width: int, vocab: int, seq: int, seed: int = 0) -> torch.nn.Module:
-    """A LLaMA from a config: 64-wide heads, half as many key/value heads (GQA), SwiGLU of
-    about 8/3 the width (a multiple of 64), untied embeddings, initialised from ``seed``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    heads = max(1, width // 64)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=64 * max(1, round(8 * width / 3 / 64)),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
-    use_causal_lm_loss(model)
-    return model
-
-
-def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated blocks: GPT-2's ``transformer.h``, LLaMA's ``model.layers``."""
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
-
-
 @dataclass(frozen=True)
 class CompileSetup(PeerSetup):
-    """``PeerSetup`` (the model, data and optimizer every system shares) for either architecture,
-    and how blocks are compiled."""
+    """``PeerSetup`` (the model, data and optimizer every system shares) for either architecture
+    (``activation_systems.ModelShape``'s GPT-2 or LLaMA), and how blocks are compiled."""
 
     arch: str = "gpt2"
     backend: str = "inductor"
     dynamic: bool | None = None
 
+    @property
+    def model_shape(self) -> ModelShape:
+        return ModelShape(self.arch, self.shape.layers, self.shape.width, self.shape.vocab)  # type: ignore[arg-type]
+
     def model(self) -> torch.nn.Module:
-        build = gpt2_model if self.arch == "gpt2" else llama_model
-        model = build(self.shape.layers, self.shape.width, self.shape.vocab, self.shape.seq, self.seed)
+        model = self.model_shape.build(self.shape.seq, torch.device("cpu"), self.seed)
         model.config.use_cache = False
         return model
 
     def params(self) -> int:
-        if self.arch == "gpt2":
-            return self.shape.params()
         with torch.device("meta"):
-            return sum(p.numel() for p in self.model().parameters())
+            return sum(p.numel() for p in self.model_shape.build(self.shape.seq, torch.device("meta")).parameters())
 
     def describe(self) -> str:
-        if self.arch == "gpt2":
-            return self.shape.describe()
-        shape = self.shape
-        return f"LLaMA {shape.layers}x{shape.width} (vocab {shape.vocab}, {self.params() / 1e6:.1f}M params)"
+        return f"{self.model_shape.name} (vocab {self.shape.vocab}, {self.params() / 1e6:.1f}M params)"
+
+
+def blocks_of(model: torch.nn.Module, setup: CompileSetup) -> list[torch.nn.Module]:
+    return setup.model_shape.blocks(model)
 
 
 def compile_blocks(model: torch.nn.Module, setup: CompileSetup) -> None:
     """Plain per-block compile: one ``torch.compile`` of the block class's forward, each block's
     ``forward`` calling it (module hooks, FSDP2's included, stay outside the compiled code)."""
-    blocks = blocks_of(model)
+    blocks = blocks_of(model, setup)
     compiled = torch.compile(type(blocks[0]).forward, backend=setup.backend, dynamic=setup.dynamic)
     for block in blocks:
         block.forward = functools.partial(compiled, block)
 
 
 # --- the systems -------------------------------------------------------------------------------------
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 @dataclass(frozen=True)
 class Plain(System):
     """Plain PyTorch in one process, eager or with its blocks compiled."""
@@ -163,7 +125,7 @@ class Plain(System):
         model = setup.model().to(ctx.device)
         if self.compiled:
             compile_blocks(model, setup)
-        return _step(model, setup.optimizer(model.parameters()))
+        return plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)
@@ -186,10 +148,10 @@ class FSDP2(System):
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         if self.compiled:
             compile_blocks(model, setup)
-        for block in blocks_of(model):
+        for block in blocks_of(model, setup):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return _step(model, setup.optimizer(model.parameters()))
+        return plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)
@@ -216,7 +178,7 @@ class Chunkmem(System):
         if self.budget_frac is not None:
             placement = AutoPlacementConfig(device_budget=int(self.budget_frac * 16 * setup.params()))
         compile = (
-            CompileBlocks(blocks=[type(blocks_of(model)[0])], backend=setup.backend, dynamic=setup.dynamic)
+            CompileBlocks(blocks=[setup.model_shape.block_class], backend=setup.backend, dynamic=setup.dynamic)
             if self.compiled
             else None
         )
@@ -419,13 +381,33 @@ def _verdict(met: bool | None) -> str:
 
 
 def loss_checks(results: list[Result], world_size: int) -> dict[str, bool]:
-    """Which pairs trained to the same losses: each compiled system and its eager twin, and (W=1)
-    chunkmem's against plain PyTorch's, bit for bit."""
+    """At W=1 (fp32, the CPU): whether chunkmem trained to the same losses as plain PyTorch computing
+    the same way (eager, or with the same blocks compiled), bit for bit."""
     losses = {r.system: r.losses for r in results if r.state == "ok" and r.losses}
-    pairs = list(TWINS.items())
-    if world_size == 1:
-        pairs += [("chunkmem", "plain"), ("chunkmem-compiled", "plain-compiled")]
+    pairs = (
+        [
+            ("chunkmem", "plain"),
+            ("chunkmem-compiled", "plain-compiled"),
+            ("chunkmem-budget", "plain"),
+            ("chunkmem-budget-compiled", "plain-compiled"),
+        ]
+        if world_size == 1
+        else []
+    )
     return {f"{a} == {b}": losses[a] == losses[b] for a, b in pairs if a in losses and b in losses}
+
+
+def loss_gaps(results: list[Result]) -> dict[str, float]:
+    """The largest relative difference of the losses of pairs that compute differently: a compiled
+    system and its eager twin (Inductor fuses and rounds otherwise), chunkmem and FSDP2 at two
+    ranks (other reduction orders)."""
+    losses = {r.system: r.losses for r in results if r.state == "ok" and r.losses}
+    pairs = [*TWINS.items(), ("chunkmem", "fsdp2"), ("chunkmem-compiled", "fsdp2-compiled")]
+    return {
+        f"{a} vs {b}": max(abs(x - y) / abs(y) for x, y in zip(losses[a], losses[b], strict=True))
+        for a, b in pairs
+        if a in losses and b in losses
+    }
 
 
 def report(results: list[Result], title: str) -> None:
@@ -528,11 +510,14 @@ def main(argv: list[str] | None = None) -> None:
         results += [r.result for r in runners]
     by_arch = {arch: [r for r in results if r.arch == arch] for arch in args.archs}
     checks = {arch: loss_checks(rs, args.world_size) for arch, rs in by_arch.items()}
+    gaps = {arch: loss_gaps(rs) for arch, rs in by_arch.items()}
     goals = {arch: targets(rs, args.world_size) for arch, rs in by_arch.items()}
     report(results, "; ".join(titles))
     for arch in args.archs:
         shown = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[arch].items())
-        print(f"{arch}: losses equal: {shown}")
+        if shown:
+            print(f"{arch}: losses equal: {shown}")
+        print(f"{arch}: largest relative loss gap: " + ", ".join(f"{k}: {v:.1e}" for k, v in gaps[arch].items()))
         met = ", ".join(
             f"{k}: {'-' if v is None else ('met' if v else 'MISSED')}" for k, v in goals[arch]["met"].items()
         )
@@ -545,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "machine": machine(),
         "loss_checks": checks,
+        "loss_gaps": gaps,
         "targets": goals,
         "results": [asdict(r) for r in results],
     }

@@ -45,6 +45,7 @@ __all__ = [
     "build_system",
     "deepspeed_config",
     "memory_report",
+    "plain_step",
     "train_steps",
 ]
 
@@ -118,7 +119,7 @@ class System(ABC):
     def build(self, ctx: RankContext, setup: PeerSetup) -> Step: ...
 
 
-def _plain_step(
+def plain_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: PeerSetup, device: torch.device
 ) -> Step:
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +147,7 @@ class Plain(System):
 
     def build(self, ctx: RankContext, setup: PeerSetup) -> Step:
         model = setup.model().to(ctx.device)
-        return _plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
+        return plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class DDP(System):
         model = setup.model().to(ctx.device)
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
-        return _plain_step(wrapped, setup.optimizer(wrapped.parameters()), setup, ctx.device)
+        return plain_step(wrapped, setup.optimizer(wrapped.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)

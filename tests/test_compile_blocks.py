@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,7 +41,15 @@ from models import (
 )
 from pydantic import ValidationError
 
-from chunkmem import ActivationPlacement, ChunkedModel, ChunkPlugin, CompileBlocks, NotSupportedError
+from chunkmem import (
+    ActivationPlacement,
+    BudgetTooSmallError,
+    ChunkedModel,
+    ChunkPlugin,
+    CompileBlocks,
+    NotSupportedError,
+    StepDuringBackward,
+)
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.placement.actions import Verb
 
@@ -97,10 +106,17 @@ def _fresh_dynamo() -> Iterator[None]:
 BLOCK_CLASSES = ("Block", "GPT2Block", "LlamaDecoderLayer")
 
 
-def per_block_compiled(model: torch.nn.Module, backend: Any, dynamic: bool | None = None) -> torch.nn.Module:
+def per_block_compiled(
+    model: torch.nn.Module, backend: Any, dynamic: bool | None = None, block_classes: tuple[type, ...] = ()
+) -> torch.nn.Module:
     """Plain PyTorch with each block compiled: one ``torch.compile`` of the block class's forward,
-    called for every block (the regional compilation recipe)."""
-    blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
+    called for every block (the regional compilation recipe). Blocks: the modules of
+    ``block_classes``, by default those named ``BLOCK_CLASSES``."""
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(m, block_classes) or (not block_classes and type(m).__name__ in BLOCK_CLASSES)
+    ]
     compiled = torch.compile(type(blocks[0]).forward, backend=backend, dynamic=dynamic)
     for block in blocks:
         block.forward = functools.partial(compiled, block)
@@ -262,6 +278,37 @@ def test_a_compiled_block_that_reads_another_blocks_parameter_is_refused() -> No
         model, adamw_two_groups, compile=CompileBlocks(blocks=[Reaching], backend="eager"), chunk_size=8_000
     )
     with pytest.raises(Exception, match=r"torch\.compile is tracing an op on managed parameters \['head\.weight'\]"):
+        chunked(torch.randn(2, 3, WIDTH))
+
+
+def test_the_minimum_budget_holds_a_compiled_blocks_chunks_at_once() -> None:
+    """A compiled call needs every chunk of its block gathered together (eager ops need one module's):
+    a budget between the two minimums is refused at boost, naming the compiled block."""
+
+    def minimum(compile: CompileBlocks | None) -> int:
+        with pytest.raises(BudgetTooSmallError) as refused:
+            _stack_run(compile, OFFLOADED.model_copy(update={"device_budget": 1}))
+        return refused.value.minimum
+
+    eager, compiled = minimum(None), minimum(CompileBlocks(backend="eager"))
+    assert compiled > eager
+    between = OFFLOADED.model_copy(update={"device_budget": (eager + compiled) // 2})
+    with pytest.raises(BudgetTooSmallError, match=r"\(compiled\)"):
+        _stack_run(CompileBlocks(backend="eager"), between)
+    _stack_run(None, between)  # eager fits
+
+
+class Writing(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc2.bias.mul_(1.0)  # an in-place write into a parameter
+        return super().forward(x)
+
+
+def test_an_in_place_write_into_a_parameter_inside_a_compiled_block_is_refused() -> None:
+    model = Stack(blocks=2)
+    model.blocks = torch.nn.ModuleList([Writing(), Writing()])
+    chunked, _, _ = boost(model, adamw_two_groups, compile=CompileBlocks(blocks=[Writing], backend="eager"))
+    with pytest.raises(NotSupportedError, match=r"in-place write inside a call of Writing.*blocks\.0\.fc2\.bias"):
         chunked(torch.randn(2, 3, WIDTH))
 
 
@@ -442,6 +489,108 @@ def test_no_sync_clipping_eval_checkpoints_and_plain_copies_with_compiled_blocks
     assert all(type(p) is torch.nn.Parameter for p in plain.parameters())
     with torch.no_grad():
         assert torch.equal(plain(data[0]), chunked(data[0]))
+
+
+ON_DISK = StaticPlacementConfig(
+    offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0, max_prefetch=1
+)
+
+
+@pytest.mark.slow
+def test_the_host_step_during_backward_and_the_disk_tier_with_compiled_blocks(tmp_path: Path) -> None:
+    """Every chunk on disk (parameter shards read for each gather, optimizer states read and written
+    by the host step), the host step run during the backward as each chunk's gradient is done: plain
+    per-block compile's losses and final state, bit for bit."""
+    expected, state = _stack_reference()
+    counter = counting("aot_eager")
+    chunked, optimizer, booster = _stack_run(
+        CompileBlocks(backend=counter), ON_DISK, host_step=StepDuringBackward(), disk_dir=tmp_path
+    )
+    losses, gathers = train_counting(chunked, optimizer, booster, stack_data(), stack_loss)
+    assert losses == expected
+    assert_same_state(chunked.state_dict(), state)
+    assert counter.frame_count == 1
+    stats = chunked.stats()
+    assert stats.disk_param_read_bytes > 0 and stats.disk_write_bytes > 0
+    assert all(sum(step.values()) > 0 for step in gathers)
+
+
+# --- the trainer doors -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_chunk_trainer_with_compiled_blocks_equals_plain_trainer_with_the_blocks_compiled(tmp_path: Path) -> None:
+    """``ChunkTrainer(plugin=ChunkPlugin(compile=...))`` under a budget that moves chunks, with
+    accumulation and a schedule (no clipping: the same arithmetic), against ``Trainer`` on the same
+    GPT-2 with its blocks compiled the same way: the same losses bit for bit, one compile."""
+    from test_hf_trainer import dataset, logged, training_args
+    from transformers import Trainer
+
+    from chunkmem.integrations.hf import ChunkTrainer
+
+    data = dataset(8)
+    args = {"max_grad_norm": 0.0, "dataloader_drop_last": True}
+    plain = Trainer(
+        model=per_block_compiled(gpt2(n_embd=32, use_cache=False), "aot_eager"),
+        args=training_args(tmp_path / "plain", **args),
+        train_dataset=data,
+    )
+    plain.train()
+    torch._dynamo.reset()
+    counter = counting("aot_eager")
+    plugin = ChunkPlugin(
+        placement=AutoPlacementConfig(device_budget=200_000),
+        chunk_size=8192,
+        precision="fp32",
+        compile=CompileBlocks(backend=counter),
+    )
+    chunked = ChunkTrainer(
+        model=gpt2(n_embd=32, use_cache=False),
+        args=training_args(tmp_path / "chunked", **args),
+        train_dataset=data,
+        plugin=plugin,
+    )
+    chunked.train()
+    assert [line["loss"] for line in logged(chunked)] == [line["loss"] for line in logged(plain)]
+    assert len(logged(chunked)) == 3
+    assert counter.frame_count == 1
+    assert chunked.model.stats().evictions > 0, "the budget must move chunks"
+
+
+@pytest.mark.slow
+def test_chunk_strategy_with_compiled_blocks_equals_plain_lightning_with_the_blocks_compiled() -> None:
+    """``ChunkStrategy(compile=...)`` (each ``Linear`` a compiled block) under a budget that moves
+    chunks, accumulating two micro-batches with a schedule, against plain Lightning with the same
+    layers compiled the same way: every loss bit for bit, as many compiles (one per distinct layer
+    shape, the three layers' shapes all differ), none in the second epoch."""
+    from lightning.pytorch import Callback
+    from lightning_models import BUDGET, CHUNK, Regressor, fit
+
+    from chunkmem.integrations.lightning import ChunkStrategy
+
+    plain_counter = counting("aot_eager")
+
+    class CompiledRegressor(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            per_block_compiled(self, plain_counter, block_classes=(torch.nn.Linear,))
+
+    reference, _ = fit("auto", module_class=CompiledRegressor, accumulate_grad_batches=2)
+    torch._dynamo.reset()
+    counter = counting("aot_eager")
+    strategy = ChunkStrategy(
+        placement=AutoPlacementConfig(device_budget=BUDGET),
+        chunk_size=CHUNK,
+        compile=CompileBlocks(blocks=[torch.nn.Linear], backend=counter),
+    )
+    per_epoch: list[int] = []
+
+    class Compiles(Callback):
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            per_epoch.append(counter.frame_count)
+
+    module, run = fit(strategy, accumulate_grad_batches=2, callbacks=[Compiles()])
+    assert module.losses == reference.losses and len(module.losses) > 0
+    assert per_epoch == [plain_counter.frame_count] * 2 == [3, 3]
+    assert run.strategy.model.stats().evictions > 0, "the budget must move chunks"
 
 
 # --- two ranks -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ it: ``.to()`` / ``.half()`` / ``.cuda()``, and reading per-parameter gradient va
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import weakref
 from collections.abc import Iterator, Mapping
@@ -60,17 +61,25 @@ def _compile_refused() -> NotSupportedError:
     )
 
 
-@torch.compiler.assume_constant_result
 def _refuse_compiling(compiling: bool) -> bool:
-    """Raise ``_compile_refused()`` where ``compiling``. Dynamo runs a function marked
-    ``assume_constant_result`` for real while it traces (to take its result as a constant), so the
-    error ends the compile before any graph is built. A ``raise`` in traced code would only break
-    the graph: ``forward`` would run eagerly and Dynamo compile what it calls (the inputs' casts: on
-    CUDA a Triton kernel and Inductor's pool of compile workers, a minute and more under load) until
-    the op hooks refused."""
+    """Raise ``_compile_refused()`` where ``compiling``. Marked ``assume_constant_result`` (by
+    ``_mark_compile_refusal``), Dynamo runs it for real while it traces (to take its result as a
+    constant), so the error ends the compile before any graph is built. A ``raise`` in traced code
+    would only break the graph: ``forward`` would run eagerly and Dynamo compile what it calls (the
+    inputs' casts: on CUDA a Triton kernel and Inductor's pool of compile workers, a minute and more
+    under load) until the op hooks refused."""
     if compiling:
         raise _compile_refused()
     return False
+
+
+@functools.cache
+def _mark_compile_refusal() -> None:
+    """Mark ``_refuse_compiling`` for Dynamo, once, when the first model is boosted: marking imports
+    Dynamo (about two seconds), which ``import chunkmem`` should not pay. Nothing can trace a
+    boosted model's forward before one is built."""
+    global _refuse_compiling
+    _refuse_compiling = torch.compiler.assume_constant_result(_refuse_compiling)
 
 
 def _check_values_in_place(pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]], source: str) -> None:
@@ -130,6 +139,7 @@ class ChunkedModel(torch.nn.Module):
         """``meter``: what measures the saved activations no budget governs (with ``activations``:
         the one it counts its ``offload`` blocks' in); ``None``: they are not measured."""
         super().__init__()
+        _mark_compile_refusal()
         self.module = module
         self._runtime = runtime
         self._manager = manager
