@@ -410,8 +410,23 @@ def loss_gaps(results: list[Result]) -> dict[str, float]:
     }
 
 
-def report(results: list[Result], title: str) -> None:
-    print(title)
+HEADERS = [
+    "arch",
+    "system",
+    "state",
+    "median step s",
+    "round medians s",
+    "vs eager",
+    "first step s",
+    "graphs",
+    "peak RSS/rank",
+    "last loss",
+    "note",
+]
+
+
+def table_rows(results: list[Result]) -> list[list[str]]:
+    """One row per system and architecture, the columns ``HEADERS`` names."""
     rows = []
     for r in results:
         spread = f"{min(r.round_medians):.3f}-{max(r.round_medians):.3f}" if r.round_medians else "-"
@@ -432,23 +447,18 @@ def report(results: list[Result], title: str) -> None:
                 r.note[:60],
             ]
         )
-    print_table(
-        [
-            "arch",
-            "system",
-            "state",
-            "median step s",
-            "round medians s",
-            "vs eager",
-            "first step s",
-            "graphs",
-            "peak RSS/rank",
-            "last loss",
-            "note",
-        ],
-        rows,
-        align=["<", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"],
-    )
+    return rows
+
+
+def report(results: list[Result], title: str) -> None:
+    print(title)
+    print_table(HEADERS, table_rows(results), align=["<", "<", "<", ">", ">", ">", ">", ">", ">", ">", "<"])
+
+
+def _ratio_line(arch: str, goals: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in goals.items() if k != "met" and v is not None)
+    met = ", ".join(f"{k}: {_verdict(v)}" for k, v in goals["met"].items())
+    return f"{arch}: {shown}; targets: {met}."
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -533,6 +543,25 @@ def main(argv: list[str] | None = None) -> None:
         "loss_gaps": gaps,
         "targets": goals,
         "results": [asdict(r) for r in results],
+        "summary_table": {
+            "headers": HEADERS,
+            "rows": table_rows(results),
+            "note": " ".join(
+                [
+                    *(t + "." for t in titles),
+                    "Medians over rounds of each round's median step; 'vs eager': the speedup over the same "
+                    "system uncompiled; 'first step': the step that traces and compiles.",
+                    *(_ratio_line(arch, goals[arch]) for arch in args.archs),
+                    *(
+                        f"{arch}: losses bit for bit: "
+                        + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks[arch].items())
+                        + "."
+                        for arch in args.archs
+                        if checks[arch]
+                    ),
+                ]
+            ),
+        },
     }
     print(f"wrote {write_json(args.name, payload, args.out_dir)}")
 
