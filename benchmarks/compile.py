@@ -60,7 +60,15 @@ from benchmarks.common import (
     rotated,
     write_json,
 )
-from benchmarks.peer_systems import PeerSetup, System, build_system, memory_report, plain_step, train_steps
+from benchmarks.peer_systems import (
+    PeerSetup,
+    System,
+    build_system,
+    chunkmem_step,
+    memory_report,
+    plain_step,
+    train_steps,
+)
 from benchmarks.workers import CallFailure, GroupInit, RankContext, RankPool, init_torch_group
 
 ARCHS = ("gpt2", "llama")
@@ -183,17 +191,7 @@ class Chunkmem(System):
             else None
         )
         booster = Booster(ChunkPlugin(placement=placement, precision=setup.precision, compile=compile))
-        chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
-        ctx.state["chunked"] = chunked
-
-        def step(ids: torch.Tensor) -> torch.Tensor:
-            loss = chunked(input_ids=ids, labels=ids).loss
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
-
-        return step
+        return chunkmem_step(ctx, booster, model, setup)
 
 
 def systems(budget_frac: float) -> dict[str, System]:

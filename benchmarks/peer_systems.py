@@ -43,6 +43,7 @@ __all__ = [
     "Plain",
     "System",
     "build_system",
+    "chunkmem_step",
     "deepspeed_config",
     "memory_report",
     "plain_step",
@@ -128,6 +129,22 @@ def plain_step(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def chunkmem_step(ctx: RankContext, booster: Any, model: torch.nn.Module, setup: PeerSetup) -> Step:
+    """``model`` and ``setup``'s optimizer boosted by ``booster`` (the boosted model kept in
+    ``ctx.state["chunked"]`` for the memory report), and one training step of it."""
+    chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
+    ctx.state["chunked"] = chunked
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = chunked(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
         return loss.detach()
 
     return step
@@ -220,17 +237,7 @@ class Chunkmem(System):
 
         model = setup.model()
         booster = Booster(ChunkPlugin(placement=self.placement, precision=setup.precision, chunk_size=self.chunk_size))
-        chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
-        ctx.state["chunked"] = chunked
-
-        def step(ids: torch.Tensor) -> torch.Tensor:
-            loss = chunked(input_ids=ids, labels=ids).loss
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
-
-        return step
+        return chunkmem_step(ctx, booster, model, setup)
 
 
 def init_deepspeed_group(ctx: RankContext, backend: str) -> None:
