@@ -542,10 +542,11 @@ def test_activations_auto_trains_as_plain_pytorch_within_the_budget(
 
 
 def test_compile_benchmark_trains_bit_for_bit_as_plain_per_block_compile_with_inductor(tmp_path: Path) -> None:
-    """LLaMA's blocks compiled by Inductor (the generated C++ kernels, on chunk views under a budget
-    too) train to the same losses, bit for bit, as plain PyTorch with the same blocks compiled, and
-    one graph is compiled per process, none again."""
-    systems = ["plain", "plain-compiled", "chunkmem-compiled", "chunkmem-budget-compiled"]
+    """LLaMA's blocks compiled by Inductor (the generated C++ kernels, run on chunk views under an
+    auto budget) train to the same losses, bit for bit, as plain PyTorch with the same blocks
+    compiled, and one graph is compiled per process, none again. Two systems only: each compiles
+    (the compile dominates this test's time)."""
+    systems = ["plain-compiled", "chunkmem-budget-compiled"]
     out = _run(
         "compile.py",
         *("--layers", "2", "--arch", "llama", "--systems", ",".join(systems)),
@@ -556,16 +557,10 @@ def test_compile_benchmark_trains_bit_for_bit_as_plain_per_block_compile_with_in
     results = {r["system"]: r for r in payload["results"]}
     assert list(results) == systems
     assert all(r["state"] == "ok" and len(r["losses"]) == 4 for r in results.values()), results
-    checks = payload["loss_checks"]["llama"]
-    assert checks == {"chunkmem-compiled == plain-compiled": True, "chunkmem-budget-compiled == plain-compiled": True}
-    # Inductor's fused kernels round otherwise than eager ones: close, not equal.
-    assert 0 <= payload["loss_gaps"]["llama"]["plain-compiled vs plain"] < 1e-5
-    assert results["plain"]["graphs"] == 0
-    for name in systems[1:]:
+    assert payload["loss_checks"]["llama"] == {"chunkmem-budget-compiled == plain-compiled": True}
+    for name in systems:
         assert (results[name]["graphs"], results[name]["recompiles"]) == (1, 0), name
     for r in results.values():
         assert len(r["round_medians"]) == 2 and r["median_s"] == pytest.approx(sum(r["round_medians"]) / 2)
-    ratio = results["chunkmem-compiled"]["median_s"] / results["plain-compiled"]["median_s"]
-    assert payload["targets"]["llama"]["compiled_vs_plain_compiled"] == pytest.approx(ratio)
-    assert "llama: losses equal" in out
+    assert payload["summary_table"]["rows"] and "llama: losses equal" in out
     _assert_aligned(_table_lines(out, len(systems)))
