@@ -43,8 +43,10 @@ __all__ = [
     "Plain",
     "System",
     "build_system",
+    "chunkmem_step",
     "deepspeed_config",
     "memory_report",
+    "plain_step",
     "train_steps",
 ]
 
@@ -118,7 +120,7 @@ class System(ABC):
     def build(self, ctx: RankContext, setup: PeerSetup) -> Step: ...
 
 
-def _plain_step(
+def plain_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, setup: PeerSetup, device: torch.device
 ) -> Step:
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -127,6 +129,22 @@ def _plain_step(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def chunkmem_step(ctx: RankContext, booster: Any, model: torch.nn.Module, setup: PeerSetup) -> Step:
+    """``model`` and ``setup``'s optimizer boosted by ``booster`` (the boosted model kept in
+    ``ctx.state["chunked"]`` for the memory report), and one training step of it."""
+    chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
+    ctx.state["chunked"] = chunked
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = chunked(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
         return loss.detach()
 
     return step
@@ -146,7 +164,7 @@ class Plain(System):
 
     def build(self, ctx: RankContext, setup: PeerSetup) -> Step:
         model = setup.model().to(ctx.device)
-        return _plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
+        return plain_step(model, setup.optimizer(model.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)
@@ -161,7 +179,7 @@ class DDP(System):
         model = setup.model().to(ctx.device)
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids)
-        return _plain_step(wrapped, setup.optimizer(wrapped.parameters()), setup, ctx.device)
+        return plain_step(wrapped, setup.optimizer(wrapped.parameters()), setup, ctx.device)
 
 
 @dataclass(frozen=True)
@@ -219,17 +237,7 @@ class Chunkmem(System):
 
         model = setup.model()
         booster = Booster(ChunkPlugin(placement=self.placement, precision=setup.precision, chunk_size=self.chunk_size))
-        chunked, optimizer, *_ = booster.boost(model, setup.optimizer(model.parameters()))
-        ctx.state["chunked"] = chunked
-
-        def step(ids: torch.Tensor) -> torch.Tensor:
-            loss = chunked(input_ids=ids, labels=ids).loss
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.detach()
-
-        return step
+        return chunkmem_step(ctx, booster, model, setup)
 
 
 def init_deepspeed_group(ctx: RankContext, backend: str) -> None:

@@ -5,7 +5,7 @@ between the accelerator, host memory and disk by a placement policy (``chunkmem.
 driven by parameter-op hooks (``chunkmem.hooks``).
 
 This module is the front door: what a training script imports (the booster and its plugin, the
-boosted model and optimizer, the placement and step configs, the counters, the planner, the
+boosted model and optimizer, the placement, compile and step configs, the counters, the planner, the
 checkpoint functions and the exceptions). The machinery (chunks, the runtime, collectives, the
 byte ledger, the memory probes) is importable from its own subpackage, e.g.
 ``from chunkmem.chunks.manager import ChunkManager``.
@@ -14,6 +14,7 @@ byte ledger, the memory probes) is importable from its own subpackage, e.g.
 from importlib import metadata as _metadata
 
 from . import checkpoint
+from .boosted.compile_config import CompileBlocks
 from .boosted.model import ChunkedModel
 from .booster import Booster
 from .errors import (
@@ -84,6 +85,7 @@ __all__ = [
     "ChunkedModel",
     "ChunkmemError",
     "CollectiveMismatchError",
+    "CompileBlocks",
     "DiskTierError",
     "HostBudgetTooSmallError",
     "IllegalTransition",

@@ -4,6 +4,7 @@ runs)."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,8 @@ from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
 from .activations.meter import SavedMeter
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
+from .boosted.compile_config import CompileBlocks
+from .boosted.compiled_blocks import CompiledBlocks, block_working_sets, find_compiled_blocks
 from .boosted.frozen_models import FrozenModels
 from .boosted.model import ChunkedModel
 from .chunks.chunk import Chunk
@@ -184,6 +187,11 @@ class ChunkPlugin:
             the block classes whose saved tensors are recomputed in the backward or offloaded to
             host memory, or (``auto``) placed per call under ``device_budget``, which then covers
             them too. ``None`` (default): autograd keeps what it saves, as in plain PyTorch.
+        compile: a ``CompileBlocks`` (or a mapping of its fields, validated into one): the block
+            classes compiled with ``torch.compile`` (``CompileBlocks()``: the model's repeated
+            layers, with Inductor), each call one op for chunkmem, its chunks gathered eagerly
+            before it; the rest of the model runs eagerly. ``None`` (default): nothing is compiled
+            (``torch.compile`` of a boosted model is refused).
     """
 
     def __init__(
@@ -198,6 +206,7 @@ class ChunkPlugin:
         host_step: StepAfterBackward | StepDuringBackward | Mapping[str, Any] | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         activations: ActivationPlacement | Mapping[str, Any] | None = None,
+        compile: CompileBlocks | Mapping[str, Any] | None = None,
     ) -> None:
         # Left unset, the precision follows the device (``on_device`` picks it again for another).
         self._precision_is_default = precision is None
@@ -234,6 +243,7 @@ class ChunkPlugin:
         self.host_step = None if host_step is None else _host_step_config(host_step)
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
         self.activations = None if activations is None else _config(activations, ActivationPlacement, "activations")
+        self.compile = None if compile is None else _config(compile, CompileBlocks, "compile")
 
     def with_process_group(self, process_group: dist.ProcessGroup | Communicator | None) -> ChunkPlugin:
         """The same settings over another process group (or communicator)."""
@@ -362,8 +372,10 @@ class ChunkPlugin:
                     "(device_budget='20GiB'), or name the blocks in recompute or offload instead"
                 )
             policy.cover_activations()
+        compiled = find_compiled_blocks(model, self.compile, placed, comm) if self.compile is not None else []
         try:
             working_sets = [s for m in (model, *frozen.models) for s in self._working_sets(m, manager)]
+            working_sets += block_working_sets(compiled, manager)
             layout = policy.layout(specs, working_sets, accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
@@ -382,6 +394,12 @@ class ChunkPlugin:
         buffer_dtypes = self._place_buffers(model, device, dtype)
         frozen_buffer_dtypes = [self._place_buffers(m, device, dtype) for m in frozen.models]
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        # Before the activation blocks: they wrap the forward they find, here the compiled blocks'.
+        compiled_blocks = (
+            CompiledBlocks(compiled, functools.partial(backing.compile_block, config=self.compile))
+            if self.compile is not None
+            else None
+        )
         # Measured where an ActivationPlacement already places saved tensors: saved-tensor hooks hand a
         # custom autograd Function's saved parameter back as a plain tensor (see activations.meter).
         meter = SavedMeter(model) if placed is not None else None
@@ -402,7 +420,7 @@ class ChunkPlugin:
         )
         scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter, compiled_blocks)
         for module, dtypes in zip(frozen.models, frozen_buffer_dtypes, strict=True):
             ChunkedModel(module, runtime, manager, dtype, dtypes, beside=boosted)  # listed in boosted.frozen_models
         wrapped_optim = (

@@ -539,3 +539,28 @@ def test_activations_auto_trains_as_plain_pytorch_within_the_budget(
         assert outside - row["saved_meter_bytes"] in (0, row["blocks_extra_bytes"]), row["seq"]
         assert row["model_bytes"] <= row["chunkmem_device_budget"]
         assert row["fits"] == (row["ledger_bytes"] <= ACT_BUDGET)
+
+
+def test_compile_benchmark_trains_bit_for_bit_as_plain_per_block_compile_with_inductor(tmp_path: Path) -> None:
+    """LLaMA's blocks compiled by Inductor (the generated C++ kernels, run on chunk views under an
+    auto budget) train to the same losses, bit for bit, as plain PyTorch with the same blocks
+    compiled, and one graph is compiled per process, none again. Two systems only: each compiles
+    (the compile dominates this test's time)."""
+    systems = ["plain-compiled", "chunkmem-budget-compiled"]
+    out = _run(
+        "compile.py",
+        *("--layers", "2", "--arch", "llama", "--systems", ",".join(systems)),
+        *("--rounds", "2", "--steps", "1", "--warmup", "2", "--out-dir", str(tmp_path)),
+        env=NO_GPU,
+    )
+    payload = json.loads((tmp_path / "compile_w1.json").read_text())
+    results = {r["system"]: r for r in payload["results"]}
+    assert list(results) == systems
+    assert all(r["state"] == "ok" and len(r["losses"]) == 4 for r in results.values()), results
+    assert payload["loss_checks"]["llama"] == {"chunkmem-budget-compiled == plain-compiled": True}
+    for name in systems:
+        assert (results[name]["graphs"], results[name]["recompiles"]) == (1, 0), name
+    for r in results.values():
+        assert len(r["round_medians"]) == 2 and r["median_s"] == pytest.approx(sum(r["round_medians"]) / 2)
+    assert payload["summary_table"]["rows"] and "llama: losses equal" in out
+    _assert_aligned(_table_lines(out, len(systems)))

@@ -32,6 +32,7 @@ FRONT_DOOR = {
     "load_placement_config",
     "ActivationPlacement",
     "BlockPlacement",
+    "CompileBlocks",
     "LossScaleConfig",
     "StepAfterBackward",
     "StepDuringBackward",

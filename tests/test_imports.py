@@ -264,6 +264,7 @@ def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``torch.distributed.checkpoint`` loads with the first sharded save or load, not at import;
+    Dynamo (``torch._dynamo``, about two seconds) with the first boost or compile;
     the trainer libraries (optional extras) only with their integration's own module. The child
     gets this checkout's chunkmem and keeps the caller's ``PYTHONPATH``: a dependency found only
     there (pydantic under /tmp/site on the GPU machine) must still import."""
@@ -271,7 +272,14 @@ def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
     (tmp_path / "site" / "only_on_the_callers_path.py").write_text("")
     callers = (str(tmp_path / "site"), os.environ.get("PYTHONPATH"))  # what it held stays after it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(entry for entry in callers if entry))
-    lazy = ("torch.distributed.checkpoint", "transformers", "accelerate", "lightning", "pytorch_lightning")
+    lazy = (
+        "torch.distributed.checkpoint",
+        "torch._dynamo",
+        "transformers",
+        "accelerate",
+        "lightning",
+        "pytorch_lightning",
+    )
     code = (
         "import sys, only_on_the_callers_path, chunkmem, chunkmem.integrations; "
         f"print(chunkmem.__file__); print([name for name in {lazy!r} if name in sys.modules])"

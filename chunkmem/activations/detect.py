@@ -14,9 +14,14 @@ from chunkmem.placement import ActivationPlacement, RepeatedBlocks, block_class_
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
 
-__all__ = ["RepeatedBlock", "detect_repeated_block", "resolve_blocks"]
+__all__ = ["RepeatedBlock", "agreed_repeated_block", "detect_repeated_block", "resolve_blocks"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+# How each config that holds a marker names a class instead (for the messages).
+_EXAMPLES = {
+    "ActivationPlacement": "ActivationPlacement(auto=['MyBlock'])",
+    "CompileBlocks": "CompileBlocks(blocks=['MyBlock'])",
+}
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,11 @@ class RepeatedBlock:
         )
 
 
-def detect_repeated_block(model: torch.nn.Module, marker: RepeatedBlocks) -> RepeatedBlock:
+def detect_repeated_block(
+    model: torch.nn.Module, marker: RepeatedBlocks, owner: str = "ActivationPlacement"
+) -> RepeatedBlock:
     """The class ``marker`` stands for in ``model``; ``ValueError`` naming what was looked at when
-    no class repeats."""
+    no class repeats (``owner``: the config the marker is in, for the message)."""
     count: dict[type, int] = {}
     held: dict[type, int] = {}
     looked: list[str] = []
@@ -57,10 +64,10 @@ def detect_repeated_block(model: torch.nn.Module, marker: RepeatedBlocks) -> Rep
         seen = ", ".join(looked) if looked else "none: the model holds no nn.ModuleList, nn.Sequential or nn.ModuleDict"
         counts = ", ".join(f"{cls.__name__} x{n}" for cls, n in count.items()) or "none"
         raise ValueError(
-            f"ActivationPlacement: {marker} found no repeated block in {type(model).__name__}: no class has "
+            f"{owner}: {marker} found no repeated block in {type(model).__name__}: no class has "
             f"{marker.min_count} or more instances holding parameters among the children of its nn.ModuleList, "
             f"nn.Sequential and nn.ModuleDict containers (looked at: {seen}; classes found there: {counts}). Name the "
-            "block class instead, e.g. ActivationPlacement(auto=['MyBlock']), or lower min_count."
+            f"block class instead, e.g. {_EXAMPLES.get(owner, owner)}, or lower min_count."
         )
     best = max(repeated, key=lambda cls: (held[cls], -count[cls]))  # max keeps the first of equals
     total = sum(p.numel() for p in model.parameters())
@@ -75,9 +82,18 @@ def resolve_blocks(
     marker = config.repeated
     if marker is None:
         return config, None
+    found = agreed_repeated_block(model, marker, comm)
+    return config.resolved(found.cls), found
+
+
+def agreed_repeated_block(
+    model: torch.nn.Module, marker: RepeatedBlocks, comm: Communicator | None, owner: str = "ActivationPlacement"
+) -> RepeatedBlock:
+    """The class ``marker`` (in the config ``owner``) stands for in ``model``; with ``comm``, every
+    rank must find the same class, and a rank that finds none raises on every rank."""
     found: RepeatedBlock | None = None
     try:
-        found = detect_repeated_block(model, marker)
+        found = detect_repeated_block(model, marker, owner)
         mine: tuple[str, int] | str = (block_class_name(found.cls), found.count)
     except ValueError as error:
         if comm is None or comm.world_size == 1:
@@ -91,8 +107,8 @@ def resolve_blocks(
         if len(set(everyone)) > 1:
             each = "; ".join(f"rank {rank}: {name} x{n}" for rank, (name, n) in enumerate(everyone))
             raise NotSupportedError(
-                f"ActivationPlacement: {marker} found different blocks on the ranks ({each}): every rank must boost "
+                f"{owner}: {marker} found different blocks on the ranks ({each}): every rank must boost "
                 "the same model. Name the block class instead of RepeatedBlocks(), or boost the same model everywhere."
             )
     assert found is not None, "found on every rank"
-    return config.resolved(found.cls), found
+    return found

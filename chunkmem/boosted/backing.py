@@ -11,7 +11,8 @@ computed, a disk file that only counts). The plugin asks its backing; it never a
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +26,7 @@ from ..ranks.agreement import agree
 from ..ranks.comm import Communicator
 from ..tiers.disk import DiskFile, ScratchDir, SidesFile
 from ..usage.stats import Stats
+from .compile_config import CompileBlocks
 
 __all__ = ["Backing", "TrainingBacking"]
 
@@ -42,6 +44,10 @@ class Backing(Protocol):
 
     def activation_disk_dir(self, disk_dir: str | None, comm: Communicator) -> str:
         """Where the offloaded activations beyond ``ActivationPlacement.host_budget`` go."""
+        ...
+
+    def compile_block(self, forward: Callable[..., Any], config: CompileBlocks) -> Callable[..., Any]:
+        """What runs a compiled block class's ``forward`` (``ChunkPlugin(compile=...)``)."""
         ...
 
 
@@ -78,3 +84,7 @@ class TrainingBacking:
         return agree(
             comm, "checking the disk tier for activations", lambda: check_disk_dir(disk_dir, comm.rank), DiskTierError
         )
+
+    def compile_block(self, forward: Callable[..., Any], config: CompileBlocks) -> Callable[..., Any]:
+        """``forward`` compiled as ``config`` says."""
+        return config.compile(forward)

@@ -18,6 +18,7 @@ it: ``.to()`` / ``.half()`` / ``.cuda()``, and reading per-parameter gradient va
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -42,6 +43,7 @@ from ..execution.gather import Destination, gather_full
 from ..execution.runtime import ChunkRuntime
 from ..ranks.agreement import agree, on_first_rank
 from ..usage.stats import Stats
+from .compiled_blocks import CompiledBlocks
 from .grad_markers import GradientMarkers, clear_markers
 from .model_state import StagedModelLoad, check_model_state
 from .peft_adapter import adapter_entries
@@ -54,22 +56,31 @@ def _compile_refused() -> NotSupportedError:
     return NotSupportedError(
         "torch.compile of a boosted model is not supported: chunkmem gathers and releases parameter chunks in "
         "Python hooks around every op, which a compiled graph would skip (or run on fake tensors while tracing, "
-        "issuing real collectives). Run the boosted model eagerly; torch.compile the model before boosting is "
-        "not supported either, as its parameters become chunk views."
+        "issuing real collectives). Compile its repeated blocks instead, with the hooks eager at their boundaries: "
+        "boost with ChunkPlugin(compile=CompileBlocks()) and run the boosted model itself eagerly; torch.compile "
+        "the model before boosting is not supported either, as its parameters become chunk views."
     )
 
 
-@torch.compiler.assume_constant_result
 def _refuse_compiling(compiling: bool) -> bool:
-    """Raise ``_compile_refused()`` where ``compiling``. Dynamo runs a function marked
-    ``assume_constant_result`` for real while it traces (to take its result as a constant), so the
-    error ends the compile before any graph is built. A ``raise`` in traced code would only break
-    the graph: ``forward`` would run eagerly and Dynamo compile what it calls (the inputs' casts: on
-    CUDA a Triton kernel and Inductor's pool of compile workers, a minute and more under load) until
-    the op hooks refused."""
+    """Raise ``_compile_refused()`` where ``compiling``. Marked ``assume_constant_result`` (by
+    ``_mark_compile_refusal``), Dynamo runs it for real while it traces (to take its result as a
+    constant), so the error ends the compile before any graph is built. A ``raise`` in traced code
+    would only break the graph: ``forward`` would run eagerly and Dynamo compile what it calls (the
+    inputs' casts: on CUDA a Triton kernel and Inductor's pool of compile workers, a minute and more
+    under load) until the op hooks refused."""
     if compiling:
         raise _compile_refused()
     return False
+
+
+@functools.cache
+def _mark_compile_refusal() -> None:
+    """Mark ``_refuse_compiling`` for Dynamo, once, when the first model is boosted: marking imports
+    Dynamo (about two seconds), which ``import chunkmem`` should not pay. Nothing can trace a
+    boosted model's forward before one is built."""
+    global _refuse_compiling
+    _refuse_compiling = torch.compiler.assume_constant_result(_refuse_compiling)
 
 
 def _check_values_in_place(pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]], source: str) -> None:
@@ -124,6 +135,7 @@ class ChunkedModel(torch.nn.Module):
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
         meter: SavedMeter | None = None,
+        compiled: CompiledBlocks | None = None,
         *,
         beside: ChunkedModel | None = None,
     ) -> None:
@@ -133,6 +145,7 @@ class ChunkedModel(torch.nn.Module):
         manager, runtime and budget (``Booster.boost(..., frozen=...)``); its optimizer steps
         advance both."""
         super().__init__()
+        _mark_compile_refusal()
         self.module = module
         self._runtime = runtime
         self._manager = manager
@@ -149,6 +162,7 @@ class ChunkedModel(torch.nn.Module):
         self._progress = beside.progress if beside is not None else TrainingProgress()
         self._activations = activations
         self._meter = meter
+        self._compiled = compiled
         self._beside = beside
         self._frozen: list[ChunkedModel] = []
         if beside is not None:
@@ -484,7 +498,7 @@ class ChunkedModel(torch.nn.Module):
             memo[id(info.param)] = torch.nn.Parameter(to_device(values.pop(id(info.param)), device), info.trainable)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
-            with self._activations.detached() if self._activations is not None else nullcontext():
+            with self._forwards_detached():
                 plain = copy.deepcopy(self.module, memo)
         finally:
             self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
@@ -495,6 +509,16 @@ class ChunkedModel(torch.nn.Module):
                     dtype = self._buffer_dtypes.get(full_name, buf.dtype)
                     setattr(module, name, to_device(buf.detach(), device, dtype).clone())
         return plain
+
+    @contextmanager
+    def _forwards_detached(self) -> Iterator[None]:
+        """The blocks run their classes' own forward (no activation placement, nothing compiled):
+        the activation blocks first, since their wrappers hold the compiled blocks'."""
+        with (
+            self._activations.detached() if self._activations is not None else nullcontext(),
+            self._compiled.detached() if self._compiled is not None else nullcontext(),
+        ):
+            yield
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
         """Hugging Face ``save_pretrained`` with the full fp32 weights: rank 0 writes (from a plain

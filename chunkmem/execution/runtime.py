@@ -420,10 +420,13 @@ class ChunkRuntime(ParamOpHook):
     def traced_op(self, params: Sequence[torch.Tensor]) -> None:
         """Refuse a compiler's trace, whether or not ops are observed: a graph would skip the
         gathers, releases and gradient reductions of every later step."""
+        names = [self._manager.info(p).name for p in params]
         raise NotSupportedError(
-            f"rank {self._rank}: torch.compile is tracing an op on managed parameters: chunkmem gathers chunks "
-            "in Python hooks that a compiled graph cannot contain (tracing would issue real collectives on fake "
-            "tensors). Run the boosted model eagerly."
+            f"rank {self._rank}: torch.compile is tracing an op on managed parameters {names}: chunkmem gathers "
+            "chunks in Python hooks that a compiled graph cannot contain (tracing would issue real collectives on "
+            "fake tensors). Run the boosted model eagerly, or compile its repeated blocks with "
+            "ChunkPlugin(compile=CompileBlocks(...)), where the hooks run eagerly at each block's boundaries (a "
+            "compiled block may read only its own parameters)."
         )
 
     def _before(self, params: Sequence[torch.Tensor], phase: Phase) -> None:

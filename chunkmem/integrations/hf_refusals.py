@@ -33,8 +33,10 @@ def _checks(args: Any, plugin: ChunkPlugin) -> list[NotSupportedError]:
     refuse(
         args.torch_compile,
         "torch_compile",
-        "chunks are gathered in Python hooks around every op, which a compiled graph would skip",
-        "Set torch_compile=False",
+        "Trainer compiles the whole model, and chunks are gathered in Python hooks around every op, which a "
+        "compiled graph would skip",
+        "Set torch_compile=False, and compile the repeated blocks with the hooks eager at their boundaries: "
+        "ChunkTrainer(plugin=ChunkPlugin(compile=CompileBlocks(backend=..., mode=...)))",
     )
     refuse(
         args.use_liger_kernel,

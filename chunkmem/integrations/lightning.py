@@ -42,6 +42,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 
+from ..boosted.compile_config import CompileBlocks
 from ..boosted.model import ChunkedModel
 from ..booster import Booster
 from ..device import collective_backend, compute_device
@@ -77,7 +78,7 @@ class ChunkStrategy(ParallelStrategy):
     """Train a ``LightningModule`` with chunkmem (module docstring).
 
     Args:
-        placement, chunk_size, loss_scale, check_plans, host_step, disk_dir: as ``ChunkPlugin``
+        placement, chunk_size, loss_scale, check_plans, host_step, disk_dir, compile: as ``ChunkPlugin``
             (validated here, so a wrong setting fails where it is written). The precision is
             ``Trainer(precision=...)``'s; ``gradient_accumulation`` is set from
             ``accumulate_grad_batches``.
@@ -99,6 +100,7 @@ class ChunkStrategy(ParallelStrategy):
         check_plans: bool | None = None,
         host_step: StepAfterBackward | StepDuringBackward | dict[str, Any] | None = None,
         disk_dir: str | Path | None = None,
+        compile: CompileBlocks | dict[str, Any] | None = None,
         sharded_checkpoint: bool | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -115,6 +117,7 @@ class ChunkStrategy(ParallelStrategy):
             check_plans=check_plans,
             host_step=host_step,
             disk_dir=disk_dir,
+            compile=compile,
         )
         if sharded_checkpoint is not None and not isinstance(sharded_checkpoint, bool):
             raise TypeError(f"sharded_checkpoint must be True, False or None, got {sharded_checkpoint!r}")
@@ -214,6 +217,7 @@ class ChunkStrategy(ParallelStrategy):
                 gradient_accumulation=trainer.accumulate_grad_batches > 1,
                 host_step=settings.host_step,
                 disk_dir=settings.disk_dir,
+                compile=settings.compile,
             )
         )
         chunked, boosted, *_ = self._booster.boost(module, optimizer)

@@ -45,6 +45,7 @@ from chunkmem.placement.policy import format_bytes
 
 from ..activations.detect import RepeatedBlock, resolve_blocks
 from ..activations.forecast import BlockForecast, forecast
+from ..boosted.compile_config import CompileBlocks
 from ..boosted.model import ChunkedModel
 from ..chunks.param_values import LiveValues, ParamValues
 from ..device import PLANNED_DEVICES, DeviceLayer
@@ -171,6 +172,11 @@ class PlanningBacking:
     def activation_disk_dir(self, disk_dir: str | None, comm: Communicator) -> str:
         """A plan writes no activations (its tensors are meta): any directory will do, none is checked."""
         return disk_dir or "(planned)"
+
+    def compile_block(self, forward: Callable[..., Any], config: CompileBlocks) -> Callable[..., Any]:
+        """The function itself: a meta run computes nothing to compile, and the chunk traffic it counts
+        is the compiled run's (one op per block call either way)."""
+        return forward
 
 
 def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
