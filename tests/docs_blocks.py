@@ -37,6 +37,7 @@ FRONT_DOOR = frozenset(
     {
         *["Booster", "ChunkPlugin", "ChunkedModel", "ChunkOptimizer", "StaticPlacementConfig", "AutoPlacementConfig"],
         *["PlacementConfig", "load_placement_config", "ActivationPlacement", "BlockPlacement", "LossScaleConfig"],
+        "CompileBlocks",
         *["StepAfterBackward", "StepDuringBackward", "Stats", "plan", "Plan", "StepCounters", "checkpoint"],
         "__version__",
     }

@@ -37,6 +37,8 @@ TITLES = {
     "collectives": "Collectives alone",
     "chunk_search": "The chunk-size search",
     "wait_removal": "Every wait removed alone, on the simulated device",
+    "compile_w1": "torch.compile per block at one rank",
+    "compile_w2": "torch.compile per block at two ranks, against FSDP2",
 }
 
 NO_RESULTS = (
