@@ -47,6 +47,7 @@ from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state
 from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
 from .optim.places import SidePlaces
 from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
+from .quantized import QuantizedBase, QuantizingValues
 from .ranks.comm import Communicator
 from .tiers.disk import DISK_BLOCK, SidesFile
 from .usage.stats import Stats
@@ -294,8 +295,14 @@ class ChunkPlugin:
         named = list(model.named_parameters())  # each shared parameter once, first name
         if not named:
             raise ValueError("the model has no parameters to manage")
+        quantized = QuantizedBase.find(model)  # bitsandbytes 4-bit layers (other formats refused)
         if optimizer is not None:
             _check_optimizer(optimizer, named)
+            if quantized is not None:
+                quantized.check_optimizer(optimizer)
+        # A 4-bit weight goes in chunks as its packed bytes and its scales (chunkmem.quantized).
+        named = quantized.registration(named) if quantized is not None else named
+        quantized_tensors = quantized.tensors if quantized is not None else []
         comm = (
             self._process_group
             if isinstance(self._process_group, Communicator)
@@ -305,14 +312,18 @@ class ChunkPlugin:
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
-        chunk_size, trainable_chunk_size = (
-            (self.chunk_size, None) if self.chunk_size is not None else self._search(named, comm.world_size)
+        chunk_size, trainable_chunk_size, quantized_chunk_size = (
+            (self.chunk_size, None, None)
+            if self.chunk_size is not None
+            else self._search(named, comm.world_size, quantized_tensors)
         )
 
         values = backing.values(model, weights)
+        if quantized is not None:
+            values = QuantizingValues(values, quantized.layers)  # weights quantized at boost, piece by piece
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
-        manager.register(named, chunk_size, trainable_chunk_size)
+        manager.register(named, chunk_size, trainable_chunk_size, quantized_tensors, quantized_chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
@@ -327,7 +338,9 @@ class ChunkPlugin:
                 )
             policy.cover_activations()
         try:
-            layout = policy.layout(specs, self._working_sets(model, manager), accumulate=self.gradient_accumulation)
+            layout = policy.layout(
+                specs, self._working_sets(model, manager, quantized), accumulate=self.gradient_accumulation
+            )
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None
         except placement_pkg.HostBudgetTooSmallError as error:
@@ -341,6 +354,8 @@ class ChunkPlugin:
 
         places = SidePlaces(layout, disk)  # where each chunk's optimizer side lives, decided once
         values.prepare_buffers(model)
+        if quantized is not None:  # every check passed: the 4-bit layers become chunkmem's
+            quantized.install(device)
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
@@ -360,7 +375,7 @@ class ChunkPlugin:
         )
         scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, quantized)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None
@@ -439,11 +454,28 @@ class ChunkPlugin:
                 "size that wastes the least padding."
             )
 
-    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
-        """The chunk size that wastes the least padding, and for trainable parameters that all fit
-        in less than one such chunk beside frozen ones (a LoRA adapter) a size of their own
-        (``trainable_chunk_range``): in a chunk of the model's size their gradient buffers, fp32
-        masters, optimizer states and disk writes would be mostly padding. ``None``: one size."""
+    def _search(
+        self, named: list[tuple[str, torch.nn.Parameter]], world_size: int, quantized: list[torch.nn.Parameter]
+    ) -> tuple[int, int | None, int | None]:
+        """The chunk sizes that waste the least padding: for the model, for trainable parameters
+        that all fit in less than one such chunk beside frozen ones (a LoRA adapter: a size of their
+        own, ``trainable_chunk_range``; in a chunk of the model's size their gradient buffers, fp32
+        masters, optimizer states and disk writes would be mostly padding), and for a quantized
+        base's stored tensors (``quantized``: bytes and scales, searched over themselves).
+        ``None``: the model's size."""
+        stored = {id(p) for p in quantized}
+        plain = [(n, p) for n, p in named if id(p) not in stored]
+        quantized_size = None
+        if quantized:
+            low, high = default_search_range(sum(p.numel() for p in quantized), 1024, 1)
+            result = search_chunk_size(quantized, low, high, 1024, world_size, 1)
+            log.info("chunkmem: searched %s (quantized)", result.describe())
+            quantized_size = result.chunk_size
+            if not plain:
+                return quantized_size, None, quantized_size
+        return (*self._search_plain(plain, world_size), quantized_size)
+
+    def _search_plain(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
         params = [p for _, p in named]
         itemsize = self.compute_dtype.itemsize
         low, high = default_search_range(sum(p.numel() for p in params), 1024, itemsize)
@@ -463,9 +495,10 @@ class ChunkPlugin:
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel
         kind = chunk.layout.shard_kind
-        # The master: fp32, or a frozen chunk's values alone in the compute dtype (FROZEN_VALUES).
-        master = shard * kind.values_dtype(self.compute_dtype).itemsize
-        master_is_compute = kind.values_dtype(self.compute_dtype) == self.compute_dtype
+        gathered = chunk.compute_dtype  # the compute dtype; a quantized chunk's own
+        # The master: fp32, or a frozen chunk's values alone in the dtype gathers read (FROZEN_VALUES, QUANTIZED).
+        master = shard * kind.values_dtype(gathered).itemsize
+        master_is_compute = kind.values_dtype(gathered) == gathered
         trainable = kind.has_grad
         states = state.reserved(shard, len(chunk.tensors)) if trainable else 0
         grad = shard * MASTER_DTYPE.itemsize if trainable else 0
@@ -480,17 +513,22 @@ class ChunkPlugin:
             gathered_bytes=chunk.gathered_bytes,
             grad_bytes=chunk.grad_bytes,
             optim_side_bytes=optim_side,
-            shard_copy_bytes=shard * self.compute_dtype.itemsize,
+            shard_copy_bytes=shard * gathered.itemsize,
             gathered_is_shard=world_size == 1,
             master_is_compute=master_is_compute,
             disk_side_bytes=disk_side,
         )
 
     @staticmethod
-    def _working_sets(model: torch.nn.Module, manager: ChunkManager) -> list[WorkingSet]:
+    def _working_sets(
+        model: torch.nn.Module, manager: ChunkManager, quantized: QuantizedBase | None
+    ) -> list[WorkingSet]:
         sets = []
         for name, module in model.named_modules():
-            chunks = sorted({manager.info(p).chunk_id for p in module.parameters(recurse=False) if manager.manages(p)})
+            params = list(module.parameters(recurse=False))
+            if quantized is not None:  # a 4-bit layer's op reads its scales too
+                params += quantized.module_tensors(module)
+            chunks = sorted({manager.info(p).chunk_id for p in params if manager.manages(p)})
             if chunks:
                 sets.append(WorkingSet(name or type(model).__name__, tuple(chunks)))
         return sets

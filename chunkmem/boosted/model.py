@@ -38,6 +38,7 @@ from ..device import gpu_device
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from ..execution.gather import Destination, gather_full
 from ..execution.runtime import ChunkRuntime
+from ..quantized import QuantizedBase
 from ..ranks.agreement import agree, on_first_rank
 from ..usage.stats import Stats
 from .grad_markers import GradientMarkers, clear_markers
@@ -121,6 +122,7 @@ class ChunkedModel(torch.nn.Module):
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
+        quantized: QuantizedBase | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -133,6 +135,7 @@ class ChunkedModel(torch.nn.Module):
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
         self._activations = activations
+        self._quantized = quantized
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
         weakref.finalize(module, runtime.detach)
@@ -426,9 +429,14 @@ class ChunkedModel(torch.nn.Module):
         memo: dict[int, Any] = {}
         for info in self._manager.infos:
             memo[id(info.param)] = torch.nn.Parameter(values.pop(id(info.param)).to(device), info.trainable)
+        if self._quantized is not None:  # 4-bit weights as bitsandbytes holds them
+            self._quantized.plain_weights(memo)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
-            with self._activations.detached() if self._activations is not None else nullcontext():
+            with (
+                self._activations.detached() if self._activations is not None else nullcontext(),
+                self._quantized.detached() if self._quantized is not None else nullcontext(),
+            ):
                 plain = copy.deepcopy(self.module, memo)
         finally:
             self._guard_inner_state = self.module.register_state_dict_pre_hook(_refuse_placeholder_state)
