@@ -312,7 +312,7 @@ class ChunkPlugin:
         dtype = self.compute_dtype
         if self.chunk_size is not None:
             self._check_chunk_size(named, comm.world_size)
-        chunk_size, trainable_chunk_size, quantized_chunk_size = (
+        chunk_size, trainable_chunk_size, quantized_chunk_sizes = (
             (self.chunk_size, None, None)
             if self.chunk_size is not None
             else self._search(named, comm.world_size, quantized_tensors)
@@ -323,7 +323,7 @@ class ChunkPlugin:
             values = QuantizingValues(values, quantized.layers)  # weights quantized at boost, piece by piece
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
-        manager.register(named, chunk_size, trainable_chunk_size, quantized_tensors, quantized_chunk_size)
+        manager.register(named, chunk_size, trainable_chunk_size, quantized_tensors, quantized_chunk_sizes)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
         specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
@@ -456,24 +456,25 @@ class ChunkPlugin:
 
     def _search(
         self, named: list[tuple[str, torch.nn.Parameter]], world_size: int, quantized: list[torch.nn.Parameter]
-    ) -> tuple[int, int | None, int | None]:
+    ) -> tuple[int, int | None, dict[torch.dtype, int]]:
         """The chunk sizes that waste the least padding: for the model, for trainable parameters
         that all fit in less than one such chunk beside frozen ones (a LoRA adapter: a size of their
         own, ``trainable_chunk_range``; in a chunk of the model's size their gradient buffers, fp32
-        masters, optimizer states and disk writes would be mostly padding), and for a quantized
-        base's stored tensors (``quantized``: bytes and scales, searched over themselves).
-        ``None``: the model's size."""
+        masters, optimizer states and disk writes would be mostly padding; ``None``: the model's),
+        and for each dtype of a quantized base's stored tensors (``quantized``: the packed bytes, and
+        their scales, an eighth of their bytes, each searched over themselves)."""
         stored = {id(p) for p in quantized}
         plain = [(n, p) for n, p in named if id(p) not in stored]
-        quantized_size = None
-        if quantized:
-            low, high = default_search_range(sum(p.numel() for p in quantized), 1024, 1)
-            result = search_chunk_size(quantized, low, high, 1024, world_size, 1)
-            log.info("chunkmem: searched %s (quantized)", result.describe())
-            quantized_size = result.chunk_size
-            if not plain:
-                return quantized_size, None, quantized_size
-        return (*self._search_plain(plain, world_size), quantized_size)
+        quantized_sizes: dict[torch.dtype, int] = {}
+        for dtype in dict.fromkeys(p.dtype for p in quantized):
+            group = [p for p in quantized if p.dtype == dtype]
+            low, high = default_search_range(sum(p.numel() for p in group), 1024, dtype.itemsize)
+            result = search_chunk_size(group, low, high, 1024, world_size, dtype.itemsize)
+            log.info("chunkmem: searched %s (quantized, %s)", result.describe(), dtype)
+            quantized_sizes[dtype] = result.chunk_size
+        if not plain:
+            return max(quantized_sizes.values()), None, quantized_sizes
+        return (*self._search_plain(plain, world_size), quantized_sizes)
 
     def _search_plain(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
         params = [p for _, p in named]

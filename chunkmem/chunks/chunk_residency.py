@@ -84,8 +84,9 @@ class ChunkResidency:
             if info.param.is_meta and self._buffer.device.type != "meta":
                 # ``.data`` cannot move a tensor off the meta device; swapping keeps the parameter
                 # object itself, which the model and the user's optimizer hold.
-                real = torch.nn.Parameter(torch.empty((), dtype=info.param.dtype).expand(info.shape))
-                real.requires_grad_(info.param.requires_grad)
+                empty = torch.empty((), dtype=info.param.dtype).expand(info.shape)
+                real = torch.nn.Parameter(empty, requires_grad=info.param.requires_grad)  # (integer: never)
+                real.__dict__.update(info.param.__dict__)  # the swap exchanges them: its attributes stay its own
                 torch.utils.swap_tensors(info.param, real)
         self._set_param_data(self._placeholders)
 

@@ -6,7 +6,7 @@ and host transfers; what is gathered, released or evicted during a step is the r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,16 +125,18 @@ class ChunkManager:
         chunk_size: int,
         trainable_chunk_size: int | None = None,
         quantized: Collection[torch.nn.Parameter] = (),
-        quantized_chunk_size: int | None = None,
+        quantized_chunk_sizes: Mapping[torch.dtype, int] | None = None,
     ) -> None:
         """Pack parameters, in order, into chunks of ``chunk_size`` elements (rounded up to a
         multiple of the world size), the trainable ones into chunks of ``trainable_chunk_size``
         where given (an adapter a small part of a frozen model: its chunks sized for it, not for
         the model), the ``quantized`` ones (a quantized base's stored tensors, frozen: see
-        ``chunkmem.quantized``) into chunks of ``quantized_chunk_size`` that hold them in their
-        own dtype. Each group (dtype, requires_grad, quantized) fills its own open chunk; a
+        ``chunkmem.quantized``) into chunks that hold them in their own dtype, of
+        ``quantized_chunk_sizes[dtype]`` where given (packed bytes and their scales are sized
+        apart). Each group (dtype, requires_grad, quantized) fills its own open chunk; a
         parameter larger than its group's size gets a chunk of its own."""
-        for size in (chunk_size, trainable_chunk_size, quantized_chunk_size):
+        quantized_sizes = dict(quantized_chunk_sizes or {})
+        for size in (chunk_size, trainable_chunk_size, *quantized_sizes.values()):
             if size is not None and size <= 0:
                 raise ValueError(f"chunk_size must be a positive number of elements, got {size}")
         world = self._comm.world_size
@@ -144,7 +146,13 @@ class ChunkManager:
             is_quantized = id(param) in stored
             self._check_manageable(name, param, is_quantized)
             key = (*group_key(param), is_quantized)
-            size = quantized_chunk_size if is_quantized else trainable_chunk_size if param.requires_grad else None
+            size = (
+                quantized_sizes.get(param.dtype)
+                if is_quantized
+                else trainable_chunk_size
+                if param.requires_grad
+                else None
+            )
             capacity = -(-(size or chunk_size) // world) * world
             dtype = param.dtype if is_quantized else self._compute_dtype
             numel = param.numel()
