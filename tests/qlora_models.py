@@ -31,14 +31,13 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 COMPUTE = torch.bfloat16
 
 
-def _nf4_config(double_quant: bool = False) -> Any:
+def nf4_config(double_quant: bool = False, compute_dtype: torch.dtype | None = COMPUTE) -> Any:
+    """``BitsAndBytesConfig`` for NF4; ``compute_dtype=None``: transformers' default (fp32)."""
     from transformers import BitsAndBytesConfig
 
+    compute = {} if compute_dtype is None else {"bnb_4bit_compute_dtype": compute_dtype}
     return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=COMPUTE,
-        bnb_4bit_use_double_quant=double_quant,
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant, **compute
     )
 
 
@@ -46,7 +45,9 @@ def base_16bit(seed: int = 0, hidden: int = 64, layers: int = 2) -> torch.nn.Mod
     return llama(n_layer=layers, hidden=hidden, seed=seed).to(COMPUTE)
 
 
-def quantize_linears(model: torch.nn.Module, double_quant: bool = False) -> torch.nn.Module:
+def quantize_linears(
+    model: torch.nn.Module, double_quant: bool = False, quant_storage: torch.dtype = torch.uint8
+) -> torch.nn.Module:
     """Every ``nn.Linear`` but ``lm_head`` replaced, in place, by a ``Linear4bit`` (NF4) quantizing
     its weights: bitsandbytes' own API, as transformers' integration uses it."""
     import bitsandbytes as bnb
@@ -61,6 +62,7 @@ def quantize_linears(model: torch.nn.Module, double_quant: bool = False) -> torc
                     compute_dtype=COMPUTE,
                     compress_statistics=double_quant,
                     quant_type="nf4",
+                    quant_storage=quant_storage,
                 )
                 layer.load_state_dict(child.state_dict())
                 setattr(parent, name, layer.to("cpu"))  # bitsandbytes quantizes here
@@ -93,17 +95,23 @@ def save_16bit(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def pretrained_qlora(directory: Path, seed: int = 0, double_quant: bool = False, draw_b: bool = True) -> Any:
+def pretrained_qlora(
+    directory: Path,
+    seed: int = 0,
+    double_quant: bool = False,
+    draw_b: bool = True,
+    compute_dtype: torch.dtype | None = COMPUTE,
+) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)  # PEFT's init draws after from_pretrained (what a boost from meta replays)
     base = AutoModelForCausalLM.from_pretrained(
-        directory, quantization_config=_nf4_config(double_quant), device_map="cpu", dtype=COMPUTE
+        directory, quantization_config=nf4_config(double_quant, compute_dtype), device_map="cpu", dtype=COMPUTE
     )
     return with_adapter(base, seed, draw_b)
 
 
-def meta_qlora(directory: Path, seed: int = 0) -> Any:
+def meta_qlora(directory: Path, seed: int = 0, compute_dtype: torch.dtype | None = COMPUTE) -> Any:
     """The model of ``directory``'s config on the meta device, its linear layers 4-bit but not
     quantized (built in bf16, the dtype they are quantized from), with the adapter: everything
     built inside the meta device's context, PEFT's adapter too (its init is replayed at boost)."""
@@ -117,7 +125,8 @@ def meta_qlora(directory: Path, seed: int = 0) -> Any:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE)
-            replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=_nf4_config())
+            config_4bit = nf4_config(compute_dtype=compute_dtype)
+            replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config_4bit)
             model.is_loaded_in_4bit = True  # what from_pretrained marks: PEFT wraps the layers in its 4-bit LoRA layer
             return with_adapter(model, seed, draw_b=False)
     finally:

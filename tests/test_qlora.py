@@ -17,6 +17,8 @@ run. What cannot be kept is refused naming the format and the fix, before anythi
 
 from __future__ import annotations
 
+import ast
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,11 @@ from qlora_models import (
     quantized_llama,
     save_16bit,
     train,
+    with_adapter,
 )
 from test_peft import adapter_files
 
-from chunkmem import Booster, ChunkPlugin
+from chunkmem import Booster, ChunkPlugin, NotSupportedError, UnmanageableParameter
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.usage.accounting import Location, MemoryKind
 
@@ -188,3 +191,263 @@ def test_qlora_at_two_ranks_equals_plain_peft_qlora_both_ways_in(tmp_path: Path)
                         p.data = masters[name].detach()
             reference.save_pretrained(tmp_path / "plain")
             assert_same_adapter(tmp_path / "adapter", tmp_path / "plain")
+
+
+@SLOW
+def test_a_base_quantized_at_boost_is_what_from_pretrained_quantizes(tmp_path: Path) -> None:
+    """With transformers' default compute dtype (fp32, over a bf16 base): the packed bytes, scales and
+    code books a boost quantizes from the 16-bit checkpoint, and the adapter's init PEFT casts to the
+    layers' compute dtype, are what from_pretrained with the same BitsAndBytesConfig gives; training
+    on equals plain PEFT over it."""
+    directory = save_16bit(tmp_path / "base")
+    data = batches(2)
+    chunked, optimizer, booster = _boost(meta_qlora(directory, compute_dtype=None), "resident", None, directory)
+    state = chunked.state_dict()
+    plain = pretrained_qlora(directory, draw_b=False, compute_dtype=None).state_dict()
+    assert state.keys() == plain.keys()
+    for name, value in plain.items():
+        expected = value.to(torch.float32) if "lora_" in name else value  # the adapter as fp32 masters
+        assert torch.equal(state[name], expected), name
+    losses = train(chunked, optimizer, booster, data)
+    expected_losses, _, masters = plain_qlora(
+        lambda: pretrained_qlora(directory, draw_b=False, compute_dtype=None), data
+    )
+    assert losses == [step[0] for step in expected_losses]
+    trained = chunked.state_dict()
+    for name, master in masters.items():
+        assert torch.equal(trained[name], master), name
+
+
+class _GPTQLinear(torch.nn.Module):
+    """Stands in for a GPTQ layer (auto-gptq's QuantLinear: int32 packed buffers)."""
+
+    __module__ = "auto_gptq.nn_modules.qlinear.qlinear_exllama"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("qweight", torch.zeros(8, 64, dtype=torch.int32))
+
+
+class _NF4Tensor(torch.Tensor):
+    """Stands in for torchao's NF4Tensor (a tensor subclass holding packed values)."""
+
+    __module__ = "torchao.dtypes.nf4tensor"
+
+
+def _trainable_4bit(model: Any) -> Any:
+    model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
+    return model
+
+
+def _double_quant_at_boost(model: Any) -> Any:
+    model.base_model.model.model.layers[0].mlp.up_proj.weight.compress_statistics = True
+    return model
+
+
+def _packed_for_cpu(model: Any) -> Any:
+    model.base_model.model.model.layers[0].mlp.up_proj.weight.quant_state.packing_format_for_cpu = True
+    return model
+
+
+def _with_layer(model: Any, layer: torch.nn.Module) -> Any:
+    model.base_model.model.model.layers[0].mlp.quantized_extra = layer
+    return model
+
+
+def _with_param(model: Any) -> Any:
+    norm = model.base_model.model.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().as_subclass(_NF4Tensor), requires_grad=False)
+    return model
+
+
+def _with_config(model: Any) -> Any:
+    model.config.quantization_config = {"quant_method": "awq", "bits": 4}
+    return model
+
+
+def _int8(model: Any) -> Any:
+    import bitsandbytes as bnb
+
+    return _with_layer(model, bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False))
+
+
+REFUSED = {
+    "8-bit bitsandbytes": (_int8, NotSupportedError, r"8-bit \(LLM\.int8.*BitsAndBytesConfig\(load_in_4bit=True"),
+    "a trainable 4-bit weight": (
+        lambda d: _trainable_4bit(meta_qlora(d)),
+        UnmanageableParameter,
+        r"q_proj\.base_layer\.weight' requires grad: a quantized weight cannot train.*get_peft_model",
+    ),
+    "double quantization at boost": (
+        lambda d: _double_quant_at_boost(meta_qlora(d)),
+        NotSupportedError,
+        r"up_proj\.weight' is to be quantized at boost with double quantization.*bnb_4bit_use_double_quant=False",
+    ),
+    "another quant storage": (
+        lambda d: with_adapter(quantize_linears(base_16bit(), quant_storage=torch.bfloat16)),
+        NotSupportedError,
+        r"packs its 4-bit values in torch\.bfloat16.*bnb_4bit_quant_storage=torch\.uint8",
+    ),
+    "weights packed for CPU inference": (
+        lambda d: _packed_for_cpu(quantized_llama()),
+        NotSupportedError,
+        r"repacked by bitsandbytes for its CPU inference kernel.*before running it",
+    ),
+    "a GPTQ layer": (
+        lambda d: _with_layer(quantized_llama(), _GPTQLinear()),
+        NotSupportedError,
+        r"quantized_extra' \(_GPTQLinear\) is quantized with GPTQ \(auto-gptq\).*BitsAndBytesConfig",
+    ),
+    "a torchao tensor": (
+        lambda d: _with_param(quantized_llama()),
+        UnmanageableParameter,
+        r"norm\.weight' is a _NF4Tensor quantized with torchao.*BitsAndBytesConfig",
+    ),
+    "another quantizer's config": (
+        lambda d: _with_config(with_adapter(base_16bit())),
+        NotSupportedError,
+        r"loaded with quantization_config quant_method='awq'.*BitsAndBytesConfig",
+    ),
+}
+
+
+def _layers_as_given(model: torch.nn.Module) -> list[tuple[str, str, bool]]:
+    return [
+        (name, type(module.weight).__name__, "forward" in vars(module))
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
+    ]
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_cannot_be_kept_is_refused_naming_the_format_and_the_fix(case: str, tmp_path: Path) -> None:
+    build, error, message = REFUSED[case]
+    directory = save_16bit(tmp_path / "base") if "boost" in case or "trainable" in case else tmp_path
+    model = build(directory) if case != "8-bit bitsandbytes" else build(quantized_llama())
+    before = _layers_as_given(model)
+    with pytest.raises(error, match=message):
+        _boost(model, "resident", None, directory if "boost" in case or "trainable" in case else None)
+    assert _layers_as_given(model) == before  # nothing was changed
+
+
+def test_an_optimizer_over_the_4bit_weights_is_refused_naming_the_fix() -> None:
+    model = quantized_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the frozen uint8 weights too
+    with pytest.raises(UnmanageableParameter, match=r"holds the 4-bit weight .*requires_grad"):
+        Booster(ChunkPlugin(precision="bf16")).boost(model, optimizer)
+
+
+def test_no_module_but_the_compat_one_names_bitsandbytes() -> None:
+    """bitsandbytes' names (its package, classes and kernels) appear in code only in
+    ``chunkmem/quantized/bnb4.py``: elsewhere at most in text (docstrings, messages)."""
+    names = {
+        "bitsandbytes", "bnb", "Params4bit", "Linear4bit", "Int8Params", "Linear8bitLt", "QuantState",
+        "matmul_4bit", "quantize_4bit", "dequantize_4bit", "get_4bit_type", "gemm_4bit",
+    }  # fmt: skip
+    root = Path(__file__).resolve().parent.parent / "chunkmem"
+    found = {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                used |= {m.split(".")[0] for m in modules}
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "get":  # sys.modules.get("...")
+                used |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        if used & names:
+            found[str(path.relative_to(root))] = sorted(used & names)
+    assert found == {"quantized/bnb4.py": sorted(found.get("quantized/bnb4.py", ["bitsandbytes"]))}, found
+    assert "bitsandbytes" in found["quantized/bnb4.py"]
+
+
+@SLOW
+def test_a_double_quantized_base_from_pretrained_trains_like_plain_peft_and_copies_to_plain_bitsandbytes(
+    tmp_path: Path,
+) -> None:
+    """``from_pretrained`` with double quantization (8-bit scales with fp32 scales of their own):
+    both scale tensors in chunks, the code books beside them; bit for bit as plain PEFT; a plain copy
+    is a bitsandbytes model again (Params4bit weights holding their state) with the same outputs."""
+    directory = save_16bit(tmp_path / "base")
+    data = batches(2)
+    model = pretrained_qlora(directory, double_quant=True)
+    chunked, optimizer, booster = _boost(model, "auto-budget", None)
+    report = _quantized_report(chunked)
+    assert report["dtypes"] == ["torch.float32", "torch.uint8"] and report["peak_device"] <= BUDGET, report
+    names = {info.name for c in chunked.manager.chunks if c.quantized for info in c.tensors}
+    assert "base_model.model.model.layers.0.mlp.up_proj.weight.nested_absmax" in names
+    losses = train(chunked, optimizer, booster, data)
+    expected, reference, masters = plain_qlora(lambda: pretrained_qlora(directory, double_quant=True), data)
+    assert losses == [step[0] for step in expected]
+    state = chunked.state_dict()
+    for name, master in masters.items():
+        assert torch.equal(state[name], master), name
+    assert digest(quantized_entries(state)) == digest(quantized_entries(reference.state_dict()))
+    plain = chunked.plain_copy()
+    layer = plain.base_model.model.model.layers[0].mlp.up_proj
+    assert type(layer.weight).__name__ == "Params4bit" and layer.weight.quant_state.nested
+    assert "forward" not in vars(layer)  # bitsandbytes' own forward
+    assert digest(quantized_entries(plain.state_dict())) == digest(quantized_entries(state))
+    # The copy holds the adapter's fp32 masters and its buffers as loaded: in chunkmem's compute dtype,
+    # its arithmetic is the boosted model's.
+    with torch.no_grad():
+        for p in plain.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+        for module in plain.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.is_floating_point():
+                    setattr(module, name, buffer.to(torch.bfloat16))
+        ids = batches(1, seed=7)[0]
+        assert torch.equal(plain(input_ids=ids).logits, chunked(input_ids=ids).logits)
+
+
+def _killed_job(rank: int, world_size: int, out: str) -> None:
+    """Step 0 with the base on disk, a sharded checkpoint, then step 1, killed in its backward."""
+    from test_killed_resume import _checkpoint_digest, _KillInBackward
+
+    chunked, optimizer, booster = _boost(quantized_llama(), "base-on-disk", Path(out) / "scratch")
+    data = batches(STEPS)
+    train(chunked, optimizer, booster, data[:1])
+    booster.save_model(chunked, Path(out) / "model", shard=True)
+    booster.save_optimizer(optimizer, Path(out) / "optim", shard=True)
+    digest = {part: _checkpoint_digest(Path(out) / part) for part in ("model", "optim")}
+    (Path(out) / "digest.json").write_text(json.dumps(digest))
+    layer = chunked.module.base_model.model.model.layers[0].self_attn.q_proj  # the first 4-bit layer
+    layer.register_forward_hook(lambda module, args, output: _KillInBackward.apply(output, Path(out)))
+    train(chunked, optimizer, booster, data[1:2])
+    raise AssertionError("the job was not killed in its backward")
+
+
+@SLOW
+def test_a_job_killed_mid_step_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Killed (SIGKILL) in a backward, the base's chunks on disk: a new job (another seed, so every
+    value, the base's bytes included, comes from the checkpoint) loads the checkpoint saved before
+    and trains on exactly as the uninterrupted run; the killed job's scratch goes at the next boost."""
+    from distributed import RankFailure
+    from test_killed_resume import _checkpoint_digest, _scratch
+
+    (tmp_path / "scratch").mkdir()
+    with pytest.raises(RankFailure, match=r"exit code -9"):
+        run_ranks(_killed_job, 1, args=(str(tmp_path),), fresh=True, pg_timeout=30, timeout=180)
+    assert (tmp_path / "killed").read_text() == "backward"
+    dead = _scratch(tmp_path / "scratch")
+    assert len(dead) == 1 and any(f.stat().st_size > 0 for f in dead[0].iterdir()), dead
+    saved = json.loads((tmp_path / "digest.json").read_text())
+    assert {part: _checkpoint_digest(tmp_path / part) for part in ("model", "optim")} == saved
+    data = batches(STEPS)
+    resumed, optimizer, booster = _boost(quantized_llama(seed=3), "base-on-disk", tmp_path / "scratch")
+    assert not any(path.exists() for path in dead)  # the next boost into the disk_dir removed it
+    booster.load_model(resumed, tmp_path / "model")
+    booster.load_optimizer(optimizer, tmp_path / "optim")
+    losses = train(resumed, optimizer, booster, data[1:])
+    chunked, uninterrupted, plain_booster = _boost(quantized_llama(), "base-on-disk", tmp_path / "scratch")
+    assert losses == train(chunked, uninterrupted, plain_booster, data)[1:]
+    state, expected = resumed.state_dict(), chunked.state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    for index, entry in uninterrupted.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(optimizer.state_dict()["state"][index][key], value), (index, key)

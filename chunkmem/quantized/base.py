@@ -251,7 +251,10 @@ def _refuse_quantization_config(model: torch.nn.Module) -> None:
     method = getattr(method, "value", method)
     if method in (None, "bitsandbytes"):
         return
-    raise NotSupportedError(f"the model was loaded with a {method} quantization config. {_FIX}")
+    raise NotSupportedError(
+        f"the model was loaded with quantization_config quant_method={method!r}, whose layers chunkmem cannot keep "
+        f"in chunks. {_FIX}"
+    )
 
 
 def _layer(module_name: str, module: torch.nn.Module, names: dict[int, str]) -> QuantizedLinear:
