@@ -43,7 +43,7 @@ from qlora_models import (
 )
 from test_peft import adapter_files
 
-from chunkmem import Booster, ChunkPlugin, NotSupportedError, UnmanageableParameter
+from chunkmem import Booster, ChunkPlugin, NotSupportedError, StepCounters, UnmanageableParameter, plan
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.usage.accounting import Location, MemoryKind
 
@@ -60,6 +60,10 @@ PLACEMENTS = {
     "base-on-disk": lambda: ON_DISK,
 }
 SLOW = pytest.mark.slow
+
+
+def adamw_over(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _boost(model: Any, placement: str, disk_dir: Path | None, weights: Path | None = None) -> tuple[Any, Any, Any]:
@@ -451,3 +455,38 @@ def test_a_job_killed_mid_step_resumes_from_its_checkpoint_as_the_uninterrupted_
     for index, entry in uninterrupted.state_dict()["state"].items():
         for key, value in entry.items():
             assert torch.equal(optimizer.state_dict()["state"][index][key], value), (index, key)
+
+
+@SLOW
+@pytest.mark.cpu_compute(reason="a plan for the CPU against a run on the CPU")
+def test_a_plan_of_a_qlora_model_counts_its_quantized_bytes_as_a_run_does(tmp_path: Path) -> None:
+    """``chunkmem.plan`` over the QLoRA model on the meta device (4-bit layers not quantized yet)
+    predicts a run of it, step for step: gathers, the base's bytes read from disk, peaks, and what
+    stays on disk and in host memory."""
+    directory = save_16bit(tmp_path / "base")
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    predicted = plan(
+        meta_qlora(directory),
+        ChunkPlugin(placement=ON_DISK, precision="bf16"),
+        {"input_ids": ids, "labels": ids},
+        optimizer=lambda params: adamw_over([p for p in params if p.requires_grad]),
+        steps=3,
+        device="cpu",
+    )
+    # The run over the base loaded quantized: boosted from weights=, its 16-bit chunks would be read in
+    # place from the checkpoint, which a plan (of shapes only) does not know of.
+    chunked, optimizer, booster = _boost(quantized_llama(), "base-on-disk", tmp_path)
+    ledger = chunked.manager.ledger
+    measured = []
+    for ids in batches(3):
+        before = chunked.stats()
+        ledger.reset_peak()
+        train(chunked, optimizer, booster, [ids])
+        measured.append(StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes))
+    forward = "disk_param_forward_read_bytes"  # a plan's own split of the reads (a run's counters have none)
+    for planned, ran in zip(predicted.steps, measured, strict=True):
+        assert 0 < vars(planned)[forward] < planned.disk_param_read_bytes
+        assert {**vars(planned), forward: 0} == vars(ran)
+    assert predicted.disk_bytes_per_rank == ledger.disk_bytes > _quantized_report(chunked)["ledger"]["disk"] > 0
+    assert predicted.host_bytes_per_rank == ledger.host_bytes
+    assert measured[-1].disk_param_read_bytes > 0  # the base is read from disk every step

@@ -147,17 +147,23 @@ class QuantizedBase:
                 )
         return QuantizedBase(layers) if layers else None
 
+    @staticmethod
+    def deepcopy_memo(model: torch.nn.Module) -> dict[int, Any]:
+        """A ``copy.deepcopy`` memo holding a copy of each 4-bit weight of a model on the meta device
+        (bitsandbytes cannot deep-copy one there)."""
+        return {id(p): bnb4.meta_copy(p) for p in model.parameters() if p.is_meta and bnb4.is_params4bit(p)}
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse an optimizer holding a 4-bit weight (frozen, it has nothing to step, and a weight
-        quantized at boost is replaced by its packed bytes)."""
+        """Refuse an optimizer holding a weight to be quantized at boost: its packed bytes replace it.
+        (A weight loaded quantized is frozen and stays itself: the optimizer skips it.)"""
         for group in optimizer.param_groups:
             for p in group["params"]:
-                layer = self._by_tensor.get(id(p)) or self._by_source.get(id(p))
+                layer = self._by_source.get(id(p))
                 if layer is not None:
                     raise UnmanageableParameter(
-                        f"{type(optimizer).__name__} holds the 4-bit weight '{layer.param_name}', which is frozen and "
-                        "stored quantized: build the optimizer over the trainable parameters only "
-                        "([p for p in model.parameters() if p.requires_grad]), as PEFT and the Trainer do"
+                        f"{type(optimizer).__name__} holds the 4-bit weight '{layer.param_name}', frozen and quantized "
+                        "at boost (its packed bytes replace it): build the optimizer over the trainable parameters "
+                        "only ([p for p in model.parameters() if p.requires_grad]), as PEFT and the Trainer do"
                     )
 
     # --- what goes in chunks --------------------------------------------------------------------

@@ -33,6 +33,7 @@ __all__ = [
     "is_linear4bit",
     "is_params4bit",
     "matmul",
+    "meta_copy",
     "move_constants",
     "new_quant_state",
     "params4bit",
@@ -242,6 +243,23 @@ def params4bit(data: torch.Tensor, like: torch.nn.Parameter, quant_state: Any) -
         quant_type=like.quant_type,
         quant_storage=like.quant_storage,
         bnb_quantized=True,
+    )
+
+
+def meta_copy(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A copy of a ``Params4bit`` on the meta device (its own ``__deepcopy__`` cannot make one: it
+    assigns meta data to a new CPU parameter)."""
+    bnb = _bnb()
+    assert bnb is not None, "a Params4bit was found, so bitsandbytes is imported"
+    return bnb.nn.Params4bit(
+        torch.empty_like(param, device="meta"),
+        requires_grad=param.requires_grad,
+        quant_state=None,
+        blocksize=param.blocksize,
+        compress_statistics=param.compress_statistics,
+        quant_type=param.quant_type,
+        quant_storage=param.quant_storage,
+        bnb_quantized=param.bnb_quantized,
     )
 
 
