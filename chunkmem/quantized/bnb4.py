@@ -39,6 +39,7 @@ __all__ = [
     "params4bit",
     "quantize",
     "refused_bnb",
+    "scales",
     "set_statistics",
     "statistics",
     "version",
@@ -273,6 +274,20 @@ def quantize(values: torch.Tensor, fmt: Format4bit) -> tuple[torch.Tensor, torch
         values.reshape(-1, 1), blocksize=fmt.blocksize, compress_statistics=False, quant_type=fmt.quant_type
     )
     return packed.reshape(-1), state.absmax
+
+
+def scales(values: torch.Tensor, fmt: Format4bit) -> torch.Tensor:
+    """The scales ``quantize`` gives ``values`` (whole blocks of a weight, the last one possibly
+    short), without quantizing them: each block's largest magnitude in fp32, the short last block's
+    at least 1e-38, as bitsandbytes' 4-bit quantization computes them (``tests/test_qlora.py``
+    checks them against it). A sixth of the time: a weight quantized at boost is read twice, for
+    its packed bytes and, in another chunk, for its scales."""
+    flat = values.reshape(-1).float()
+    full = flat.numel() // fmt.blocksize * fmt.blocksize
+    out = flat[:full].view(-1, fmt.blocksize).abs().amax(dim=1)
+    if full < flat.numel():
+        out = torch.cat([out, flat[full:].abs().max().clamp(min=1e-38).unsqueeze(0)])
+    return out
 
 
 def forward_dtypes(module: torch.nn.Module, x: torch.Tensor) -> torch.dtype | None:

@@ -4,9 +4,10 @@ Closing a chunk asks for this rank's piece of each tensor in it. For a 4-bit wei
 boost, a piece of its packed bytes or of its scales is a run of its blocks: the 16-bit values of
 those blocks are read from the weight's own source (the checkpoint, the model's initialisation
 replayed, or memory: the source the boost reads every other parameter from) and quantized by
-bitsandbytes, a bounded run at a time. Blocks are quantized independently, so the bytes are those
-bitsandbytes gives quantizing the whole weight, while no rank ever holds more than a run of one
-weight in 16 bits, nor reads more of the checkpoint than its own shards' blocks.
+bitsandbytes, a bounded run at a time (the scales alone, where only they are asked for). Blocks are
+quantized independently, so the bytes are those bitsandbytes gives quantizing the whole weight,
+while no rank holds more in 16 bits than its piece of one weight, nor reads more of the checkpoint
+than its own shards' blocks (twice: the packed bytes and the scales are in different chunks).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["QuantizingValues"]
 
 _RUN = 1 << 24
 """Elements of a weight quantized at once: bitsandbytes' quantization allocates several fp32 and
-int32 temporaries of the input's size."""
+int32 temporaries of its input's size (the 16-bit piece itself is read whole)."""
 
 
 class QuantizingValues:
@@ -76,8 +77,13 @@ class QuantizingValues:
         """Bytes ``piece.param`` of the packed weight: two values a byte, from the blocks holding them."""
         fmt = layer.format
         first, last = 2 * piece.param.start, min(2 * piece.param.stop, fmt.numel)
-        start = first // fmt.blocksize * fmt.blocksize
-        packed, _ = self._quantized(layer, start, last)
+        start = first // fmt.blocksize * fmt.blocksize  # the blocks holding them, whole: their scales
+        stop = min(-(-last // fmt.blocksize) * fmt.blocksize, fmt.numel)
+        values = self._values(layer, start, stop)
+        if values.is_meta:  # a plan: no values, only sizes
+            return torch.empty(piece.numel, dtype=torch.uint8, device="meta")
+        run = max(fmt.blocksize, _RUN // fmt.blocksize * fmt.blocksize)
+        packed = torch.cat([bnb4.quantize(values[i : i + run], fmt)[0] for i in range(0, values.numel(), run)])
         skip = (first - start) // 2
         return packed[skip : skip + piece.numel]
 
@@ -85,28 +91,19 @@ class QuantizingValues:
         """Scales ``piece.param``: one a block."""
         fmt = layer.format
         start, stop = piece.param.start * fmt.blocksize, min(piece.param.stop * fmt.blocksize, fmt.numel)
-        return self._quantized(layer, start, stop)[1]
-
-    def _quantized(self, layer: QuantizedLinear, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elements ``[start, stop)`` of the weight (``start`` on a block boundary) quantized: the
-        packed bytes and the scales, in runs of at most ``_RUN`` elements."""
-        fmt = layer.format
-        source = self._sources[id(layer)]
+        values = self._values(layer, start, stop)
+        if values.is_meta:
+            return torch.empty(piece.numel, dtype=torch.float32, device="meta")
         run = max(fmt.blocksize, _RUN // fmt.blocksize * fmt.blocksize)
-        packed: list[torch.Tensor] = []
-        scales: list[torch.Tensor] = []
-        for begin in range(start, stop, run):
-            end = min(stop, begin + run)
-            values = self._inner.read(source, ShardPiece(param=slice(begin, end), shard=slice(0, end - begin)))
-            if values.is_meta:  # a plan: no values, only sizes
-                blocks = -(-(end - begin) // fmt.blocksize)
-                packed.append(torch.empty((end - begin + 1) // 2, dtype=torch.uint8, device="meta"))
-                scales.append(torch.empty(blocks, dtype=torch.float32, device="meta"))
-                continue
-            run_packed, run_scales = bnb4.quantize(values.to(fmt.dtype), fmt)
-            packed.append(run_packed)
-            scales.append(run_scales)
-        return torch.cat(packed), torch.cat(scales)
+        return torch.cat([bnb4.scales(values[i : i + run], fmt) for i in range(0, values.numel(), run)])
+
+    def _values(self, layer: QuantizedLinear, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the 16-bit weight, in the dtype it is quantized from: one
+        read (a weight replayed from its init is computed whole for each read)."""
+        values = self._inner.read(
+            self._sources[id(layer)], ShardPiece(param=slice(start, stop), shard=slice(0, stop - start))
+        )
+        return values if values.is_meta else values.to(layer.format.dtype)
 
     def location(self, info: TensorInfo, piece: ShardPiece) -> tuple[Path, int] | None:
         if self._layer(info.param) is not None:
