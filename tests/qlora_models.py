@@ -49,22 +49,33 @@ def quantize_linears(
     model: torch.nn.Module, double_quant: bool = False, quant_storage: torch.dtype = torch.uint8
 ) -> torch.nn.Module:
     """Every ``nn.Linear`` but ``lm_head`` replaced, in place, by a ``Linear4bit`` (NF4) quantizing
-    its weights: bitsandbytes' own API, as transformers' integration uses it."""
+    its weights as they are (bf16): bitsandbytes' own API, as transformers' integration uses it (the
+    layer made on the meta device, drawing no random numbers, then given the weights)."""
     import bitsandbytes as bnb
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and name != "lm_head":
-                layer = bnb.nn.Linear4bit(
-                    child.in_features,
-                    child.out_features,
-                    child.bias is not None,
-                    compute_dtype=COMPUTE,
+                with torch.device("meta"):
+                    layer = bnb.nn.Linear4bit(
+                        child.in_features,
+                        child.out_features,
+                        child.bias is not None,
+                        compute_dtype=COMPUTE,
+                        compress_statistics=double_quant,
+                        quant_type="nf4",
+                        quant_storage=quant_storage,
+                    )
+                layer.weight = bnb.nn.Params4bit(
+                    child.weight.data,
+                    requires_grad=False,
                     compress_statistics=double_quant,
                     quant_type="nf4",
                     quant_storage=quant_storage,
+                    module=layer,
                 )
-                layer.load_state_dict(child.state_dict())
+                if child.bias is not None:
+                    layer.bias = child.bias
                 setattr(parent, name, layer.to("cpu"))  # bitsandbytes quantizes here
     return model
 

@@ -549,3 +549,23 @@ def test_a_weight_quantized_piece_by_piece_is_bitsandbytes_whole_weight(numel: i
 
     assert torch.equal(read(packed_param, [0, 13, 64 * 5 // 2 + 7, fmt.packed_numel]), packed.reshape(-1))
     assert torch.equal(read(scales_param, [0, 3, 20, fmt.blocks]), state.absmax)
+
+
+@SLOW
+def test_a_base_quantized_at_boost_from_its_initialisation_is_the_cpu_construction_quantized(tmp_path: Path) -> None:
+    """Without ``weights=``, the 4-bit layers' 16-bit weights come from the model's initialisation
+    replayed piece by piece (what a benchmark of a base larger than memory uses): every entry of
+    the state (packed bytes, scales, code books, the adapter's init) is that of the same model built
+    on the CPU from the same seed and quantized by bitsandbytes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = save_16bit(tmp_path / "base")  # for its config only
+    chunked, *_ = _boost(meta_qlora(directory), "resident", None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.bfloat16)
+    model.is_loaded_in_4bit = True
+    expected = with_adapter(quantize_linears(model), draw_b=False).state_dict()
+    state = chunked.state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value.to(state[name].dtype)), name
