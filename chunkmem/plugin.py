@@ -27,6 +27,7 @@ from chunkmem.placement import (
 )
 
 from .activations import ActivationBlocks, DeviceBudget, resolve_blocks
+from .activations.meter import SavedMeter
 from .boosted.backing import Backing, TrainingBacking
 from .boosted.boosted_params import already_boosted, note_boosted, the_fix
 from .boosted.model import ChunkedModel
@@ -155,7 +156,8 @@ class ChunkPlugin:
         process_group: the group to shard over (default: the default group when
             ``torch.distributed`` is initialized, else world size 1), or a ``Communicator``.
         loss_scale: fp16 dynamic loss scaling settings: a ``LossScaleConfig`` or a mapping of its
-            fields (validated the same way).
+            fields (validated the same way). ``None`` (default): ``LossScaleConfig()`` under fp16.
+            Refused with any other precision, where nothing would read it.
         check_plans: agree a fingerprint of every placement plan across ranks before carrying it
             out, and raise on the first difference (a debugging and testing aid: one small
             collective per op). ``None`` reads the ``CHUNKMEM_CHECK_PLANS`` environment variable.
@@ -214,9 +216,15 @@ class ChunkPlugin:
         self.precision = precision
         self.chunk_size = chunk_size
         self._process_group = process_group
-        self.loss_scale = (
-            LossScaleConfig() if loss_scale is None else _config(loss_scale, LossScaleConfig, "loss_scale")
-        )
+        self.loss_scale = None if loss_scale is None else _config(loss_scale, LossScaleConfig, "loss_scale")
+        if self.loss_scale is not None and precision != "fp16":
+            # Loss scaling exists for fp16's narrow range; accepting it elsewhere would let a user
+            # believe a setting is in force that nothing reads.
+            chosen = " (the default for this device)" if self._precision_is_default else ""
+            raise ValueError(
+                f"loss_scale applies to precision='fp16' only, and precision={precision!r}{chosen} has no loss "
+                "scaling: pass precision='fp16' to scale fp16 gradients, or leave loss_scale unset"
+            )
         if check_plans is None:
             check_plans = os.environ.get("CHUNKMEM_CHECK_PLANS", "") not in ("", "0")
         self.check_plans = check_plans
@@ -359,6 +367,9 @@ class ChunkPlugin:
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         runtime = ChunkRuntime(manager, policy, specs, stats)
+        # Measured where an ActivationPlacement already places saved tensors: saved-tensor hooks hand a
+        # custom autograd Function's saved parameter back as a plain tensor (see activations.meter).
+        meter = SavedMeter(model) if placed is not None else None
         activations = (
             ActivationBlocks(
                 model,
@@ -369,13 +380,14 @@ class ChunkPlugin:
                 manager.ledger,
                 backing.activation_disk_dir(self.disk_dir, comm) if placed.host_budget is not None else None,
                 manager.failures,
+                meter=meter,
             )
             if placed is not None
             else None
         )
-        scaler = DynamicLossScaler(self.loss_scale) if self.precision == "fp16" else None
+        scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, quantized)
+        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter, quantized)
         wrapped_optim = (
             ChunkOptimizer(optimizer, runtime, manager, boosted.progress, places, scaler, state, host_step)
             if optimizer is not None

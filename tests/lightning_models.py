@@ -57,6 +57,17 @@ class Regressor(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class DropoutRegressor(Regressor):
+    """The same layers and parameters with dropout between them: each step draws from the RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, tanh, middle, tanh_again, last = self.net
+        self.net = torch.nn.Sequential(
+            first, tanh, torch.nn.Dropout(0.2), middle, tanh_again, torch.nn.Dropout(0.2), last
+        )
+
+
 def loader(seed: int = 1, batches: int = STEPS_PER_EPOCH) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batches * 8, 16, generator=g)
@@ -66,10 +77,10 @@ def loader(seed: int = 1, batches: int = STEPS_PER_EPOCH) -> DataLoader:
 def trainer(strategy: Any, epochs: int, **kwargs: Any) -> L.Trainer:
     kwargs.setdefault("num_sanity_val_steps", 2)
     kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("devices", 1)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=1,
         max_epochs=epochs,
         logger=False,
         enable_progress_bar=False,
@@ -83,9 +94,14 @@ def validation_loader() -> DataLoader:
 
 
 def fit(
-    strategy: Any, epochs: int = 2, ckpt_path: Path | None = None, validate: bool = False, **kwargs: Any
+    strategy: Any,
+    epochs: int = 2,
+    ckpt_path: Path | None = None,
+    validate: bool = False,
+    module_class: type[Regressor] = Regressor,
+    **kwargs: Any,
 ) -> tuple[Regressor, L.Trainer]:
-    module = Regressor()
+    module = module_class()
     run = trainer(strategy, epochs, **kwargs)
     run.fit(module, loader(), validation_loader() if validate else None, ckpt_path=ckpt_path)
     return module, run

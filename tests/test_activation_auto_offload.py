@@ -20,11 +20,23 @@ import pytest
 import torch
 from distributed import run_ranks
 from models import adamw_two_groups, as_reference, boost, device_of
-from test_activation_budget import BATCH, BLOCKS, PER_BLOCK, STEPS, WIDTH, Stack, _data, _loss, _model_minimum, _plain
+from test_activation_budget import (
+    BATCH,
+    BLOCKS,
+    PER_BLOCK,
+    STEPS,
+    WIDTH,
+    Stack,
+    _data,
+    _loss,
+    _model_minimum,
+    _plain,
+    _recomputed,
+)
 from test_activation_disk import _to_disk
 from test_activations import _assert_identical, saved_storages
 
-from chunkmem import ChunkPlugin, Plan, plan
+from chunkmem import BudgetTooSmallError, ChunkPlugin, Plan, plan
 from chunkmem.placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
 from chunkmem.usage.accounting import Location, MemoryKind
 
@@ -208,6 +220,30 @@ def test_the_measuring_steps_fetches_find_room_at_model_data_and_one_call() -> N
     run = _train(budget, ActivationPlacement(auto=["Block"]), optim_on_host=True)
     _assert_identical(run, _plain(_recomputed(run["plan"])))
     assert run["stats"].peak_device_bytes <= budget
+
+
+@pytest.mark.slow  # the fast tier's case: refused at the first forward (test_activation_budget)
+def test_a_measured_fetch_without_room_for_the_small_tensors_beside_it_is_refused_naming_the_budget() -> None:
+    """Each call's input stays on the device (under ``min_offload_bytes``): the first (measuring)
+    step's backward fetches the last call back beside the inputs the three calls before it keep. A
+    budget that holds model data and one call (the plan's least, not refused by the forward) but not
+    those is refused when that fetch finds no room, naming model data, one call and the three
+    inputs; that budget trains, one byte less is refused with it."""
+    from test_activation_budget import _boosted, _train
+
+    small = BATCH * WIDTH * 4  # a call's input, fp32 (a saved-tensor hooks count: PER_BLOCK's x)
+    placement = ActivationPlacement(auto=["Block"], min_offload_bytes=small + 1)
+    model = _model_minimum(optim_on_host=True)
+    minimum = model + PER_BLOCK + (BLOCKS - 1) * small
+    for budget in (model + PER_BLOCK, minimum - 1):
+        chunked, optimizer, booster = _boosted(budget, placement, optim_on_host=True)
+        loss = _loss(chunked, _data()[0])  # the forward fits: the plan's least is in the budget
+        with pytest.raises(BudgetTooSmallError, match=rf"fetching blocks\.3 back.* at least {minimum} ") as refused:
+            booster.backward(loss, optimizer)
+        assert refused.value.minimum == minimum
+    run = _train(minimum, placement, optim_on_host=True)
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].peak_device_bytes <= minimum
 
 
 # --- beyond a host budget, to disk ----------------------------------------------------------------

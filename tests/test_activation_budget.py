@@ -201,6 +201,22 @@ def test_a_budget_below_model_data_and_one_block_is_refused_with_the_minimum() -
     assert run["stats"].peak_device_bytes <= minimum
 
 
+def test_a_budget_under_the_minimum_is_refused_at_the_first_forward_and_the_minimum_trains() -> None:
+    """With the optimizer on the host model data needs little of the budget: one between its need
+    and its need plus one call's saved bytes is refused by the first training forward, naming the
+    minimum (the measured step's backward would fetch a call back into room it does not have), and
+    that minimum trains as plain PyTorch with the plan's checkpointing."""
+    minimum = _model_minimum(optim_on_host=True) + PER_BLOCK
+    chunked, _, _ = _boosted(minimum - 1, optim_on_host=True)
+    with pytest.raises(BudgetTooSmallError, match=rf"at least {minimum} ") as refused:
+        _loss(chunked, _data()[0])
+    assert (refused.value.budget, refused.value.minimum) == (minimum - 1, minimum)
+    run = _train(minimum, AUTO, optim_on_host=True)
+    assert ActivationChoice.KEEP not in run["plan"].choices
+    _assert_identical(run, _plain(_recomputed(run["plan"])))
+    assert run["stats"].peak_device_bytes <= minimum
+
+
 @pytest.mark.slow  # the fast tier's case: with room, everything kept
 def test_a_later_step_that_saves_more_than_the_first_is_refused_not_run_over_the_budget_and_re_planned() -> None:
     budget = _model_minimum() + BLOCKS * PER_BLOCK + PER_BLOCK  # every call kept

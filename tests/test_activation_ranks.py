@@ -69,14 +69,20 @@ def _boost(budget: int) -> tuple[Any, Any, Any]:
     )
 
 
-def _uneven(rank: int, world_size: int) -> dict[str, Any]:
-    budget = _model_minimum() + 2 * PER_BLOCK + PER_BLOCK // 2  # one call of the longer rank kept, one's room
+def _trained(budget: int, rank: int) -> Any:
+    """The stack boosted under ``budget``, trained on this rank's data as data parallelism does."""
     chunked, optimizer, booster = _boost(budget)
     for x in _data(rank):
         booster.backward(_loss(chunked, x), optimizer)
         optimizer.step()
         optimizer.zero_grad()
     _assert_matches_reference(chunked.state_dict())
+    return chunked
+
+
+def _uneven(rank: int, world_size: int) -> dict[str, Any]:
+    budget = _model_minimum() + 2 * PER_BLOCK + PER_BLOCK // 2  # one call of the longer rank kept, one's room
+    chunked = _trained(budget, rank)
     plan = chunked.activation_plan
     assert plan.saved_bytes == (PER_BLOCK,) * BLOCKS  # the longer rank's, on both ranks
     assert chunked.stats().peak_device_bytes <= budget
@@ -119,3 +125,23 @@ def test_the_plan_is_made_when_every_rank_let_go_of_the_measured_graphs() -> Non
     first, second = run_ranks(_one_rank_keeps_a_measured_graph, 2, pg_timeout=20.0)
     assert first["plans"] == second["plans"] == [False, True, True]  # decided once rank 1 let go
     assert first["choices"] == second["choices"]
+
+
+def _under_the_minimum(rank: int, world_size: int) -> dict[str, Any]:
+    """A budget one byte under what the longer rank's calls need: both ranks refuse it at their first
+    training forward with the same minimum (the shorter rank's own calls would fit), and the minimum
+    trains as data parallelism."""
+    minimum = _model_minimum() + PER_BLOCK
+    chunked, _, _ = _boost(minimum - 1)
+    with pytest.raises(BudgetTooSmallError) as refused:
+        _loss(chunked, _data(rank)[0])
+    chunked = _trained(minimum, rank)
+    assert chunked.stats().peak_device_bytes <= minimum
+    return {"minimum": refused.value.minimum, "expected": minimum}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_every_rank_refuses_a_budget_under_the_minimum_at_the_first_forward_naming_it() -> None:
+    first, second = run_ranks(_under_the_minimum, 2, pg_timeout=20.0)
+    assert first["minimum"] == second["minimum"] == first["expected"]

@@ -34,6 +34,8 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 def _run(script: str, *args: str, tiny: bool = True, env: dict[str, str] | None = None) -> str:
     """``script`` run with ``args`` (after the tiny model's flags), in this environment plus ``env``."""
+    # benchmarks/results/*.json is committed (the manual's benchmarks page): a test writes elsewhere.
+    assert "--out-dir" in args, f"{script}: pass --out-dir (a temporary directory), not the checkout's results"
     # Forked from the tests' fork server, not a fresh interpreter: the script runs as its __main__
     # without importing torch and transformers again (a third of each of these tests).
     path = str(ROOT / "benchmarks" / script)

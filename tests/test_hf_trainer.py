@@ -16,13 +16,14 @@ some of it on: losses then agree within 1e-6 relative.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from distributed import run_ranks
-from models import VOCAB, gpt2, tolerance
+from models import VOCAB, gpt2, llama, tolerance
 
 import chunkmem.plugin
 from chunkmem import ChunkPlugin, NotSupportedError
@@ -108,18 +109,53 @@ def assert_same_training(
         assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=rtol), (got, want)
 
 
+DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+
+
+def gpt2_with_dropout() -> torch.nn.Module:
+    return gpt2(**DROPOUT)
+
+
+def lora_llama_with_dropout() -> torch.nn.Module:
+    """A PEFT model, as a user hands it to Trainer: Trainer looks through ``PeftModel`` to the base
+    model's class wherever it decides by the model's class."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
+    return get_peft_model(llama(attention_dropout=0.1), lora)
+
+
 @pytest.mark.parametrize(
-    "overrides, budget, exact",
+    "model, overrides, budget, exact",
     [
-        pytest.param({}, BUDGET, False, id="accumulate-clip-schedule", marks=pytest.mark.slow),
+        pytest.param(gpt2, {}, BUDGET, False, id="accumulate-clip-schedule", marks=pytest.mark.slow),
         # Recomputation runs forward ops inside backward ones: both need their chunks at once.
-        # No clipping: the same arithmetic, so the same losses bit for bit.
+        # No clipping: the same arithmetic, so the same losses bit for bit. Dropout on: the same
+        # masks, in the recomputation too. Label smoothing: Trainer shifts a causal LM's labels
+        # when the model it unwraps is one by its class name (unshifted, the loss trains each
+        # position to predict itself).
         pytest.param(
-            {"gradient_checkpointing": True, "max_grad_norm": 0.0}, 300_000, True, id="gradient-checkpointing-exact"
+            gpt2_with_dropout,
+            {"gradient_checkpointing": True, "max_grad_norm": 0.0, "label_smoothing_factor": 0.1},
+            300_000,
+            True,
+            id="gradient-checkpointing-label-smoothing-exact",
+        ),
+        # A PeftModel: Trainer looks through it to LlamaForCausalLM for the shift, and to the base
+        # model's input embeddings for NEFTune's noise; dropout in the adapter and the attention.
+        pytest.param(
+            lora_llama_with_dropout,
+            {"max_grad_norm": 0.0, "label_smoothing_factor": 0.1, "neftune_noise_alpha": 5.0},
+            600_000,
+            True,
+            id="peft-label-smoothing-neftune-exact",
+            marks=pytest.mark.slow,
         ),
     ],
 )
-def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any], budget: int, exact: bool) -> None:
+def test_same_losses_as_plain_trainer(
+    tmp_path: Path, model: Callable[[], torch.nn.Module], overrides: dict[str, Any], budget: int, exact: bool
+) -> None:
     from transformers import Trainer
 
     from chunkmem.integrations.hf import ChunkTrainer
@@ -127,11 +163,11 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     data, held_out = dataset(), dataset(n=4, seed=2)
     overrides = {"eval_strategy": "steps", "eval_steps": 2, **overrides}
     plain = Trainer(
-        model=gpt2(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
+        model=model(), args=training_args(tmp_path / "plain", **overrides), train_dataset=data, eval_dataset=held_out
     )
     plain.train()
     chunked = ChunkTrainer(
-        model=gpt2(),
+        model=model(),
         args=training_args(tmp_path / "chunked", **overrides),
         train_dataset=data,
         eval_dataset=held_out,
@@ -146,6 +182,10 @@ def test_same_losses_as_plain_trainer(tmp_path: Path, overrides: dict[str, Any],
     for got, want in zip(evaluated, reference, strict=True):
         assert math.isclose(got, want, rel_tol=0 if exact else RTOL), (evaluated, reference)
     assert math.isclose(result.training_loss, plain.state.log_history[-1]["train_loss"], rel_tol=0 if exact else RTOL)
+    if exact:
+        trained, expected = chunked.model.state_dict(), plain.model.state_dict()
+        assert sorted(trained) == sorted(expected)
+        assert [name for name in expected if not torch.equal(trained[name], expected[name])] == []
     stats = chunked.model.stats()
     assert stats.optimizer_steps == 3
     assert stats.peak_device_bytes <= budget
@@ -230,11 +270,12 @@ def test_a_communicator_on_another_device_than_training_arguments_is_refused(tmp
     assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "refused before boosting"
 
 
-@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
+@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-label-smoothing-exact
 def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     """``save_steps`` writes chunkmem's checkpoint in checkpoint-N; resuming there gives the
     uninterrupted run's later steps exactly; ``save_total_limit`` removes the older checkpoints;
-    ``save_model`` writes what ``from_pretrained`` loads."""
+    ``save_model``, and ``save_pretrained`` on what the accelerator unwraps, write what
+    ``from_pretrained`` loads."""
     from transformers import GPT2LMHeadModel
 
     from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
@@ -267,13 +308,18 @@ def test_checkpoint_resume_and_save_model(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "resumed").glob("checkpoint-*")] == ["checkpoint-4"]
     assert (tmp_path / "resumed" / "checkpoint-4" / CHECKPOINT_DIR / "model.pt").is_file()
 
-    export = tmp_path / "export"
-    full.save_model(str(export))
-    loaded = GPT2LMHeadModel.from_pretrained(export)
+    # Trainer's save_model, and Accelerate's way after training: save_pretrained on what
+    # unwrap_model gives (the boosted model, which gathers the chunks, as DDP gives the module).
     state = full.model.state_dict()
-    for name, value in loaded.state_dict().items():
-        assert torch.equal(value, state[name]), name
-    assert set(state) <= set(loaded.state_dict())
+    for export in (tmp_path / "export", tmp_path / "unwrapped"):
+        if export.name == "export":
+            full.save_model(str(export))
+        else:
+            full.accelerator.unwrap_model(full.model).save_pretrained(export)
+        loaded = GPT2LMHeadModel.from_pretrained(export)
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, state[name]), name
+        assert set(state) <= set(loaded.state_dict())
 
 
 REFUSED = [
@@ -317,9 +363,41 @@ def test_refused_deepspeed_and_model_init(tmp_path: Path) -> None:
         )
 
 
+def test_resuming_from_a_checkpoint_chunkmem_did_not_write_is_refused(tmp_path: Path) -> None:
+    """A checkpoint-N directory without chunkmem's checkpoint (plain Trainer's, say) is refused at
+    resume, naming both layouts looked for, before anything is loaded."""
+    from chunkmem.integrations.hf import CHECKPOINT_DIR, ChunkTrainer
+
+    plain_checkpoint = tmp_path / "checkpoint-2"
+    plain_checkpoint.mkdir()
+    (plain_checkpoint / "model.safetensors").write_bytes(b"")
+    trainer = ChunkTrainer(
+        model=gpt2(n_layer=1, n_embd=32),
+        args=training_args(tmp_path / "out"),
+        train_dataset=dataset(4),
+        plugin=plugin(),
+    )
+    with pytest.raises(NotSupportedError, match="holds no chunkmem checkpoint") as refused:
+        trainer.train(resume_from_checkpoint=str(plain_checkpoint))
+    saved = plain_checkpoint / CHECKPOINT_DIR
+    assert f"{saved / 'model.pt'}, which one rank writes" in str(refused.value)
+    assert f"{saved / 'model'}, which several ranks write" in str(refused.value)
+    assert trainer.state.global_step == 0
+
+
+# Resuming at another world size: each step trains on the same 8 rows at one rank as at two (the
+# sampler's order is seeded by TrainingArguments.seed; each rank takes every other batch of 2), and
+# Trainer skips the same 16 rows of the two steps already taken. No clipping (the norm is still
+# computed over both ranks and logged): the same arithmetic as plain Trainer.
+SAVING = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "max_grad_norm": 0.0}
+ONE_RANK = {**SAVING, "per_device_train_batch_size": 4}
+TWO_RANKS = {**SAVING, "per_device_train_batch_size": 2, "ddp_backend": "gloo"}
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """On each rank: plain Trainer (DDP over gloo), ChunkTrainer for four steps saving at step
-    2 (sharded), and a ChunkTrainer resumed from that checkpoint."""
+    2 (sharded), a ChunkTrainer resumed from that checkpoint, and one resumed from the checkpoint
+    one rank saved (``root/one``)."""
     import os
 
     from accelerate.state import AcceleratorState
@@ -334,25 +412,34 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     )
     out = Path(root)
     data = dataset(n=32)
-    # No clipping (the norm is still computed over both ranks and logged): the same arithmetic.
-    saving = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "ddp_backend": "gloo", "max_grad_norm": 0.0}
     try:
-        plain = Trainer(model=gpt2(), args=training_args(out / "plain", **saving), train_dataset=data)
+        plain = Trainer(model=gpt2(), args=training_args(out / "plain", **TWO_RANKS), train_dataset=data)
         plain.train()
         full = ChunkTrainer(
-            model=gpt2(), args=training_args(out / "full", **saving), train_dataset=data, plugin=plugin()
+            model=gpt2(), args=training_args(out / "full", **TWO_RANKS), train_dataset=data, plugin=plugin()
         )
         full.train()
         stats = full.model.stats()
-        resumed = ChunkTrainer(
-            model=gpt2(seed=7), args=training_args(out / "resumed", **saving), train_dataset=data, plugin=plugin()
-        )
-        resumed.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
+        trained = full.model.state_dict()
+        resumed = {}
+        for name, checkpoint in (
+            ("resumed", out / "full" / "checkpoint-2"),
+            ("from_one", out / "one" / "checkpoint-2"),
+        ):
+            # Other initial weights: what the later steps depend on must come from the checkpoint.
+            trainer = ChunkTrainer(
+                model=gpt2(seed=7), args=training_args(out / name, **TWO_RANKS), train_dataset=data, plugin=plugin()
+            )
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+            resumed[name] = (logged(trainer, after=2), trainer.model.state_dict())
         return {
             "world_size": plain.args.world_size,
             "plain": logged(plain),
             "full": logged(full),
-            "resumed": logged(resumed, after=2),
+            "full_state": trained if rank == 0 else None,
+            "resumed": resumed["resumed"][0],
+            "from_one": resumed["from_one"][0],
+            "from_one_state": resumed["from_one"][1] if rank == 0 else None,
             "checkpoint": sorted(os.listdir(out / "full" / "checkpoint-2" / CHECKPOINT_DIR)),
             "reduce_scatter_bytes": stats.reduce_scatter_bytes,
             "optimizer_steps": stats.optimizer_steps,
@@ -363,13 +450,52 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+# One world size against the other: the same gradients, summed in another order (a micro-batch of
+# 4 rows at one rank; two of 2, reduce-scattered, at two). Measured on this test: the losses one
+# fp32 ulp apart (9e-8 relative), the final weights within 6.2e-7 between the two uninterrupted runs
+# and 2.5e-7 between a resumed run and the uninterrupted one. A resume at one rank that left
+# AdamW's moments out fails it by 3e-4 in the next loss.
+CROSS_WORLD_WEIGHTS = 5e-6
+
+
+def assert_close_training(
+    actual: list[dict[str, float]],
+    actual_state: dict[str, torch.Tensor],
+    expected: list[dict[str, float]],
+    expected_state: dict[str, torch.Tensor],
+) -> None:
+    """The same learning rates; the losses within ``RTOL`` and the final weights within
+    ``CROSS_WORLD_WEIGHTS`` (absolute) of a run at the other world size."""
+    assert len(actual) == len(expected) > 0
+    assert [line["learning_rate"] for line in actual] == [line["learning_rate"] for line in expected]
+    for got, want in zip(actual, expected, strict=True):
+        assert math.isclose(got["loss"], want["loss"], rel_tol=RTOL), (got, want)
+    assert sorted(actual_state) == sorted(expected_state)
+    for name, value in expected_state.items():
+        torch.testing.assert_close(actual_state[name], value, rtol=0, atol=CROSS_WORLD_WEIGHTS, msg=name)
+
+
 @pytest.mark.multirank
-def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None:
+def test_two_ranks_same_losses_as_ddp_trainer_and_resume_at_either_world_size(tmp_path: Path) -> None:
     """W=2 (gloo): ChunkTrainer's losses equal plain Trainer's with DDP bit for bit (DDP adds the
     ranks' gradients halved, chunkmem halves their sum: both exact for a power of two); micro-batches
     accumulate under no_sync (each chunk reduced once per optimizer step, as DDP's no_sync
-    all-reduces once); the sharded checkpoint of step 2 resumes to the same steps 3 and 4."""
+    all-reduces once); the sharded checkpoint of step 2 resumes to the same steps 3 and 4. A
+    checkpoint saved at one world size resumes at the other: one rank's files at two ranks, the two
+    ranks' sharded directories at one."""
+    from chunkmem.integrations.hf import ChunkTrainer
+
+    data = dataset(n=32)
+    one = ChunkTrainer(
+        model=gpt2(), args=training_args(tmp_path / "one", **ONE_RANK), train_dataset=data, plugin=plugin()
+    )
+    one.train()
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path),))
+    from_two = ChunkTrainer(
+        model=gpt2(seed=7), args=training_args(tmp_path / "from_two", **ONE_RANK), train_dataset=data, plugin=plugin()
+    )
+    from_two.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+
     for rank, result in enumerate(results):
         assert result["world_size"] == 2, "Trainer must see both ranks"
         assert_same_training(result["full"], result["plain"], exact=True)
@@ -380,6 +506,14 @@ def test_two_ranks_same_losses_as_ddp_trainer_and_resume(tmp_path: Path) -> None
             f"rank {rank}: reduced more than once a step"
         )
         assert result["peak_device_bytes"] <= BUDGET
+    # Each world size's uninterrupted run against the other's: the bound is what the world size changes.
+    two = results[0]
+    assert_close_training(logged(one), one.model.state_dict(), two["full"], two["full_state"])
+    # Two ranks' sharded checkpoint resumed at one rank, one rank's files at two: the later steps of the
+    # uninterrupted run at the world size that saved it, within the same bound.
+    assert_close_training(logged(from_two, after=2), from_two.model.state_dict(), two["full"][2:], two["full_state"])
+    assert_close_training(two["from_one"], two["from_one_state"], logged(one)[2:], one.model.state_dict())
+    assert results[1]["from_one"] == two["from_one"], "the ranks log the same losses"
 
 
 def test_a_trainers_own_accelerator_class_keeps_its_methods() -> None:

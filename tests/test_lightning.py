@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import torch
 
@@ -161,6 +162,22 @@ def test_refused_at_start_naming_the_setting(case: str) -> None:
         assert torch.equal(p.detach(), before[name]), name
 
 
+def test_a_loss_scale_without_fp16_is_refused_at_start() -> None:
+    """``ChunkStrategy(loss_scale=...)`` under a precision with no loss scaling (fp32 here) would be
+    a setting nothing reads: refused in setup, naming the Trainer's precision and the fix."""
+    from lightning_models import CHUNK, Regressor, loader, trainer
+
+    from chunkmem.integrations.lightning import ChunkStrategy
+
+    module = Regressor()
+    run = trainer(ChunkStrategy(chunk_size=CHUNK, loss_scale={"initial_scale": 1024}), 1)
+    with pytest.raises(NotSupportedError, match=r"loss_scale=\.\.\.\) applies to fp16 only.*precision='32-true'"):
+        run.fit(module, loader())
+    assert module.losses == []
+    with pytest.raises(pydantic.ValidationError, match="growth_factor"):
+        ChunkStrategy(loss_scale={"growth_factor": 0.5})
+
+
 def test_several_processes_without_a_launcher_are_refused() -> None:
     """``devices=2`` with no process group and no torchrun: the strategy launches nothing, so it
     would otherwise train one rank as if it were the whole job."""
@@ -236,6 +253,69 @@ def test_two_ranks_match_plain_ddp_through_a_sharded_checkpoint(tmp_path: Path) 
         for name, value in result["state"].items():
             assert torch.equal(value, result["ddp_state"][name]), name
     assert results[0]["ddp"] != results[1]["ddp"]  # the ranks saw different data
+
+
+def _fit_with_dropout(rank: int, world_size: int) -> dict[str, Any]:
+    """On every rank, as a script does: ``seed_everything``, build the module, fit; plain DDP, then
+    ChunkStrategy. Building the module draws from the RNG after the seed was set."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning_models import DropoutRegressor, chunk_strategy, fit
+
+    from chunkmem.integrations.lightning import ProcessGroupEnvironment
+
+    L.seed_everything(7, verbose=False)
+    ddp, _ = fit(
+        DDPStrategy(cluster_environment=ProcessGroupEnvironment()),
+        epochs=1,
+        module_class=DropoutRegressor,
+        devices=world_size,
+    )
+    L.seed_everything(7, verbose=False)
+    module, run = fit(chunk_strategy(), epochs=1, module_class=DropoutRegressor, devices=world_size)
+    return {
+        "ddp": ddp.losses,
+        "chunkmem": module.losses,
+        "ddp_state": ddp.state_dict(),
+        "state": chunked_of(run).state_dict(),
+    }
+
+
+@pytest.mark.multirank
+def test_two_ranks_with_dropout_draw_the_masks_plain_ddp_draws(tmp_path: Path) -> None:
+    """DDPStrategy resets each rank's RNG to ``seed_everything``'s seed in its distributed setup;
+    so does ChunkStrategy at W>1: with dropout on, every rank's losses and the final weights equal
+    plain DDP's bit for bit (without the reset, the masks come from where building the module left
+    the RNG)."""
+    from distributed import run_ranks
+    from lightning_models import STEPS_PER_EPOCH
+
+    results = run_ranks(_fit_with_dropout, world_size=2)
+    for result in results:
+        assert len(result["ddp"]) == STEPS_PER_EPOCH // 2
+        assert result["chunkmem"] == result["ddp"]
+        for name, value in result["state"].items():
+            assert torch.equal(value, result["ddp_state"][name]), name
+
+
+@pytest.mark.slow  # the fast tier's case: the losses at one rank bit for bit, without dropout
+def test_one_rank_with_dropout_draws_the_masks_plain_lightning_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one rank plain Lightning's strategy is SingleDeviceStrategy, which does not reset the RNG:
+    nor does ChunkStrategy, so after ``seed_everything`` and building the module the dropout masks,
+    the losses and the weights are plain Lightning's, bit for bit."""
+    import lightning as L
+    from lightning_models import DropoutRegressor, chunk_strategy, fit
+
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # put back after the test: seed_everything sets them
+        monkeypatch.setenv(name, "0")
+    L.seed_everything(7, verbose=False)
+    reference, _ = fit("auto", epochs=1, module_class=DropoutRegressor)
+    L.seed_everything(7, verbose=False)
+    module, run = fit(chunk_strategy(), epochs=1, module_class=DropoutRegressor)
+    assert module.losses == reference.losses
+    expected = reference.state_dict()
+    for name, value in chunked_of(run).state_dict().items():
+        assert torch.equal(value, expected[name]), name
 
 
 def test_a_second_fit_of_a_boosted_module_is_refused() -> None:

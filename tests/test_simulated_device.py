@@ -105,7 +105,7 @@ def test_a_host_write_before_the_copy_reading_the_buffer_is_waited_for_raises() 
 # wait no scenario could catch was removed (issue 29; the reasons are at the call sites that lost
 # them, and in ``transfers.py``'s rule for copies into host buffers).
 CATCHES = {
-    "activations/offload.py: recycle: self._transfers.before_host_write(copy.host)": "activation-offload",
+    "activations/offload.py: recycle: self._transfers.before_host_write(host)": "activation-offload",
     "activations/disk.py: write: self._transfers.before_host_read(stage)": "activation-disk",
     "activations/disk.py: read: self._transfers.before_host_write(stage)": "activation-disk",
     "activations/disk.py: _free: self._transfers.before_host_write(stage)": "activation-disk",

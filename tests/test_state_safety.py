@@ -333,3 +333,13 @@ def test_generate_and_save_pretrained_on_two_ranks(tmp_path: Path) -> None:
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     for name, value in gpt2(seed=2).state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_a_loss_scale_is_refused_where_no_precision_reads_it() -> None:
+    """Loss scaling is fp16's; under bf16 or fp32 nothing would read the setting, so it is refused
+    rather than accepted and ignored (fp16 with it, and every precision without it, still build)."""
+    for precision in ("bf16", "fp32", None):
+        with pytest.raises(ValueError, match=r"loss_scale applies to precision='fp16' only"):
+            ChunkPlugin(precision=precision, loss_scale={"initial_scale": 1024})
+        ChunkPlugin(precision=precision)
+    assert ChunkPlugin(precision="fp16", loss_scale={"initial_scale": 1024}).loss_scale is not None

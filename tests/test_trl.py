@@ -85,7 +85,7 @@ def assert_trained_like_plain_trl(result: dict[str, Any], out: Path) -> None:
         assert torch.equal(adapted[name], value), name
 
 
-@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-exact
+@pytest.mark.slow  # the fast tier's case: the Trainer's losses, gradient-checkpointing-label-smoothing-exact
 def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
     result = train_both(tmp_path)
     assert result["world_size"] == 1

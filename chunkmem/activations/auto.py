@@ -19,6 +19,12 @@ of the calls' own (a second collective, only then), the plan is chosen again fro
 and offload times scaled by each call's growth in bytes, an estimate), and the forward's kept and
 offloaded calls hold their new figures from then on. Where no plan fits the budget, every rank
 raises the same ``BudgetTooSmallError`` naming the call, its bytes, the budget and the minimum.
+
+The budget is refused as early as the figures allow: in the first training forward, at the end of
+the first measured call whose figures (with those before it) no plan can hold, and in its backward
+where a measured call's bytes find no room beside the small storages the calls before it keep
+(``placement.refuse_below_minimum``, ``measured_step_refusal``; the same figures and ledger on every
+rank, so every rank raises at the same call).
 Between the overrun and the forward's end, the overrunning rank holds more on the device than the
 ledger accounts (the pack hooks do not raise: one rank's error would leave the others waiting in
 their next collective)."""
@@ -41,10 +47,12 @@ from chunkmem.placement import (
     PlacementPolicy,
     choose_activations,
 )
+from chunkmem.placement.activation_plan import measured_step_refusal, refuse_below_minimum
 from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError, BudgetTooSmallError, NotSupportedError, TraceDivergenceError
 from ..ranks.comm import Communicator
+from ..usage.saved import unlinked
 from ..usage.stats import Stats
 from .counting import Saved
 from .ledger import CallBytes, CallHold, DeviceActivations
@@ -154,7 +162,7 @@ class AutoBlocks:
         index = self._index
         self._index += 1
         if self._plan is None:
-            call, _ = self._call(name, model)
+            call, _ = self._call(name, model, self._measured_refusal)
         elif index < len(self._plan.choices):
             call = self._planned_offload(index, name, model, name)
         else:
@@ -191,9 +199,11 @@ class AutoBlocks:
         self._note(index, ActivationChoice.OFFLOAD, call)
         return call
 
-    def _call(self, name: str, module: torch.nn.Module) -> tuple[BlockCall, CallHold]:
-        """A new call, with its hold in the ledger."""
-        hold = self._account.hold()
+    def _call(
+        self, name: str, module: torch.nn.Module, refusal: Callable[[], Exception] | None = None
+    ) -> tuple[BlockCall, CallHold]:
+        """A new call, with its hold in the ledger (``refusal``: what it raises where it finds no room)."""
+        hold = self._account.hold(refusal)
         return self._offload.call(name, module, hold), hold
 
     def _kept(
@@ -208,7 +218,7 @@ class AutoBlocks:
 
         def pack(tensor: torch.Tensor) -> Any:
             if self._offload.count(call, tensor) is Saved.MODEL:
-                return tensor
+                return unlinked(tensor)
             return account.keep(tensor, call)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, account.unpack):
@@ -282,7 +292,7 @@ class AutoBlocks:
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        call, _ = self._call(name, module)
+        call, _ = self._call(name, module, self._measured_refusal)
         layer = self._layer
         layer.synchronize(layer.record_event())
         began = time.perf_counter()
@@ -299,12 +309,6 @@ class AutoBlocks:
         count, name = call.count, call.block
         agreed = self._agree(CallBytes(count.saved_bytes, count.small_bytes, count.copied_bytes))
         assert call.hold is not None, "an auto call has a hold"
-        call.hold.take(agreed.small, f"{'' if outside else 'block '}{name} (small saved tensors it keeps)")
-        call.fetch_bytes = agreed.copied
-        # Its fetch in the backward needs room that model data (gradient buffers, prefetched chunks)
-        # would fill: the policy keeps the largest measured call's copies free until the plan.
-        self._policy.reserve_for_measured_activations(agreed.copied)
-        self._account.kept_total += count.small_bytes
         if index < len(self._measures):
             old = self._measures[index]
             self._measures[index] = BlockMeasure(name, 0, max(old.forward_seconds, seconds), outside=outside)
@@ -313,6 +317,44 @@ class AutoBlocks:
             self._measures.append(BlockMeasure(name, 0, seconds, outside=outside))
             self._agreed.append(agreed)
             self._offload_times.append(call.host_seconds)  # the fetch adds to it in the backward
+        self._refuse_below_minimum(index)
+        call.hold.take(agreed.small, f"{'' if outside else 'block '}{name} (small saved tensors it keeps)")
+        call.fetch_bytes = agreed.copied
+        # Its fetch in the backward needs room that model data (gradient buffers, prefetched chunks)
+        # would fill: the policy keeps the largest measured call's copies free until the plan.
+        self._policy.reserve_for_measured_activations(agreed.copied)
+        self._account.kept_total += count.small_bytes
+
+    def _refuse_below_minimum(self, index: int) -> None:
+        """``BudgetTooSmallError`` on every rank (the figures are agreed) as soon as the calls measured
+        up to ``index`` need more than the budget can hold with any plan (``placement.refuse_below_minimum``):
+        the user learns the minimum at the first training forward, not in its backward."""
+        measures, _ = self._figures(index + 1)
+        try:
+            refuse_below_minimum(measures, self._budget(), self._policy.placement_need().minimum, complete=False)
+        except placement_pkg.BudgetTooSmallError as error:
+            raise BudgetTooSmallError.from_placement(error) from None
+
+    def _measured_refusal(self) -> BudgetTooSmallError:
+        """What a measured call raises where its bytes find no room: the budget's refusal, naming a
+        budget that holds the small storages of the calls measured so far beside each fetch."""
+        measures, copied = self._figures(len(self._agreed))
+        model = self._policy.placement_need().minimum
+        return BudgetTooSmallError.from_placement(measured_step_refusal(measures, copied, self._budget(), model))
+
+    def _figures(self, calls: int) -> tuple[list[BlockMeasure], list[int]]:
+        """The first ``calls`` measured calls' agreed figures, and what their offload copies."""
+        figures = self._agreed[:calls]
+        measures = [
+            BlockMeasure(m.name, b.saved, 0.0, small_bytes=b.small, outside=m.outside)
+            for m, b in zip(self._measures, figures, strict=False)
+        ]
+        return measures, [b.copied for b in figures]
+
+    def _budget(self) -> int:
+        budget = self._policy.budget
+        assert budget is not None, "auto blocks need a device budget (checked when boosting)"
+        return budget
 
     def _agree(self, own: CallBytes) -> CallBytes:
         """A measured call's bytes, the maximum over ranks (every rank measures the same calls)."""
@@ -352,11 +394,9 @@ class AutoBlocks:
             to_device=1.0 / to_device if to_device else 0.0,
             overlap=self._layer.asynchronous,
         )
-        budget = self._policy.budget
-        assert budget is not None, "auto blocks need a device budget (checked when boosting)"
         try:
             plan = choose_activations(
-                measures, rates, budget, self._policy.placement_need().minimum, self._max_prefetch
+                measures, rates, self._budget(), self._policy.placement_need().minimum, self._max_prefetch
             )
         except placement_pkg.BudgetTooSmallError as error:
             raise BudgetTooSmallError.from_placement(error) from None

@@ -40,10 +40,13 @@ from ..ranks.comm import Communicator
 from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
 from ..usage.accounting import MemoryLedger
+from ..usage.saved import SEES_HOOKS, top_hooks
 from ..usage.stats import Stats
 from .auto import AutoBlocks
+from .caching import holds_cache, refuse_cache, without_cache
 from .disk import ActivationDisk
 from .ledger import DeviceActivations
+from .meter import SavedMeter
 from .offload import ActivationOffload
 from .outside import OutsideStretches
 
@@ -61,8 +64,7 @@ class DeviceBudget(NamedTuple):
 
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-SEES_CHECKPOINTS = _TOP_HOOKS is not None
+SEES_CHECKPOINTS = SEES_HOOKS
 """Whether this PyTorch lets a block see that it runs inside a ``torch.utils.checkpoint`` (2.8 and
 later); before, only a Hugging Face model's own ``gradient_checkpointing`` flag is seen, and a
 checkpoint of the user's own around a placed block is not refused (it recomputes the block again,
@@ -71,9 +73,7 @@ which costs time and gives the same values)."""
 
 def _in_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are those of a non-reentrant checkpoint."""
-    if _TOP_HOOKS is None:
-        return False
-    top = _TOP_HOOKS(False)
+    top = top_hooks()
     return top is not None and any(getattr(top[0], "__qualname__", "").startswith(p) for p in _CHECKPOINT_HOOKS)
 
 
@@ -100,10 +100,13 @@ class ActivationBlocks:
         ledger: MemoryLedger | None = None,
         disk_dir: str | None = None,
         failures: LocalFailures | None = None,
+        *,
+        meter: SavedMeter | None = None,
     ) -> None:
         """``ledger``: the model's, where a ``host_budget``'s bytes are accounted; ``disk_dir``:
         where what exceeds it goes (checked by the plugin's backing); ``failures``: the model's,
-        where a read back from there that failed waits for the ranks' agreement."""
+        where a read back from there that failed waits for the ranks' agreement; ``meter``: the
+        model's, which counts what the ``offload`` blocks leave on the device and fetch back."""
         self._stats = stats
         self._config = config
         layer = comm.layer
@@ -116,7 +119,7 @@ class ActivationBlocks:
             room = HostRoom(int(config.host_budget))
             self._disk = ActivationDisk(room, disk_dir, comm, ledger, self._transfers, failures)
         self._offload = ActivationOffload(
-            self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk
+            self._transfers, layer.device, config.max_prefetch, config.min_offload_bytes, disk=self._disk, meter=meter
         )
         self._offloads = [self._offload]  # the auto blocks' too (one host budget)
         self._auto: AutoBlocks | None = None
@@ -142,6 +145,10 @@ class ActivationBlocks:
                 config.max_prefetch,
             )
         self._outside = OutsideStretches(model, outside_offload, self._auto) if config.offload_outside else None
+        self._cache_warned = [False]
+        # A plan's forward (on the meta device) keeps its cache, and its blocks are placed with it: without
+        # one, transformers' causal mask reads a value (``.all()`` of the positions) a meta tensor has not.
+        self._planned = layer.device.type == "meta"
         self._blocks: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []
         for name, module in model.named_modules():
             how = config.placement_of(module)
@@ -181,6 +188,13 @@ class ActivationBlocks:
     def plan(self) -> ActivationPlan | None:
         """The auto blocks' plan (``None`` without auto blocks, or before the first step ended)."""
         return self._auto.plan if self._auto is not None else None
+
+    def training_kwargs(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of the model's forward: where blocks may be recomputed (``recompute``,
+        ``auto``), a training forward that would cache runs with ``use_cache=False`` (``caching``)."""
+        if self._planned or not (self._config.recompute or self._config.auto):
+            return kwargs
+        return without_cache(model, kwargs, self._cache_warned)
 
     def begin_forward(self) -> None:
         """The model's forward starts: the host copies the last backward read go back (and out of a
@@ -264,10 +278,20 @@ class ActivationBlocks:
             _refuse_double_checkpointing(name, how)
         return True
 
+    def _as_is_with_cache(self, name: str, module: torch.nn.Module, how: str, args: Any, kwargs: Any) -> bool:
+        """Whether a block that may be recomputed runs as it is, being handed a KV cache (in eval
+        mode; refused in training mode: see ``caching``)."""
+        if self._planned or not holds_cache(args, kwargs):
+            return False
+        if module.training:
+            refuse_cache(name, how)
+        return True
+
     def _recomputed(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        if not self._placed(name, module, "recomputed"):
+        how = "recomputed"
+        if not self._placed(name, module, how) or self._as_is_with_cache(name, module, how, args, kwargs):
             return forward(*args, **kwargs)
         with self._block_call():
             return self._recompute(name, module, forward, 0, *args, **kwargs)
@@ -275,7 +299,8 @@ class ActivationBlocks:
     def _automatic(
         self, name: str, module: torch.nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
-        if not self._placed(name, module, "placed under the budget"):
+        how = "placed under the budget (its calls may be recomputed)"
+        if not self._placed(name, module, how) or self._as_is_with_cache(name, module, how, args, kwargs):
             return forward(*args, **kwargs)
         assert self._auto is not None, "an auto block without auto placement"
         with self._block_call():

@@ -29,6 +29,7 @@ import torch
 
 from chunkmem.placement import ActivationPlacement, BlockPlacement, disk_bytes_per_call
 
+from ..usage.saved import unlinked
 from .counting import Saved, SavedCount
 
 __all__ = ["BlockForecast", "forecast"]
@@ -80,7 +81,7 @@ def forecast(
     def counted(call: _Call | None, tensor: torch.Tensor) -> torch.Tensor:
         if call is not None and call.count.add(tensor) is Saved.COPY:
             call.copied.append(tensor.untyped_storage().nbytes())
-        return tensor
+        return unlinked(tensor)  # the forward's graph is dropped without a backward
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         return counted(open_calls[-1][0], tensor)

@@ -20,7 +20,9 @@ What a call holds (``CallHold``), and when:
   until the call is gone.
 * **measured** (the first step, every call offloaded): nothing during its forward (what it saves
   then is the working set of one block), then, once its figures are agreed at its end, its small
-  storages and, from the fetch, its copied bytes, until the call is gone.
+  storages and, from the fetch, its copied bytes, until the call is gone. Where they find no room
+  the budget is refused (``BudgetTooSmallError`` naming a minimum, on every rank alike: the figures
+  and the ledger are agreed), as it is at the call's end where the calls so far need more than it.
 * **recomputed**: nothing (its recomputation in the backward is the working set of one block that
   the plan reserves).
 
@@ -49,6 +51,7 @@ from chunkmem.placement.policy import format_bytes
 
 from ..errors import BudgetExceededError
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
+from ..usage.saved import KeptTensor
 
 __all__ = ["CallBytes", "CallHold", "DeviceActivations"]
 
@@ -67,14 +70,15 @@ class CallBytes(NamedTuple):
         return CallBytes(*(max(a, b) for a, b in zip(self, other, strict=True)))
 
 
-class _Kept:
-    """What autograd keeps for a saved tensor that stays on the device: the tensor, and the call
-    that saved it (whose hold is given back once no such handle and no copy of it is left)."""
+class _Kept(KeptTensor):
+    """What autograd keeps for a saved tensor that stays on the device: the tensor (a
+    ``KeptTensor``: it keeps no graph alive), and the call that saved it (whose hold is given back
+    once no such handle and no copy of it is left)."""
 
-    __slots__ = ("owner", "tensor")
+    __slots__ = ("owner",)
 
     def __init__(self, tensor: torch.Tensor, owner: object) -> None:
-        self.tensor = tensor
+        super().__init__(tensor)
         self.owner = owner
 
 
@@ -85,10 +89,13 @@ def _give_back(account: DeviceActivations, held: list[int]) -> None:
 
 class CallHold:
     """The bytes one call holds in the ledger: taken with room made, given back in part by the call
-    (``give``) and what is left once the hold is gone (it lives as long as its call)."""
+    (``give``) and what is left once the hold is gone (it lives as long as its call). Where no room
+    is left, ``take`` raises ``BudgetExceededError``, or what ``refusal()`` returns (a measured call:
+    the budget's refusal naming the minimum)."""
 
-    def __init__(self, account: DeviceActivations) -> None:
+    def __init__(self, account: DeviceActivations, refusal: Callable[[], Exception] | None = None) -> None:
         self._account = account
+        self._refusal = refusal
         self._held = [0]
         weakref.finalize(self, _give_back, account, self._held)
 
@@ -97,7 +104,12 @@ class CallHold:
         return self._held[0]
 
     def take(self, nbytes: int, what: str) -> None:
-        self._account.add(nbytes, what)
+        try:
+            self._account.add(nbytes, what)
+        except BudgetExceededError as error:
+            if self._refusal is None:
+                raise
+            raise self._refusal() from error
         self._held[0] += nbytes
 
     def give(self, nbytes: int) -> None:
@@ -142,8 +154,8 @@ class DeviceActivations:
         if nbytes:
             self._ledger.free(Location.DEVICE, MemoryKind.ACTIVATION, nbytes)
 
-    def hold(self) -> CallHold:
-        return CallHold(self)
+    def hold(self, refusal: Callable[[], Exception] | None = None) -> CallHold:
+        return CallHold(self, refusal)
 
     def keep(self, tensor: torch.Tensor, owner: object) -> _Kept:
         """The handle autograd keeps for a saved tensor that stays on the device; ``owner`` (the
@@ -152,4 +164,4 @@ class DeviceActivations:
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Kept) else saved
+        return saved.get() if isinstance(saved, KeptTensor) else saved

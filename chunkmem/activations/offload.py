@@ -15,7 +15,8 @@ block to pinned host memory during the forward and back to the device before its
   view is rebuilt on the device copy. When a call's backward begins (its first unpack), the next
   ``max_prefetch`` block calls in backward order are fetched too, those not fetched yet: the window
   slides by one call per backward, so each call is fetched ``max_prefetch`` calls ahead of its own.
-* Host buffers go back to the pool at the next forward, once the fetches that read them are done.
+* Host buffers go back to the pool at the next forward, once the fetches that read them are done;
+  the device copies go with their call (its backward ran, or its graph was dropped).
 * With ``ActivationPlacement.host_budget`` (an ``ActivationDisk``), a storage whose copy does not fit
   the budget goes to the disk tier instead (``placement.HostRoom`` decides, in the order saved) and
   is read back by the fetch; the call's writes are waited for, and agreed over ranks, at its end
@@ -41,9 +42,11 @@ import torch
 from ..device.layer import Event
 from ..errors import DiskTierError
 from ..tiers.transfers import Direction, HostTransfers
+from ..usage.saved import unlinked
 from .counting import Saved, SavedCount
 from .disk import ActivationDisk, DiskCopy
 from .ledger import CallBytes, CallHold, DeviceActivations
+from .meter import SavedMeter
 
 __all__ = ["ActivationOffload", "BlockCall"]
 
@@ -105,8 +108,12 @@ class ActivationOffload:
         min_bytes: int,
         account: DeviceActivations | None = None,
         disk: ActivationDisk | None = None,
+        meter: SavedMeter | None = None,
     ) -> None:
+        """``account``: where what the calls leave on the device and fetch back is accounted (the
+        ``auto`` blocks' ledger), else ``meter``: where it is measured."""
         self._account = account
+        self._meter = meter
         self._disk = disk
         self._transfers = transfers
         self._layer = transfers.layer
@@ -115,7 +122,9 @@ class ActivationOffload:
         self._min_bytes = min_bytes
         self._fetch_stream = self._layer.new_stream()
         self._pending: list[weakref.ref[BlockCall]] = []  # calls whose backward has not begun, in forward order
-        self._fetched: list[_Copy] = []  # copies a fetch read, their host buffers back to the pool next
+        # What the fetches read (a host buffer, and what gives back its room in the host budget), back
+        # to the pool next: the copies themselves (their device copies) go with their calls.
+        self._fetched: list[tuple[torch.Tensor | None, Any]] = []
 
     def set_prefetch(self, calls: int) -> None:
         """Fetch ``calls`` calls ahead from now on (the ``auto`` plan's depth)."""
@@ -135,6 +144,8 @@ class ActivationOffload:
     def begin(self, call: BlockCall) -> None:
         """``call`` starts (its tensors go through ``pack``): it is fetched in backward order."""
         self.recycle()
+        # The calls of forwards dropped without a backward are gone: their references go too.
+        self._pending = [ref for ref in self._pending if ref() is not None]
         self._pending.append(weakref.ref(call))
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -156,11 +167,11 @@ class ActivationOffload:
         """What autograd keeps for ``tensor``, saved in ``call`` (begun)."""
         verdict = self.count(call, tensor)
         if verdict is Saved.MODEL:  # gathered and released by the runtime, never copied here
-            return tensor
+            return unlinked(tensor)
         if call.failure is not None:  # the call raises at its end, on every rank
-            return tensor
+            return self._left(tensor, call)
         if verdict is Saved.SMALL:
-            return tensor if self._account is None else self._account.keep(tensor, call)
+            return self._left(tensor, call)
         key = (tensor.untyped_storage()._cdata, tensor._version)
         if verdict is Saved.COPY:  # the first save of this storage version in the call
             began = time.perf_counter()
@@ -168,13 +179,20 @@ class ActivationOffload:
                 copy = call.copies[key] = self._copy_out(tensor, call.block)
             except DiskTierError as error:
                 call.failure = error
-                return tensor
+                return self._left(tensor, call)
             finally:
                 call.host_seconds[0] += time.perf_counter() - began
             call.made.append(copy)
         else:
             copy = call.copies[key]
         return _Saved(call, copy, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _left(self, tensor: torch.Tensor, call: BlockCall) -> Any:
+        """The handle of a tensor ``call`` leaves on the device: in the ledger's hold or counted by
+        the meter (see ``__init__``)."""
+        if self._account is not None:
+            return self._account.keep(tensor, call)
+        return self._meter.keep(tensor) if self._meter is not None else unlinked(tensor)
 
     def settle(self, call: BlockCall) -> None:
         """The call's forward is done: with accounting, the host waits for its copies to the host,
@@ -222,13 +240,13 @@ class ActivationOffload:
     def recycle(self) -> None:
         """Host buffers read by the last backward's fetches go back to the pool (and out of the
         host budget)."""
-        for copy in self._fetched:
-            if copy.host is not None:
-                self._transfers.before_host_write(copy.host)
-                self._transfers.give_back(copy.host)
-                copy.host = None
-            if copy.held is not None:
-                copy.held()
+        for host, held in self._fetched:
+            if host is not None:
+                self._transfers.before_host_write(host)
+                self._transfers.give_back(host)
+            if held is not None:
+                _, give, args, _ = held
+                give(*args)
         self._fetched.clear()
 
     # --- backward -----------------------------------------------------------------------------
@@ -272,11 +290,15 @@ class ActivationOffload:
         with self._layer.on_stream(self._fetch_stream):
             for copy in call.made:
                 copy.device = torch.empty(copy.numel, dtype=copy.dtype, device=self._device)
+                if self._account is None and self._meter is not None:
+                    self._meter.hold(copy, copy.device.untyped_storage().nbytes())
                 if copy.host is not None:
                     self._transfers.copy(copy.device, copy.host, Direction.TO_DEVICE)
                 else:
                     assert self._disk is not None and copy.disk is not None, "a copy is on the host or on disk"
                     self._disk.read(copy.disk, copy.device.view(torch.uint8), call.block)
-                self._fetched.append(copy)
+                # Held here until the fetch read them, not with the copy: its call may go first.
+                self._fetched.append((copy.host, copy.held.detach() if copy.held is not None else None))
+                copy.host, copy.held = None, None
             call.ready = self._layer.record_event(self._fetch_stream)
         call.fetched = True

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..usage.saved import unlinked
 from .auto import AutoBlocks
 from .offload import ActivationOffload, BlockCall
 
@@ -100,4 +101,4 @@ class OutsideStretches:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         call = self._call
-        return tensor if call is None else self._offload.pack(call, tensor)
+        return unlinked(tensor) if call is None else self._offload.pack(call, tensor)

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 from chunkmem.placement import ActivationPlacement, ActivationPlan
 
 from ..activations import ActivationBlocks
+from ..activations.meter import SavedMeter
 from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
@@ -122,8 +123,12 @@ class ChunkedModel(torch.nn.Module):
         compute_dtype: torch.dtype,
         buffer_dtypes: Mapping[str, torch.dtype],
         activations: ActivationBlocks | None = None,
+        meter: SavedMeter | None = None,
         quantized: QuantizedBase | None = None,
     ) -> None:
+        """``meter``: what measures the saved activations no budget governs (with ``activations``:
+        the one it counts its ``offload`` blocks' in); ``None``: they are not measured. ``quantized``:
+        the model's 4-bit base, whose layers plain copies give back as bitsandbytes holds them."""
         super().__init__()
         self.module = module
         self._runtime = runtime
@@ -135,6 +140,7 @@ class ChunkedModel(torch.nn.Module):
         self._guard_inner_state = module.register_state_dict_pre_hook(_refuse_placeholder_state)
         self._progress = TrainingProgress()
         self._activations = activations
+        self._meter = meter
         self._quantized = quantized
         # When the module goes (with this wrapper, which holds it), the runtime lets go of its
         # parameters: the hook table holds the runtime for each of them, so nothing else would.
@@ -179,12 +185,16 @@ class ChunkedModel(torch.nn.Module):
         _refuse_compiling(torch.compiler.is_compiling())
         self._refuse_parameters_added_after_boost()
         args, kwargs = tree_map(self._prepare, (args, kwargs))
+        if self._activations is not None:
+            kwargs = self._activations.training_kwargs(self.module, kwargs)
         self._runtime.begin_forward()
         try:
             if self._activations is not None:  # after the ranks agreed this forward (check mode)
                 self._activations.begin_forward()
             outside = self._activations.outside_blocks() if self._activations is not None else nullcontext()
-            with self._runtime.forward_context(), outside:
+            # The meter's hooks beneath every other (outermost): it counts what none of them places.
+            measured = self._meter.forward(self._device) if self._meter is not None else nullcontext()
+            with measured, self._runtime.forward_context(), outside:
                 out = self.module(*args, **kwargs)
             self._runtime.agree_reads()
             if self._activations is not None:  # every rank's forward returned: agreed over ranks
@@ -231,6 +241,9 @@ class ChunkedModel(torch.nn.Module):
         stats = self._runtime.stats()
         if self._activations is not None:
             self._activations.counts(stats)
+        if self._meter is not None:
+            stats.unbudgeted_activation_bytes = self._meter.bytes
+            stats.peak_unbudgeted_activation_bytes = self._meter.peak_bytes
         return stats
 
     def zero_grad(self, set_to_none: bool = True) -> None:

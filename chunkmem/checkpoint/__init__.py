@@ -1,14 +1,14 @@
-"""Checkpoints you can trust, in plain PyTorch's own formats (README.md, "Training loop").
+"""Checkpoints you can trust, in plain PyTorch's own formats (the manual's "Checkpoints" page).
 
 The model file is the wrapped module's full fp32 ``state_dict``, the optimizer file a full
 ``Optimizer.state_dict`` over the original parameters (gathered to rank 0 chunk by chunk); with
 ``shard=True`` either is a ``torch.distributed.checkpoint`` directory to which every rank writes its
-own pieces (:mod:`.sharded`, which imports DCP: it is imported only when a sharded checkpoint is
+own pieces (``sharded``, which imports DCP: it is imported only when a sharded checkpoint is
 saved or loaded). Both load at any world size, chunk size or placement, verified against their
-manifest (:mod:`.manifest`), and a refused load changes nothing.
+manifest (``manifest``), and a refused load changes nothing.
 
 The verbs say what each kind of state is (how it is gathered or listed in pieces, checked, staged
-and installed); :func:`_save` and :func:`_load` do the rest, the same for every kind and both formats.
+and installed); ``_save`` and ``_load`` do the rest, the same for every kind and both formats.
 """
 
 from __future__ import annotations

@@ -111,11 +111,6 @@ class ChunkGrads:
         return self._comm.world_size == 1 and self._shard.master_location is Location.DEVICE
 
     @property
-    def holds_buffer(self) -> bool:
-        """A gradient buffer is allocated (receiving gradients, or being reduced)."""
-        return self._buffer is not None
-
-    @property
     def buffer_bytes(self) -> int:
         """Device bytes a gradient buffer allocates (0 when it is the gradient shard itself)."""
         return 0 if not self._layout.trainable or self.buffer_is_shard else self._layout.grad_bytes

@@ -490,8 +490,3 @@ class ShardStore:
             self._transfers.copy(self._device_copy, self._host_compute(), Direction.TO_DEVICE)
             self._device_copy_version = self._version
         return self._device_copy
-
-    def _drop_device_copy(self) -> None:
-        if self._device_copy is not None:
-            self._device_copy = None
-            self._ledger.free(Location.DEVICE, MemoryKind.SHARD_COPY, self._copy_bytes)

@@ -46,9 +46,6 @@ class StateMachine(Generic[S]):
     def state(self) -> S:
         return self._state
 
-    def allows(self, verb: str) -> bool:
-        return self._state in self._table[verb].moves
-
     def require(self, verb: str, subject: str = "") -> None:
         """Raise unless ``verb`` may run now (``subject`` names what the verb acts on, for the message)."""
         move = self._table[verb]

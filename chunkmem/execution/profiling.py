@@ -29,10 +29,6 @@ class NonModelProfile:
         self._ledger = ledger
         self._sampler: NonModelSampler | None = None
 
-    @property
-    def measuring(self) -> bool:
-        return self._sampler is not None
-
     def start(self, trace: ComputeTrace | None) -> None:
         """A training iteration begins (``trace``: the one it is expected to follow)."""
         self._sampler = None

@@ -25,6 +25,7 @@ from ..booster import Booster
 from ..errors import NotSupportedError
 from ..optim import ChunkOptimizer
 from ..plugin import ChunkPlugin
+from ..ranks.agreement import agree
 from .hf_accelerator import routed_to_chunkmem
 from .hf_refusals import refuse_unsupported
 
@@ -68,18 +69,54 @@ class ChunkTrainerMixin:
         # the calls on the model and optimizer routed to chunkmem (ChunkAccelerator adds no state).
         self.accelerator.__class__ = routed_to_chunkmem(type(self.accelerator))
 
+    # --- the loss -------------------------------------------------------------------------------
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        # Trainer decides from the unwrapped model's class whether label smoothing shifts a causal
+        # LM's labels (looking through PeftModel to the base model): the user's model, as under DDP.
+        with self.accelerator.showing_users_model():
+            return super().compute_loss(*args, **kwargs)  # type: ignore[misc]
+
     # --- checkpoints --------------------------------------------------------------------------
     @property
     def _sharded(self) -> bool:
         return self._chunk_optimizer.communicator.world_size > 1
 
-    def _checkpoint_paths(self, directory: str) -> tuple[str, str, str]:
+    def _checkpoint_paths(self, directory: str, sharded: bool) -> tuple[str, str, str]:
+        """The model, optimizer and scheduler paths in ``directory``: files as world size 1 writes
+        them, sharded directories as more ranks do."""
         base = os.path.join(directory, CHECKPOINT_DIR)
-        suffix = "" if self._sharded else ".pt"
+        suffix = "" if sharded else ".pt"
         return (
             os.path.join(base, f"model{suffix}"),
             os.path.join(base, f"optimizer{suffix}"),
             os.path.join(base, "scheduler.pt"),
+        )
+
+    def _saved_paths(self, checkpoint: str) -> tuple[str, str, str]:
+        """The paths of the checkpoint in ``checkpoint`` in the layout it was saved in, whatever the
+        world size that saved it: the booster loads a file or a sharded directory at any world size.
+        Every rank looks; one that finds nothing makes every rank raise."""
+        communicator = self._chunk_optimizer.communicator
+        return agree(
+            communicator,
+            "finding the chunkmem checkpoint to resume from",
+            lambda: self._find_saved(checkpoint),
+            NotSupportedError,
+            subject=checkpoint,
+        )
+
+    def _find_saved(self, checkpoint: str) -> tuple[str, str, str]:
+        for sharded in (self._sharded, not self._sharded):
+            paths = self._checkpoint_paths(checkpoint, sharded)
+            if os.path.exists(paths[0]):
+                return paths
+        single, _, _ = self._checkpoint_paths(checkpoint, sharded=False)
+        several, _, _ = self._checkpoint_paths(checkpoint, sharded=True)
+        raise NotSupportedError(
+            f"{checkpoint} holds no chunkmem checkpoint (neither {single}, which one rank writes, nor the directory "
+            f"{several}, which several ranks write): ChunkTrainer resumes from the checkpoint-N directories it saved "
+            "itself, at any world size. To start from a plain model's weights, load them with from_pretrained "
+            "before building the trainer"
         )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -90,7 +127,7 @@ class ChunkTrainerMixin:
         model = self.model
         assert isinstance(model, ChunkedModel), "ChunkTrainer boosts its model when it is built"
         if _internal_call:
-            model_path, _, _ = self._checkpoint_paths(output_dir)
+            model_path, _, _ = self._checkpoint_paths(output_dir, self._sharded)
             self.booster.save_model(model, model_path, shard=self._sharded)
             if self.args.should_save and hasattr(model.module, "config"):
                 model.module.config.save_pretrained(output_dir)
@@ -104,24 +141,18 @@ class ChunkTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        _, optimizer_path, scheduler_path = self._checkpoint_paths(output_dir)
+        _, optimizer_path, scheduler_path = self._checkpoint_paths(output_dir, self._sharded)
         self.booster.save_optimizer(self._chunk_optimizer, optimizer_path, shard=self._sharded)
         self.booster.save_lr_scheduler(self.lr_scheduler, scheduler_path, self._chunk_optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        model_path, _, _ = self._checkpoint_paths(resume_from_checkpoint)
-        if not os.path.exists(model_path):
-            raise NotSupportedError(
-                f"{resume_from_checkpoint} holds no chunkmem checkpoint ({model_path} is missing): ChunkTrainer "
-                "resumes from the checkpoint-N directories it saved itself. To start from a plain model's "
-                "weights, load them with from_pretrained before building the trainer"
-            )
+        model_path, _, _ = self._saved_paths(resume_from_checkpoint)
         self.booster.load_model(self.model, model_path)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        _, optimizer_path, scheduler_path = self._checkpoint_paths(checkpoint)
+        _, optimizer_path, scheduler_path = self._saved_paths(checkpoint)
         if not os.path.exists(optimizer_path):  # save_only_model: weights alone, as Trainer resumes then
             return
         self.booster.load_optimizer(self._chunk_optimizer, optimizer_path)

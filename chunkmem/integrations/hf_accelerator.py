@@ -4,7 +4,9 @@ boosted model and optimizer routed to chunkmem.
 Trainer (and the trainers built on it) reach the model and optimizer through a handful of public
 ``Accelerator`` methods: ``prepare`` (which would wrap the model in DDP at W>1 and copy the
 optimizer's full state through ``load_state_dict``), ``backward``, ``no_sync`` and
-``clip_grad_norm_``. Routing exactly those keeps every other part of Trainer's loop (data sharding,
+``clip_grad_norm_``; and ``unwrap_model``, whose result Trainer's ``compute_loss`` reads the model's
+class from (the user's module there, as DDP's; the boosted model elsewhere, where callers act on
+it). Routing exactly those keeps every other part of Trainer's loop (data sharding,
 gathers for metrics, logging, callbacks) as Trainer ships it, so a Trainer upgrade that keeps using
 these calls needs nothing here.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -25,6 +28,10 @@ from ..errors import NotSupportedError
 from ..optim import ChunkOptimizer
 
 __all__ = ["ChunkAccelerator", "chunk_optimizer_of", "routed_to_chunkmem"]
+
+# Whether unwrap_model shows the user's module (ChunkAccelerator.showing_users_model): a context
+# variable, as the accelerator's class is swapped in on Trainer's own object and adds no state.
+_SHOWING_USERS_MODEL: ContextVar[bool] = ContextVar("chunkmem_showing_users_model", default=False)
 
 
 def chunk_optimizer_of(optimizer: Any) -> ChunkOptimizer | None:
@@ -49,6 +56,28 @@ class ChunkAccelerator(Accelerator):
                 f"{len(found)}: prepare the model and optimizer that Booster.boost returned"
             )
         return next(iter(found.values()))
+
+    @contextmanager
+    def showing_users_model(self) -> Iterator[None]:
+        """While open, ``unwrap_model`` gives the user's module inside a boosted model, as
+        Accelerate gives the module inside DDP: for code that decides from the model's class what
+        plain Trainer decides from the user's model (``ChunkTrainerMixin.compute_loss``)."""
+        token = _SHOWING_USERS_MODEL.set(True)
+        try:
+            yield
+        finally:
+            _SHOWING_USERS_MODEL.reset(token)
+
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The boosted model itself, whose ``save_pretrained``, ``state_dict`` and ``generate``
+        gather the chunks (the user's module holds placeholders, and its ``generate`` would not
+        keep the ranks in step); the user's module inside ``showing_users_model``."""
+        unwrapped = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        if isinstance(unwrapped, ChunkedModel) and _SHOWING_USERS_MODEL.get():
+            return unwrapped.module
+        return unwrapped
 
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

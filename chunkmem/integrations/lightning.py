@@ -17,7 +17,7 @@ Needs Lightning (``pip install 'chunkmem[lightning]'``); ``import chunkmem`` doe
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import torch.distributed as dist
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+    from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import ParallelStrategy
@@ -58,6 +59,18 @@ __all__ = ["ChunkStrategy", "ProcessGroupEnvironment"]
 MODEL = "model"
 OPTIMIZER = "optimizer"
 TRAINER_STATE = "trainer.ckpt"
+
+
+def _loss_scale_config(value: LossScaleConfig | Mapping[str, Any] | None) -> LossScaleConfig | None:
+    """``ChunkStrategy``'s ``loss_scale`` as a config (a mapping is validated field by field)."""
+    if value is None or isinstance(value, LossScaleConfig):
+        return value
+    if isinstance(value, Mapping):
+        return LossScaleConfig.model_validate(dict(value))
+    raise TypeError(
+        f"loss_scale must be a LossScaleConfig or a mapping of its fields ({', '.join(LossScaleConfig.model_fields)}), "
+        f"got {type(value).__name__}"
+    )
 
 
 class ChunkStrategy(ParallelStrategy):
@@ -93,11 +106,12 @@ class ChunkStrategy(ParallelStrategy):
         if cluster_environment is None and ProcessGroupEnvironment.detect():
             cluster_environment = ProcessGroupEnvironment()
         super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
+        # Validated now, applied at setup: whether it applies depends on Trainer(precision=...).
+        self._loss_scale = _loss_scale_config(loss_scale)
         self._settings = ChunkPlugin(
             placement=placement,
             precision="fp32",
             chunk_size=chunk_size,
-            loss_scale=loss_scale,
             check_plans=check_plans,
             host_step=host_step,
             disk_dir=disk_dir,
@@ -143,8 +157,14 @@ class ChunkStrategy(ParallelStrategy):
                 "process group yourself before building the Trainer; then every rank runs the same script."
             )
         super().setup_environment()
+        if self.world_size > 1:
+            # What DDPStrategy, FSDPStrategy and DeepSpeedStrategy do in their distributed setup:
+            # every rank's RNG back to seed_everything's seed (nothing without one), so that dropout
+            # draws the masks plain DDP draws from the first step. At one rank the plain counterpart
+            # is SingleDeviceStrategy, which leaves the RNG where the script left it.
+            reset_seed()
         if self.world_size > 1 and not dist.is_initialized():
-            assert environment is not None
+            assert environment is not None, "ChunkStrategy: no cluster environment (Lightning sets one before this)"
             _init_dist_connection(environment, collective_backend(self.root_device))
         rank_zero_only.rank = self.global_rank
 
@@ -155,16 +175,22 @@ class ChunkStrategy(ParallelStrategy):
 
     # --- setup: boost the module and its optimizer ------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None
+        assert self.accelerator is not None, "ChunkStrategy: no accelerator (the Trainer sets one before setup)"
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        assert module is not None
+        assert module is not None, "ChunkStrategy: no LightningModule attached (the Trainer attaches it first)"
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self._boosted is not None:
             self._reuse_boosted(module, fitting)
             return
         self._refuse_unsupported(trainer, module)
         precision = chunk_precision(self.precision_plugin)
+        if self._loss_scale is not None and precision != "fp16":
+            raise NotSupportedError(
+                f"ChunkStrategy(loss_scale=...) applies to fp16 only, and Trainer(precision="
+                f"{self.precision_plugin.precision!r}) computes in {precision}, which has no loss scaling: use "
+                "Trainer(precision='16-mixed') to scale fp16 gradients, or leave loss_scale unset"
+            )
         self.model_to_device()
         optimizer = None
         if fitting:
@@ -181,7 +207,7 @@ class ChunkStrategy(ParallelStrategy):
                 placement=settings.placement,
                 precision=precision,
                 chunk_size=settings.chunk_size,
-                loss_scale=settings.loss_scale,
+                loss_scale=self._loss_scale,
                 check_plans=settings.check_plans,
                 # The Trainer's device, over the default process group when there is one.
                 process_group=Communicator(None, self.root_device, check_plans=settings.check_plans),
@@ -195,7 +221,7 @@ class ChunkStrategy(ParallelStrategy):
         self._install(chunked, boosted)
 
     def _install(self, chunked: ChunkedModel, optimizer: ChunkOptimizer | None) -> None:
-        assert self._booster is not None
+        assert self._booster is not None, "ChunkStrategy: the module is not boosted yet (setup boosts it)"
         self.model = chunked
         if optimizer is not None:
             self.optimizers = [optimizer]
@@ -240,7 +266,9 @@ class ChunkStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation micro-batches communicate no gradients (chunkmem's ``no_sync``)."""
-        assert self._booster is not None and isinstance(self.model, ChunkedModel)
+        assert self._booster is not None and isinstance(self.model, ChunkedModel), (
+            "ChunkStrategy.block_backward_sync before setup boosted the module"
+        )
         with self._booster.no_sync(self.model):
             yield
 
@@ -266,7 +294,7 @@ class ChunkStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
-        assert self.accelerator is not None
+        assert self.accelerator is not None, "ChunkStrategy: no accelerator (the Trainer sets one before setup)"
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
@@ -296,7 +324,7 @@ class ChunkStrategy(ParallelStrategy):
             raise NotSupportedError("storage_options refused by ChunkStrategy: its checkpoints are local directories")
         directory = _local_directory(filepath)
         chunked, optimizer = self._boosted_parts("save_checkpoint")
-        assert self._booster is not None
+        assert self._booster is not None, "ChunkStrategy: the module is not boosted yet (setup boosts it)"
         directory.mkdir(parents=True, exist_ok=True)
         shard = self._sharded()
         self._booster.save_model(chunked, directory / MODEL, shard=shard)
@@ -317,9 +345,9 @@ class ChunkStrategy(ParallelStrategy):
             )
         state = self.checkpoint_io.load_checkpoint(directory / TRAINER_STATE, weights_only=weights_only)
         chunked, optimizer = self._boosted_parts("loading a checkpoint")
-        assert self._booster is not None
+        assert self._booster is not None, "ChunkStrategy: the module is not boosted yet (setup boosts it)"
         module = self.lightning_module
-        assert module is not None
+        assert module is not None, "ChunkStrategy: no LightningModule attached (the Trainer attaches it first)"
         self._booster.load_model(chunked, directory / MODEL, strict=module.strict_loading)
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if fitting and optimizer is not None and "optimizer_states" in state:

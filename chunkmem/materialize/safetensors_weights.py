@@ -93,9 +93,6 @@ class SafetensorsWeights:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shape[key]
 
-    def dtype_name(self, key: str) -> str:
-        return self._dtype[key]
-
     def location(self, key: str, start: int) -> tuple[Path, int] | None:
         """The file holding ``key`` and the byte offset there of its flattened element ``start``
         (``None``: a dtype torch does not know)."""

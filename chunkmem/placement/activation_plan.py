@@ -39,6 +39,12 @@ The stretches of the forward outside the blocks (``ActivationPlacement.offload_o
 ``BlockMeasure.outside``) are calls of the plan that are always offloaded: never kept nor
 recomputed, their small storages always held, so the least budget adds them
 (``activation_minimum``); a depth whose fetches ahead do not fit beside them is not taken.
+
+A budget under the plan's least is refused from the first training forward on, as the calls are
+measured (``refuse_below_minimum``). The measured step (the first training step offloads every call)
+fits the plan's least where the calls keep no small storages; where they do, fetching a call back
+for its backward beside those the calls before it keep may find no room, and is refused then
+(``measured_step_refusal``), naming a budget that holds them (``measured_minimum``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ __all__ = [
     "CopyRates",
     "activation_minimum",
     "choose_activations",
+    "measured_minimum",
+    "measured_step_refusal",
+    "refuse_below_minimum",
 ]
 
 
@@ -159,6 +168,87 @@ def activation_minimum(saved_bytes: Sequence[int], model_bytes: int, outside_sma
     return model_bytes + max(saved_bytes, default=0) + outside_small
 
 
+def measured_minimum(small: Sequence[int], copied: Sequence[int], model_bytes: int) -> tuple[int, int]:
+    """The least budget the measured step runs in (the first training step of ``auto`` blocks:
+    every call offloaded, the calls fetched back one at a time), and the index of the call that
+    needs it: model data's need and, when a call is fetched for its backward, its copies back and
+    its small storages beside the small storages of the calls before it in forward order (their
+    backward is still to come; the calls after it are gone)."""
+    held, most, which = 0, 0, 0
+    for index, (kept, back) in enumerate(zip(small, copied, strict=True)):
+        if held + kept + back > most:
+            most, which = held + kept + back, index
+        held += kept
+    return model_bytes + most, which
+
+
+def refuse_below_minimum(
+    measures: Sequence[BlockMeasure], budget: int, model_bytes: int, complete: bool = True
+) -> None:
+    """``BudgetTooSmallError`` naming ``activation_minimum`` where ``budget`` is under it: no plan of
+    these calls fits. ``complete``: ``measures`` are every call of the forward; else the calls so
+    far (the first training forward refuses as it measures them), and the minimum is a lower bound."""
+    outside_small = sum(m.small_bytes for m in measures if m.outside)
+    minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes, outside_small)
+    if minimum > budget:
+        raise _too_small(measures, budget, model_bytes, minimum, complete)
+
+
+def measured_step_refusal(
+    measures: Sequence[BlockMeasure], copied: Sequence[int], budget: int, model_bytes: int
+) -> BudgetTooSmallError:
+    """The refusal where the measured step finds no room for a call's bytes (a budget at least
+    ``activation_minimum``, where the small storages of the calls before it are held beside it):
+    naming the larger of the plan's least and ``measured_minimum`` (``copied``: what the offload of
+    each call copies), which takes model data at its least need beside every fetch, so it runs."""
+    outside_small = sum(m.small_bytes for m in measures if m.outside)
+    plan = activation_minimum([m.saved_bytes for m in measures], model_bytes, outside_small)
+    first, which = measured_minimum([m.small_bytes for m in measures], copied, model_bytes)
+    measured = (
+        f"the first training step offloads every call to measure it, and fetching {measures[which].name} back for "
+        f"its backward takes up to {format_bytes(first - model_bytes)} beside model data (its copies, and the small "
+        "saved tensors it and the calls before it keep on the device)"
+    )
+    return _too_small(measures, budget, model_bytes, max(plan, first), True, measured)
+
+
+def _too_small(
+    measures: Sequence[BlockMeasure],
+    budget: int,
+    model_bytes: int,
+    minimum: int,
+    complete: bool,
+    measured: str | None = None,
+) -> BudgetTooSmallError:
+    """The refusal of ``budget``, naming ``minimum`` and what it holds (``measured``: the measured
+    step's part, where it is what does not fit)."""
+    outside_small = sum(m.small_bytes for m in measures if m.outside)
+    largest = max(measures, key=lambda m: m.saved_bytes, default=BlockMeasure("(none)", 0, 0.0))
+    parts = [
+        f"model data needs at least {format_bytes(model_bytes)}, and block {largest.name} saves "
+        f"{format_bytes(largest.saved_bytes)} (the most any rank's call saved)"
+    ]
+    if outside_small:
+        parts.append(f"the stretches outside the blocks leave {format_bytes(outside_small)} on the device")
+    if measured is not None:
+        parts.append(measured)
+    so_far = (
+        ""
+        if complete
+        else f" (for the calls up to {measures[-1].name}, measured so far in the first training forward: the calls "
+        "after it may need more; chunkmem.plan(model, plugin, example_inputs) gives the whole figure before a run)"
+    )
+    fewer_small = ", lower ActivationPlacement.min_offload_bytes (fewer small tensors stay)" if measured else ""
+    return BudgetTooSmallError(
+        f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data and the saved activations of one "
+        f"block: {'; '.join(parts)}. A device_budget of at least {minimum} ({format_bytes(minimum)}){so_far} would "
+        "train with every block recomputed or offloaded; raise device_budget, shorten the sequence or the "
+        f"micro-batch{fewer_small}, or offload more model data to the host.",
+        budget,
+        minimum,
+    )
+
+
 def _in_flight(measures: Sequence[BlockMeasure], offloaded: Sequence[bool], prefetch: int) -> int:
     """Room for the fetches ahead: the ``prefetch`` largest copies of the offloaded calls (what a
     fetch brings back: the saved bytes less the small storages that stayed)."""
@@ -251,25 +341,7 @@ def choose_activations(
     asynchronous device); the plan with the least estimated time is chosen, on a tie the shallower
     (on a synchronous device fetching ahead hides nothing)."""
     reserve = max((m.saved_bytes for m in measures), default=0)
-    outside_small = sum(m.small_bytes for m in measures if m.outside)
-    minimum = activation_minimum([m.saved_bytes for m in measures], model_bytes, outside_small)
-    if minimum > budget:
-        largest = max(measures, key=lambda m: m.saved_bytes)
-        raise BudgetTooSmallError(
-            f"device_budget={budget} ({format_bytes(budget)}) cannot hold model data and the saved activations of one "
-            f"block: model data needs at least {format_bytes(model_bytes)} and block {largest.name} saves "
-            f"{format_bytes(largest.saved_bytes)} (the most any rank's call saved)"
-            + (
-                f", and the stretches outside the blocks leave {format_bytes(outside_small)} on the device"
-                if outside_small
-                else ""
-            )
-            + ". A device_budget of at least "
-            f"{minimum} ({format_bytes(minimum)}) would train with every block recomputed or offloaded; raise "
-            "device_budget, shorten the sequence or the micro-batch, or offload more model data to the host.",
-            budget,
-            minimum,
-        )
+    refuse_below_minimum(measures, budget, model_bytes)
     best: ActivationPlan | None = None
     for depth in range(max_prefetch + 1):
         plan = _choose_at(measures, rates, budget - model_bytes, reserve, depth)

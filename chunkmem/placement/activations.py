@@ -110,8 +110,11 @@ class ActivationPlacement(BaseModel):
     bandwidth, the maximum over ranks) and each is kept, offloaded or recomputed from then on, the
     kept ones while they fit, chosen to add the least estimated step time
     (``placement.choose_activations``; the plan is ``model.activation_plan``). A budget that cannot
-    hold model data and one block's saved bytes is refused at the end of the first step with the
-    minimum. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
+    hold model data and one block's saved bytes is refused by the first training forward, as it
+    measures the calls (``BudgetTooSmallError`` naming the minimum, on every rank; ``chunkmem.plan``
+    gives it before a run); one where the first step's backward cannot fetch a call back beside the
+    small tensors the calls before it keep on the device is refused there, naming a budget that
+    holds them. What a kept or offloaded call saves is accounted in the ledger (``MemoryKind.ACTIVATION``,
     in ``Stats.peak_device_bytes``); offloaded calls are fetched up to ``max_prefetch`` calls ahead of
     their backward (the plan's ``prefetch``: the depth with the least estimated time whose room fits,
     reserved in the budget) and keep tensors under ``min_offload_bytes`` on the device, accounted."""

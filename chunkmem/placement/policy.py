@@ -99,10 +99,6 @@ class PlacementPolicy(ABC):
         before ``layout``, so that a policy that fills the device with model data can leave room."""
         self._covers_activations = True
 
-    @property
-    def covers_activations(self) -> bool:
-        return self._covers_activations
-
     def reserve_for_activations(self, nbytes: int) -> None:
         """Keep ``nbytes`` of the budget free of model data from now on (saved activations and the
         working set of one block, as planned from the first step): ``cap`` is lowered by it. The

@@ -422,10 +422,6 @@ class DeviceResidency:
         if self._grads.state(chunk_id) is GradBuffer.REDUCING:
             yield from self._grads.finish(chunk_id)
 
-    def finish_reductions(self) -> Iterator[Action]:
-        """Wait for every reduction in flight (in the order they started)."""
-        yield from self._grads.finish_all()
-
     def reduce_all(self) -> Iterator[Action]:
         """Reduce every buffer still accepting and every chunk with gradients on the host (in
         chunk order, the same on every rank; a chunk whose gradients are only on the host gets a

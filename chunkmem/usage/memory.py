@@ -27,6 +27,7 @@ from ..device import (
     reset_peak,
 )
 from .accounting import MemoryLedger
+from .saved import KeptTensor, LiveSaved
 
 __all__ = [
     "DeviceMemory",
@@ -104,21 +105,6 @@ def describe_devices() -> str:
     return "\n".join([*lines, *accelerator_lines()])
 
 
-class _Saved:
-    """A tensor autograd saved for backward, counted while the graph keeps it: ``on_free`` runs
-    when the graph lets go of it."""
-
-    __slots__ = ("_on_free", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, on_free: Callable[[], None] | None) -> None:
-        self.tensor = tensor
-        self._on_free = on_free
-
-    def __del__(self) -> None:
-        if self._on_free is not None:
-            self._on_free()
-
-
 class NonModelSampler:
     """Non-model device memory at each hook position of a recording iteration.
 
@@ -131,8 +117,7 @@ class NonModelSampler:
         self._device = device
         self._ledger = ledger
         self._samples: list[int] = []
-        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references]
-        self._live_bytes = 0
+        self._live = LiveSaved()
         self._hooks: Any = None
         self._allocator_measures = peak_allocated(device) is not None
 
@@ -154,7 +139,7 @@ class NonModelSampler:
             used = peak - self._ledger.device_bytes
             reset_peak(self._device)
         else:
-            used = self._live_bytes
+            used = self._live.bytes
         self._samples.append(max(0, int(used)))
 
     def saved_tensor_hooks(self) -> Any:
@@ -165,28 +150,11 @@ class NonModelSampler:
             return nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> _Saved:
+    def _pack(self, tensor: torch.Tensor) -> KeptTensor:
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-            return _Saved(tensor, None)
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # the storage itself (meta storages all have address 0)
-        entry = self._live.get(key)
-        if entry is None:
-            self._live[key] = [storage.nbytes(), 1]
-            self._live_bytes += storage.nbytes()
-        else:
-            entry[1] += 1
-        return _Saved(tensor, lambda: self._drop(key))
+            return KeptTensor(tensor)
+        return self._live.keep(tensor)
 
     @staticmethod
-    def _unpack(saved: _Saved) -> torch.Tensor:
-        return saved.tensor
-
-    def _drop(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self._live_bytes -= entry[0]
-            del self._live[key]
+    def _unpack(saved: KeptTensor) -> torch.Tensor:
+        return saved.get()

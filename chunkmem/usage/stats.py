@@ -11,16 +11,27 @@ __all__ = ["Stats"]
 @dataclass
 class Stats:
     """Cumulative since the model was boosted (take differences between two snapshots for a
-    per-step figure). Byte counts are accounted chunk memory and transfer volume, exact. With
-    ``ActivationPlacement(auto=...)`` the accounted device bytes include the saved activations of
-    those blocks while they are on the device (``activation_bytes``); activations elsewhere and
-    temporaries are never accounted."""
+    per-step figure). Byte counts are accounted chunk memory and transfer volume, exact.
+
+    **What the device budget governs, and what it only measures.** ``device_bytes`` and
+    ``peak_device_bytes`` are the bytes ``device_budget`` governs (never above it): chunk memory and
+    the saved activations of ``ActivationPlacement(auto=...)`` calls while they are on the device
+    (``activation_bytes``). Every other byte autograd saves on the device for a backward is only
+    measured (with an ``ActivationPlacement``), in ``unbudgeted_activation_bytes`` and
+    ``peak_unbudgeted_activation_bytes``: what is
+    saved outside the ``auto`` blocks (the embeddings, the head, the loss; unless
+    ``offload_outside`` offloads it with them) and in blocks without a placement, and what the
+    ``offload`` blocks leave on the device and fetch back. The device's own peak can reach
+    ``peak_device_bytes + peak_unbudgeted_activation_bytes``; temporaries, a recomputed block's
+    tensors during its recomputation and the allocator's own cache are in neither. ``str(stats)``
+    says this in a few lines."""
 
     peak_device_bytes: int = 0
-    """Highest accounted bytes on the compute device (never above ``device_budget``): chunk memory,
-    and the saved activations of ``auto`` blocks."""
+    """Highest bytes on the compute device that ``device_budget`` governs (never above it): chunk
+    memory, and the saved activations of ``auto`` calls. Not the device's peak: the saved
+    activations outside the budget are in ``peak_unbudgeted_activation_bytes``."""
     device_bytes: int = 0
-    """Accounted bytes on the compute device now (as ``peak_device_bytes``)."""
+    """Bytes on the compute device that ``device_budget`` governs now (as ``peak_device_bytes``)."""
     host_bytes: int = 0
     """Accounted chunk bytes in host memory now."""
     peak_host_bytes: int = 0
@@ -57,8 +68,19 @@ class Stats:
     d2h_seconds: float = 0.0
     """Seconds the device-to-host copies took (as ``h2d_seconds``)."""
     activation_bytes: int = 0
-    """Saved activations of ``ActivationPlacement(auto=...)`` blocks accounted on the device now (in
-    ``device_bytes``): those kept, those of offloaded calls until copied out and once fetched back."""
+    """Saved activations of ``ActivationPlacement(auto=...)`` blocks accounted on the device now, under
+    the budget (in ``device_bytes``): those kept, those of offloaded calls until copied out and once
+    fetched back (the rank-agreed figures of each call)."""
+    unbudgeted_activation_bytes: int | None = None
+    """Saved activations on the compute device now that ``device_budget`` does not govern (not in
+    ``device_bytes``), measured: every storage autograd keeps for a backward of a training forward
+    outside the ``auto`` calls (what is saved outside the named blocks, in blocks no placement
+    names, the small tensors an ``offload`` block leaves and its copies fetched back), each once,
+    until autograd lets go of it (``chunkmem.activations.meter`` says what is left out). ``None``:
+    not measured, the model has no ``ActivationPlacement`` (every saved activation is then outside
+    the budget)."""
+    peak_unbudgeted_activation_bytes: int | None = None
+    """Highest ``unbudgeted_activation_bytes`` since boosting (``None``: not measured)."""
     activation_kept_bytes: int = 0
     """Bytes of saved activations of ``auto`` blocks that stayed on the device (each storage once per
     save): the calls kept, and the small tensors offloaded calls keep."""
@@ -147,12 +169,37 @@ class Stats:
         }
     )
     """The fields that are timings; every other field is an exact count, the same on every rank,
-    but those of ``RANK_LOCAL``."""
+    but those of ``RANK_LOCAL`` and ``RANK_MEASURED``."""
 
     RANK_LOCAL = frozenset({"prefetch_waits", "early_steps_in_backward"})
     """Counts of whether asynchronous work was still running when looked at (a gather when its
     prefetch was claimed, the backward when an early host step started on its worker thread): they
     depend on each rank's timing, on a GPU more than on the CPU, and no decision reads them."""
+
+    RANK_MEASURED = frozenset({"unbudgeted_activation_bytes", "peak_unbudgeted_activation_bytes"})
+    """A rank's own measure of what it saved outside the budget: ranks may save different bytes
+    (one rank's sequence is shorter), and no decision reads them."""
+
+    def __str__(self) -> str:
+        """What the budget governs and what it only measures, in a few lines (``repr``: every field)."""
+        mib = 2**20
+        now, peak = self.unbudgeted_activation_bytes, self.peak_unbudgeted_activation_bytes
+        outside = (
+            f"saved activations {now / mib:.1f} MiB now, {(peak or 0) / mib:.1f} MiB peak (outside the auto blocks, "
+            "in blocks without a placement, what offload blocks leave on the device)"
+            if now is not None
+            else "saved activations, not measured (no ActivationPlacement: every one is outside the budget)"
+        )
+        return "\n".join(
+            [
+                f"under device_budget: {self.device_bytes / mib:.1f} MiB now, {self.peak_device_bytes / mib:.1f} MiB "
+                f"peak (chunk memory, and saved activations of auto blocks: {self.activation_bytes / mib:.1f} MiB now)",
+                f"not under the budget, only measured: {outside}",
+                "not counted: temporaries, recomputations in the backward, the allocator's cache",
+                f"host: {self.host_bytes / mib:.1f} MiB now, {self.peak_host_bytes / mib:.1f} MiB peak; disk: "
+                f"{self.disk_bytes / mib:.1f} MiB",
+            ]
+        )
 
     def snapshot(self) -> Stats:
         """A copy that later counting does not change."""
