@@ -363,7 +363,7 @@ def _summary_table(
                 *_step_figures(verify, read_bps),
             ]
         )
-    ratio = summary.get("nf4_over_16bit_largest_on_disk_planned", summary.get("nf4_over_16bit_largest_on_disk"))
+    ratio = summary.get("nf4_over_16bit_on_disk_planned", summary.get("nf4_over_16bit_on_disk"))
     note = (
         "Measured B/param: slopes between the two trained sizes (host: peak RSS; disk: the ledger's disk bytes; "
         "small models, so chunk padding moves them). Planned B/param: chunkmem.plan's host and disk bytes over "
@@ -537,11 +537,21 @@ def _summarize(payload: dict[str, Any], host_budget: int | None) -> dict[str, An
     return {"summary": summary, "summary_table": table}
 
 
+def _nf4_runs(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    runs = [*payload["trials"].get("chunkmem-nf4-disk", []), payload.get("verify") or {}]
+    runs.append(payload["planned"].get("chunkmem-nf4-disk") or {})
+    return [r for r in runs if "hidden" in r and r.get("system") == "chunkmem-nf4-disk"]
+
+
 def resummarize(path: Path) -> dict[str, Any]:
     """Recompute the summary and table of results file ``path`` from its own trials, plans and
     verify run (after this script's summary changed); its ``meta`` (the run's date, command and
     machine) is kept and the recompute noted in ``summary_recomputed``."""
     payload = json.loads(path.read_text())
+    for run in _nf4_runs(payload):  # a count of the shape alone (an earlier version counted PEFT's wrappers too)
+        run["quantized_parameters"] = _quantized_parameters(
+            _meta_qlora(lora.config(run["hidden"], run["layers"], run["vocab"]), run["rank"])
+        )
     host_budget = next((r.get("host_budget") for runs in payload["trials"].values() for r in runs), None)
     payload.update(_summarize(payload, host_budget))
     payload["summary_recomputed"] = current_run().meta()
