@@ -45,7 +45,7 @@ LIBRARIES: tuple[tuple[str, str | None, str, str | None], ...] = (
     ("peft", None, "pip install peft", "LoRA adapters over a boosted base"),
     ("trl", None, "pip install trl", "SFTTrainer through ChunkTrainerMixin"),
     ("lightning", "lightning", "pip install 'chunkmem[lightning]'", "ChunkStrategy"),
-    ("bitsandbytes", None, "pip install bitsandbytes", None),  # its quantized weights are refused (chunks/manager.py)
+    ("bitsandbytes", "qlora", "pip install 'chunkmem[qlora]'", "4-bit (NF4 / FP4) bases in quantized chunks (QLoRA)"),
 )
 
 

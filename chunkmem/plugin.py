@@ -54,6 +54,7 @@ from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state
 from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
 from .optim.places import SidePlaces
 from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
+from .quantized import QuantizedBase, QuantizingValues
 from .ranks.comm import Communicator
 from .tiers.disk import DISK_BLOCK, SidesFile
 from .usage.stats import Stats
@@ -325,8 +326,16 @@ class ChunkPlugin:
         named = list(model.named_parameters())  # each shared parameter once, first name
         if not named:
             raise ValueError("the model has no parameters to manage")
+        quantized = QuantizedBase.find(model)  # bitsandbytes 4-bit layers (other formats refused)
+        if quantized is not None:
+            _refuse_untested_with_a_4bit_base(self.compile, frozen.models)
         if optimizer is not None:
             _check_optimizer(optimizer, named)
+            if quantized is not None:
+                quantized.check_optimizer(optimizer)
+        # A 4-bit weight goes in chunks as its packed bytes and its scales (chunkmem.quantized).
+        named = quantized.registration(named) if quantized is not None else named
+        quantized_tensors = quantized.tensors if quantized is not None else []
         comm = (
             self._process_group
             if isinstance(self._process_group, Communicator)
@@ -337,14 +346,18 @@ class ChunkPlugin:
         every = named + [pair for one in frozen.named for pair in one]
         if self.chunk_size is not None:
             self._check_chunk_size(every, comm.world_size)
-        chunk_size, trainable_chunk_size = (
-            (self.chunk_size, None) if self.chunk_size is not None else self._search(every, comm.world_size)
+        chunk_size, trainable_chunk_size, quantized_chunk_sizes = (
+            (self.chunk_size, None, None)
+            if self.chunk_size is not None
+            else self._search(every, comm.world_size, quantized_tensors)
         )
 
         values = backing.values(model, weights)
+        if quantized is not None:
+            values = QuantizingValues(values, quantized.layers)  # weights quantized at boost, piece by piece
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
-        manager.register(named, chunk_size, trainable_chunk_size)
+        manager.register(named, chunk_size, trainable_chunk_size, quantized_tensors, quantized_chunk_sizes)
         for one in frozen.named:  # chunks of their own: each chunk holds one model's parameters
             manager.register(one, chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
@@ -374,7 +387,8 @@ class ChunkPlugin:
             policy.cover_activations()
         compiled = find_compiled_blocks(model, self.compile, placed, comm) if self.compile is not None else []
         try:
-            working_sets = [s for m in (model, *frozen.models) for s in self._working_sets(m, manager)]
+            working_sets = self._working_sets(model, manager, quantized)
+            working_sets += [s for m in frozen.models for s in self._working_sets(m, manager, None)]
             working_sets += block_working_sets(compiled, manager)
             layout = policy.layout(specs, working_sets, accumulate=self.gradient_accumulation)
         except placement_pkg.BudgetTooSmallError as error:
@@ -390,6 +404,8 @@ class ChunkPlugin:
 
         places = SidePlaces(layout, disk)  # where each chunk's optimizer side lives, decided once
         values.prepare_buffers(model)
+        if quantized is not None:  # every check passed: the 4-bit layers become chunkmem's
+            quantized.install(device)
         manager.close_all(places.placement, places.disk_file, in_place.get)
         buffer_dtypes = self._place_buffers(model, device, dtype)
         frozen_buffer_dtypes = [self._place_buffers(m, device, dtype) for m in frozen.models]
@@ -420,7 +436,9 @@ class ChunkPlugin:
         )
         scaler = DynamicLossScaler(self.loss_scale or LossScaleConfig()) if self.precision == "fp16" else None
         host_step = self.host_step or (StepDuringBackward() if comm.layer.asynchronous else StepAfterBackward())
-        boosted = ChunkedModel(model, runtime, manager, dtype, buffer_dtypes, activations, meter, compiled_blocks)
+        boosted = ChunkedModel(
+            model, runtime, manager, dtype, buffer_dtypes, activations, meter, compiled_blocks, quantized
+        )
         for module, dtypes in zip(frozen.models, frozen_buffer_dtypes, strict=True):
             ChunkedModel(module, runtime, manager, dtype, dtypes, beside=boosted)  # listed in boosted.frozen_models
         wrapped_optim = (
@@ -501,11 +519,29 @@ class ChunkPlugin:
                 "size that wastes the least padding."
             )
 
-    def _search(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
-        """The chunk size that wastes the least padding, and for trainable parameters that all fit
-        in less than one such chunk beside frozen ones (a LoRA adapter) a size of their own
-        (``trainable_chunk_range``): in a chunk of the model's size their gradient buffers, fp32
-        masters, optimizer states and disk writes would be mostly padding. ``None``: one size."""
+    def _search(
+        self, named: list[tuple[str, torch.nn.Parameter]], world_size: int, quantized: list[torch.nn.Parameter]
+    ) -> tuple[int, int | None, dict[torch.dtype, int]]:
+        """The chunk sizes that waste the least padding: for the model, for trainable parameters
+        that all fit in less than one such chunk beside frozen ones (a LoRA adapter: a size of their
+        own, ``trainable_chunk_range``; in a chunk of the model's size their gradient buffers, fp32
+        masters, optimizer states and disk writes would be mostly padding; ``None``: the model's),
+        and for each dtype of a quantized base's stored tensors (``quantized``: the packed bytes, and
+        their scales, an eighth of their bytes, each searched over themselves)."""
+        stored = {id(p) for p in quantized}
+        plain = [(n, p) for n, p in named if id(p) not in stored]
+        quantized_sizes: dict[torch.dtype, int] = {}
+        for dtype in dict.fromkeys(p.dtype for p in quantized):
+            group = [p for p in quantized if p.dtype == dtype]
+            low, high = default_search_range(sum(p.numel() for p in group), 1024, dtype.itemsize)
+            result = search_chunk_size(group, low, high, 1024, world_size, dtype.itemsize)
+            log.info("chunkmem: searched %s (quantized, %s)", result.describe(), dtype)
+            quantized_sizes[dtype] = result.chunk_size
+        if not plain:
+            return max(quantized_sizes.values()), None, quantized_sizes
+        return (*self._search_plain(plain, world_size), quantized_sizes)
+
+    def _search_plain(self, named: list[tuple[str, torch.nn.Parameter]], world_size: int) -> tuple[int, int | None]:
         params = [p for _, p in named]
         itemsize = self.compute_dtype.itemsize
         low, high = default_search_range(sum(p.numel() for p in params), 1024, itemsize)
@@ -525,9 +561,10 @@ class ChunkPlugin:
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
         shard = chunk.shard_numel
         kind = chunk.layout.shard_kind
-        # The master: fp32, or a frozen chunk's values alone in the compute dtype (FROZEN_VALUES).
-        master = shard * kind.values_dtype(self.compute_dtype).itemsize
-        master_is_compute = kind.values_dtype(self.compute_dtype) == self.compute_dtype
+        gathered = chunk.compute_dtype  # the compute dtype; a quantized chunk's own
+        # The master: fp32, or a frozen chunk's values alone in the dtype gathers read (FROZEN_VALUES, QUANTIZED).
+        master = shard * kind.values_dtype(gathered).itemsize
+        master_is_compute = kind.values_dtype(gathered) == gathered
         trainable = kind.has_grad
         states = state.reserved(shard, len(chunk.tensors)) if trainable else 0
         grad = shard * MASTER_DTYPE.itemsize if trainable else 0
@@ -542,17 +579,22 @@ class ChunkPlugin:
             gathered_bytes=chunk.gathered_bytes,
             grad_bytes=chunk.grad_bytes,
             optim_side_bytes=optim_side,
-            shard_copy_bytes=shard * self.compute_dtype.itemsize,
+            shard_copy_bytes=shard * gathered.itemsize,
             gathered_is_shard=world_size == 1,
             master_is_compute=master_is_compute,
             disk_side_bytes=disk_side,
         )
 
     @staticmethod
-    def _working_sets(model: torch.nn.Module, manager: ChunkManager) -> list[WorkingSet]:
+    def _working_sets(
+        model: torch.nn.Module, manager: ChunkManager, quantized: QuantizedBase | None
+    ) -> list[WorkingSet]:
         sets = []
         for name, module in model.named_modules():
-            chunks = sorted({manager.info(p).chunk_id for p in module.parameters(recurse=False) if manager.manages(p)})
+            params = list(module.parameters(recurse=False))
+            if quantized is not None:  # a 4-bit layer's op reads its scales too
+                params += quantized.module_tensors(module)
+            chunks = sorted({manager.info(p).chunk_id for p in params if manager.manages(p)})
             if chunks:
                 sets.append(WorkingSet(name or type(model).__name__, tuple(chunks)))
         return sets
@@ -570,3 +612,20 @@ class ChunkPlugin:
                 target = dtype if buf.is_floating_point() else buf.dtype
                 setattr(module, name, to_device(buf, device, target))
         return original
+
+
+def _refuse_untested_with_a_4bit_base(compile: CompileBlocks | None, frozen: Sequence[torch.nn.Module]) -> None:
+    """What no test has run beside a 4-bit base yet is refused, not left to chance."""
+    if compile is not None:
+        raise NotSupportedError(
+            "compile=CompileBlocks(...) with a 4-bit (bitsandbytes) base is not supported yet: the compiled blocks "
+            "would hold the 4-bit layers' dequantization, which no test covers. Boost with compile=None (the 4-bit "
+            "layers run eagerly)"
+        )
+    if frozen:
+        raise NotSupportedError(
+            f"frozen models beside a model with a 4-bit (bitsandbytes) base are not supported yet ({len(frozen)} "
+            "given): "
+            "for a DPO/GRPO reference of a QLoRA model, use the base with the adapter off (TRL does so when "
+            "ref_model is None) instead of a second model"
+        )

@@ -52,7 +52,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|pydantic|transformers|accelerate|lightning|peft|trl|typing|collections|enum|os|pathlib)\b.*"),
     (
         r"py:.*",
-        r"chunkmem\.(activations|boosted|chunks|device|execution|materialize|optim|placement|planning|ranks|tiers|usage|hooks|checkpoint)\..*",
+        r"chunkmem\.(activations|boosted|chunks|device|execution|materialize|optim|placement|planning|ranks|tiers|usage|hooks|checkpoint|quantized)\..*",
     ),
     (r"py:.*", r"(Any|Path|Callable|Iterator|Mapping|Sequence|Module|Optimizer|Tensor|dtype|device|Literal|Self)"),
     (r"py:.*", r"(int|float|str|bool|bytes|None|NoneType|object|type|dict|list|tuple|optional)"),

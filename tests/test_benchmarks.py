@@ -297,6 +297,51 @@ def test_lora_trains_every_system_and_the_base_on_disk_is_read_every_step(tmp_pa
     assert not any((tmp_path / "scratch").iterdir()), "scratch files left behind"
 
 
+@pytest.mark.slow  # two systems at two sizes and a plan, each in its own process
+def test_qlora_trains_the_nf4_base_from_disk_and_plain_peft_qlora(tmp_path: Path) -> None:
+    """The 4-bit systems (the 16-bit one is lora.py's, tested above): the NF4 base's stored bytes are
+    at least what its layers' shapes say (half a byte a weight, a 4-byte scale per 64; the rest is
+    chunk padding), all on disk, read from there every step, never written."""
+    pytest.importorskip("bitsandbytes")
+    out = _run(
+        "qlora.py",
+        *("--systems", "chunkmem-nf4-disk,peft-qlora", "--sizes", "64x1,64x2", "--vocab", "256", "--steps", "2"),
+        *("--threads", "1", "--dd-mib", "4", "--chunk-size", "2048"),
+        *("--plan-hidden", "64", "--plan-parameters", "200000", "--host-budget", "1GiB"),
+        *("--disk-dir", str(tmp_path / "scratch"), "--out-dir", str(tmp_path)),
+        tiny=False,
+    )
+    payload = json.loads((tmp_path / "qlora.json").read_text())
+    for system, runs in payload["trials"].items():
+        assert [r["state"] for r in runs] == ["ok", "ok"], system
+        assert all(s["tokens_per_second"] > 0 for r in runs for s in r["steps"]), system
+    four, plain = payload["trials"]["chunkmem-nf4-disk"], payload["trials"]["peft-qlora"]
+    assert [r["base_parameters"] for r in four] == [r["base_parameters"] for r in plain]  # counted before packing
+    for run in four:
+        analytic = run["quantized_parameters"] // 2 + 4 * run["quantized_parameters"] // 64
+        for step in run["steps"]:
+            assert step["disk_bytes"] >= step["quantized_bytes"] >= analytic > 0, step
+            assert step["disk_param_read_bytes"] >= step["quantized_bytes"], step  # every quantized chunk, each step
+            assert step["disk_param_write_bytes"] < step["quantized_bytes"], step  # the adapter's chunks only
+    assert payload["summary"]["chunkmem-nf4-disk"]["disk_bytes_per_base_parameter"] > 0
+    assert payload["summary"]["peft-qlora"]["host_bytes_per_base_parameter"] is not None
+    # The planner's bound: a base of the asked size (whole layers), its quantized bytes on disk, under the budget.
+    planned = payload["planned"]["chunkmem-nf4-disk"]
+    assert planned["fits"] and planned["peak_host_bytes"] <= 2**30, planned
+    assert 100_000 < planned["base_parameters"] <= 200_000, planned
+    assert planned["disk_bytes"] >= planned["quantized_parameters"] // 2 + 4 * planned["quantized_parameters"] // 64
+    assert set(payload["planned"]) == {"chunkmem-nf4-disk"}  # plain PEFT is not planned
+    summary = payload["summary"]["chunkmem-nf4-disk"]
+    assert summary["quantized_bytes_per_quantized_parameter"] >= 0.5 + 4 / 64  # padding only adds
+    per = (planned["disk_bytes"] + planned["host_bytes"]) / planned["base_parameters"]
+    assert summary["planned_host_and_disk_bytes_per_base_parameter"] == per
+    table = payload["summary_table"]
+    assert [row[0] for row in table["rows"]] == ["chunkmem-nf4-disk", "peft-qlora"]
+    assert all(len(row) == len(table["headers"]) for row in table["rows"])
+    assert "plan of chunkmem-nf4-disk at 64x" in out
+    assert not any((tmp_path / "scratch").iterdir()), "scratch files left behind"
+
+
 def test_offload_breakdown_trains_the_same_model_everywhere_and_steps_early_only_when_asked(tmp_path: Path) -> None:
     systems = "plain,chunkmem-after,chunkmem-during,fsdp2-offload"
     _run(

@@ -38,6 +38,7 @@ def test_every_example_is_tested() -> None:
         "hf_trainer.py",
         "lightning_train.py",
         "meta_7b.py",
+        "qlora.py",
         "train_loop.py",
         "trl_sft_lora.py",
     }, "a new example needs its test here"
@@ -124,6 +125,25 @@ def test_disk_tier_keeps_nothing_in_host_memory_and_trains_as_plain_pytorch(lora
     rows = re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +(\d+) KiB +(\d+) KiB$", out, re.MULTILINE)
     assert len(rows) == 3 and all(int(read) > 0 and int(written) > 0 for read, written in rows), out
     assert "left after the run: 0" in out and list(disk.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_qlora_trains_as_plain_peft_qlora_with_its_4bit_base_on_disk(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")  # the test extra installs it
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = _run("qlora.py", "--disk-dir", str(disk), "--steps", "2", cwd=tmp_path)
+    assert _figure(r"largest loss difference from plain PEFT QLoRA: ([\d.e+-]+)", out) == 0.0
+    assert _figure(r"in host memory between steps: ([\d,]+) bytes", out) == 0
+    # Two layers 128 wide: q and o 128x128, k and v 128x64 (2 key-value heads), three 128x320 MLP
+    # matrices; half a byte a weight and a 4-byte scale per 64 (the rest is chunk padding).
+    weights = 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 320)
+    quantized = _figure(r"quantized base: ([\d,]+) bytes in chunks", out)
+    assert weights // 2 + 4 * weights // 64 <= quantized <= _figure(r"on disk in all: ([\d,]+) bytes", out)
+    rows = re.findall(r"^ +\d+ +[\d.]+ +[\d.]+ +(\d+) KiB +(\d+) KiB$", out, re.MULTILINE)
+    assert len(rows) == 2 and all(int(read) > 0 for read, _ in rows), out
+    assert "equal to plain PEFT QLoRA's: True" in out
+    assert list(disk.iterdir()) == [], "scratch files left behind"
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ packages of lower layers, never one of its own layer or above, type-only imports
     files, owned directories
  4. ``chunkmem.chunks``: chunks, their state, this rank's shard in every tier, the manager
  5. ``chunkmem.execution``: the runtime and the executor; ``chunkmem.activations``;
-    ``chunkmem.materialize``
+    ``chunkmem.materialize``; ``chunkmem.quantized`` (4-bit bases)
  6. ``chunkmem.boosted``: ``ChunkedModel`` and what it carries
  7. ``chunkmem.optim``: the optimizer side
  8. ``chunkmem.checkpoint``
@@ -182,7 +182,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("chunkmem.usage",),
     ("chunkmem.ranks", "chunkmem.tiers"),
     ("chunkmem.chunks",),
-    ("chunkmem.execution", "chunkmem.activations", "chunkmem.materialize"),
+    ("chunkmem.execution", "chunkmem.activations", "chunkmem.materialize", "chunkmem.quantized"),
     ("chunkmem.boosted",),
     ("chunkmem.optim",),
     ("chunkmem.checkpoint",),

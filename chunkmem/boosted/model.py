@@ -41,6 +41,7 @@ from ..device.moves import to_device, to_host
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
 from ..execution.gather import Destination, gather_full
 from ..execution.runtime import ChunkRuntime
+from ..quantized import QuantizedBase
 from ..ranks.agreement import agree, on_first_rank
 from ..usage.stats import Stats
 from .compiled_blocks import CompiledBlocks
@@ -136,11 +137,13 @@ class ChunkedModel(torch.nn.Module):
         activations: ActivationBlocks | None = None,
         meter: SavedMeter | None = None,
         compiled: CompiledBlocks | None = None,
+        quantized: QuantizedBase | None = None,
         *,
         beside: ChunkedModel | None = None,
     ) -> None:
         """``meter``: what measures the saved activations no budget governs (with ``activations``:
-        the one it counts its ``offload`` blocks' in); ``None``: they are not measured.
+        the one it counts its ``offload`` blocks' in); ``None``: they are not measured. ``quantized``:
+        the model's 4-bit base, whose layers plain copies give back as bitsandbytes holds them.
         ``beside``: this is a frozen model boosted beside that trained one, in the same chunks'
         manager, runtime and budget (``Booster.boost(..., frozen=...)``); its optimizer steps
         advance both."""
@@ -163,6 +166,7 @@ class ChunkedModel(torch.nn.Module):
         self._activations = activations
         self._meter = meter
         self._compiled = compiled
+        self._quantized = quantized
         self._beside = beside
         self._frozen: list[ChunkedModel] = []
         if beside is not None:
@@ -496,6 +500,8 @@ class ChunkedModel(torch.nn.Module):
         memo: dict[int, Any] = {}
         for info in self._infos:
             memo[id(info.param)] = torch.nn.Parameter(to_device(values.pop(id(info.param)), device), info.trainable)
+        if self._quantized is not None:  # 4-bit weights as bitsandbytes holds them
+            self._quantized.plain_weights(memo)
         self._guard_inner_state.remove()  # the copy holds real values: no guard there
         try:
             with self._forwards_detached():
@@ -512,11 +518,13 @@ class ChunkedModel(torch.nn.Module):
 
     @contextmanager
     def _forwards_detached(self) -> Iterator[None]:
-        """The blocks run their classes' own forward (no activation placement, nothing compiled):
-        the activation blocks first, since their wrappers hold the compiled blocks'."""
+        """The blocks run their classes' own forward (no activation placement, nothing compiled, the
+        4-bit layers as bitsandbytes runs them): the activation blocks first, since their wrappers
+        hold the compiled blocks'."""
         with (
             self._activations.detached() if self._activations is not None else nullcontext(),
             self._compiled.detached() if self._compiled is not None else nullcontext(),
+            self._quantized.detached() if self._quantized is not None else nullcontext(),
         ):
             yield
 

@@ -57,8 +57,9 @@ class Chunk:
         stats: Stats,
         transfers: HostTransfers | None = None,
         failures: LocalFailures | None = None,
+        quantized: bool = False,
     ) -> None:
-        self.layout = ChunkLayout(chunk_id, capacity, comm.world_size, comm.rank, compute_dtype, trainable)
+        self.layout = ChunkLayout(chunk_id, capacity, comm.world_size, comm.rank, compute_dtype, trainable, quantized)
         self._comm = comm
         self._failures = failures  # where a read of its shard from disk that failed waits (None: raised)
         self._ledger = ledger
@@ -79,7 +80,13 @@ class Chunk:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        """The dtype gathers read: the model's compute dtype, or a quantized chunk's own."""
         return self.layout.compute_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """It holds a quantized base's stored tensors (``ShardKind.QUANTIZED``)."""
+        return self.layout.quantized
 
     @property
     def trainable(self) -> bool:

@@ -37,7 +37,14 @@ class ChunkLayout:
     """The parameters of one chunk, in order, and this rank's shard of it."""
 
     def __init__(
-        self, chunk_id: int, capacity: int, world_size: int, rank: int, compute_dtype: torch.dtype, trainable: bool
+        self,
+        chunk_id: int,
+        capacity: int,
+        world_size: int,
+        rank: int,
+        compute_dtype: torch.dtype,
+        trainable: bool,
+        quantized: bool = False,
     ) -> None:
         if capacity <= 0 or capacity % world_size:
             raise ValueError(
@@ -49,6 +56,8 @@ class ChunkLayout:
         self.rank = rank
         self.compute_dtype = compute_dtype
         self.trainable = trainable
+        self.quantized = quantized
+        """It holds a quantized base's stored tensors, gathered in their own dtype: ``compute_dtype``."""
         self._tensors: list[TensorInfo] = []
         self._used = 0
         self._closed = False  # parameters are appended until the chunk is closed, once
@@ -75,7 +84,7 @@ class ChunkLayout:
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes of the full chunk in the compute dtype."""
+        """Bytes of the full chunk in the dtype gathers read (``compute_dtype``)."""
         return self.capacity * self.compute_dtype.itemsize
 
     @property
@@ -105,7 +114,9 @@ class ChunkLayout:
         """What the shard stores (see ``ShardKind``), from the parameters appended so far."""
         # Mixed dtypes (chunks built by hand) keep a master: one dtype other than compute's suffices.
         dtype = next(iter(self._param_dtypes)) if len(self._param_dtypes) == 1 else MASTER_DTYPE
-        return ShardKind.of(self.trainable, dtype if self._param_dtypes else self.compute_dtype, self.compute_dtype)
+        return ShardKind.of(
+            self.trainable, dtype if self._param_dtypes else self.compute_dtype, self.compute_dtype, self.quantized
+        )
 
     def fits(self, numel: int) -> bool:
         """Whether a parameter of ``numel`` elements still fits."""
@@ -121,6 +132,11 @@ class ChunkLayout:
             )
         if info.offset != self._used or info.chunk_id != self.chunk_id or info.index != len(self._tensors):
             raise ValueError(f"{where}: parameter '{info.name}' has a layout for another position")
+        if self.quantized and info.param.dtype != self.compute_dtype:
+            raise ValueError(
+                f"{where}: a quantized chunk of {self.compute_dtype} holds tensors of that dtype, not parameter "
+                f"'{info.name}' ({info.param.dtype})"
+            )
         self._param_dtypes.add(info.param.dtype)
         self._tensors.append(info)
         self._used += info.numel

@@ -34,6 +34,12 @@ __all__ = ["ChunkResidency"]
 _DEBUG = os.environ.get("CHUNKMEM_DEBUG", "") not in ("", "0")
 
 
+def _poison(dtype: torch.dtype) -> float:
+    """What a parameter reads while its chunk is not gathered: NaN, or for a quantized chunk's
+    integer bytes their largest value."""
+    return float("nan") if dtype.is_floating_point else float(torch.iinfo(dtype).max)
+
+
 class ChunkResidency:
     """The full buffer of one chunk and where its parameters point; see the module docstring."""
 
@@ -69,15 +75,18 @@ class ChunkResidency:
     def close(self, store: ShardStore) -> None:
         """The shard exists: parameters point at placeholders until the first gather."""
         self._store = store
-        nan = torch.full((), float("nan"), dtype=self._layout.compute_dtype, device=self._comm.device)
-        self._placeholders = [nan.expand(info.shape) for info in self._layout.tensors]
+        poison = torch.full(
+            (), _poison(self._layout.compute_dtype), dtype=self._layout.compute_dtype, device=self._comm.device
+        )
+        self._placeholders = [poison.expand(info.shape) for info in self._layout.tensors]
         for info in self._layout.tensors:
             # (A plan's chunks are on the meta device too: there the parameter stays as it is.)
             if info.param.is_meta and self._buffer.device.type != "meta":
                 # ``.data`` cannot move a tensor off the meta device; swapping keeps the parameter
                 # object itself, which the model and the user's optimizer hold.
-                real = torch.nn.Parameter(torch.empty((), dtype=info.param.dtype).expand(info.shape))
-                real.requires_grad_(info.param.requires_grad)
+                empty = torch.empty((), dtype=info.param.dtype).expand(info.shape)
+                real = torch.nn.Parameter(empty, requires_grad=info.param.requires_grad)  # (integer: never)
+                real.__dict__.update(info.param.__dict__)  # the swap exchanges them: its attributes stay its own
                 torch.utils.swap_tensors(info.param, real)
         self._set_param_data(self._placeholders)
 
@@ -151,7 +160,7 @@ class ChunkResidency:
         self._set_param_data(self._placeholders)
         if self._full is self._buffer:
             if _DEBUG:
-                self._buffer.fill_(float("nan"))
+                self._buffer.fill_(_poison(self._layout.compute_dtype))
             self._buffer.untyped_storage().resize_(0)
             self._ledger.free(Location.DEVICE, MemoryKind.GATHERED, self._layout.gathered_bytes)
 

@@ -6,7 +6,7 @@ and host transfers; what is gathered, released or evicted during a step is the r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,29 +124,44 @@ class ChunkManager:
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
         chunk_size: int,
         trainable_chunk_size: int | None = None,
+        quantized: Collection[torch.nn.Parameter] = (),
+        quantized_chunk_sizes: Mapping[torch.dtype, int] | None = None,
     ) -> None:
         """Pack parameters, in order, into chunks of ``chunk_size`` elements (rounded up to a
         multiple of the world size), the trainable ones into chunks of ``trainable_chunk_size``
         where given (an adapter a small part of a frozen model: its chunks sized for it, not for
-        the model). Each group (dtype, requires_grad) fills its own open chunk; a parameter larger
-        than its group's size gets a chunk of its own."""
-        for size in (chunk_size, trainable_chunk_size):
+        the model), the ``quantized`` ones (a quantized base's stored tensors, frozen: see
+        ``chunkmem.quantized``) into chunks that hold them in their own dtype, of
+        ``quantized_chunk_sizes[dtype]`` where given (packed bytes and their scales are sized
+        apart). Each group (dtype, requires_grad, quantized) fills its own open chunk; a
+        parameter larger than its group's size gets a chunk of its own."""
+        quantized_sizes = dict(quantized_chunk_sizes or {})
+        for size in (chunk_size, trainable_chunk_size, *quantized_sizes.values()):
             if size is not None and size <= 0:
                 raise ValueError(f"chunk_size must be a positive number of elements, got {size}")
         world = self._comm.world_size
-        sizes = {False: chunk_size, True: trainable_chunk_size or chunk_size}
-        open_chunks: dict[tuple[torch.dtype, bool], Chunk] = {}
+        stored = {id(p) for p in quantized}
+        open_chunks: dict[tuple[torch.dtype, bool, bool], Chunk] = {}
         for name, param in named_params:
-            self._check_manageable(name, param)
-            key = group_key(param)
-            capacity = -(-sizes[param.requires_grad] // world) * world
+            is_quantized = id(param) in stored
+            self._check_manageable(name, param, is_quantized)
+            key = (*group_key(param), is_quantized)
+            size = (
+                quantized_sizes.get(param.dtype)
+                if is_quantized
+                else trainable_chunk_size
+                if param.requires_grad
+                else None
+            )
+            capacity = -(-(size or chunk_size) // world) * world
+            dtype = param.dtype if is_quantized else self._compute_dtype
             numel = param.numel()
             if numel > capacity:
-                chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad)
+                chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad, dtype, is_quantized)
             else:
                 chunk = open_chunks.get(key)
                 if chunk is None or not chunk.fits(numel):
-                    chunk = self._new_chunk(capacity, param.requires_grad)
+                    chunk = self._new_chunk(capacity, param.requires_grad, dtype, is_quantized)
                     open_chunks[key] = chunk
             info = TensorInfo(
                 name=name,
@@ -162,33 +177,40 @@ class ChunkManager:
             self._infos[id(param)] = info
             self._ordered.append(info)
 
-    def _new_chunk(self, capacity: int, trainable: bool) -> Chunk:
+    def _new_chunk(self, capacity: int, trainable: bool, dtype: torch.dtype, quantized: bool) -> Chunk:
         chunk = Chunk(
             len(self._chunks),
             capacity,
-            self._compute_dtype,
+            dtype,
             trainable,
             self._comm,
             self._ledger,
             self._stats,
             self._transfers,
             self._failures,
+            quantized,
         )
         self._chunks.append(chunk)
         return chunk
 
-    def _check_manageable(self, name: str, param: torch.nn.Parameter) -> None:
+    def _check_manageable(self, name: str, param: torch.nn.Parameter, quantized: bool = False) -> None:
         where = f"parameter '{name}' (rank {self._comm.rank})"
         if id(param) in self._infos:
             raise UnmanageableParameter(f"{where} is registered twice; pass each parameter once")
+        if quantized:  # the quantized base's own tensors (chunkmem.quantized found and checked them)
+            if param.requires_grad:
+                raise UnmanageableParameter(f"{where} is a quantized base's stored tensor: it cannot train")
+            self._values.check(param, where)
+            return
         if type(param) is not torch.nn.Parameter:
             raise UnmanageableParameter(
-                f"{where} is a {type(param).__name__}, not a plain nn.Parameter; chunkmem cannot manage "
-                "parameter or tensor subclasses. Quantized weights (bitsandbytes' Params4bit / Int8Params, torchao's "
-                "quantized tensors) are such subclasses: their packed data, scales and kernels cannot be put in a "
-                "chunk's flat 16-bit or fp32 storage and gathered back. Load the base in 16-bit or fp32 without a "
-                "quantization config (chunks shard and offload it instead) and boost with ChunkPlugin(precision="
-                "'bf16'); other subclasses: unwrap them first"
+                f"{where} is a {type(param).__name__} (from {type(param).__module__}), not a plain nn.Parameter; "
+                "chunkmem cannot manage parameter or tensor subclasses it does not know. Quantized weights other "
+                "than bitsandbytes' 4-bit ones (Params4bit in Linear4bit modules, which chunkmem keeps in chunks of "
+                "their quantized bytes) are such subclasses: their packed data, scales and kernels cannot be put in "
+                "a chunk's flat storage and gathered back. Load the base with BitsAndBytesConfig(load_in_4bit=True), "
+                "or in 16-bit without a quantization config (chunks shard and offload it instead) and boost with "
+                "ChunkPlugin(precision='bf16'); other subclasses: unwrap them first"
             )
         self._values.check(param, where)
         if param.dtype not in SUPPORTED_DTYPES:

@@ -72,8 +72,9 @@ class ShardStore:
         in_place: InPlaceShard | None = None,
         failures: LocalFailures | None = None,
     ) -> None:
-        if in_place is not None and (kind is not ShardKind.FROZEN_VALUES or shard is not Location.DISK or disk is None):
+        if in_place is not None and (not kind.values_only or shard is not Location.DISK or disk is None):
             raise ValueError(f"{label}: only a frozen chunk of values alone, its shard on disk, reads them in place")
+        self._kind = kind
         self._in_place = in_place
         if master is Location.DEVICE and shard is Location.HOST:
             raise ValueError(
@@ -142,14 +143,18 @@ class ShardStore:
 
     @property
     def values_dtype(self) -> torch.dtype:
-        """The master's dtype: fp32, or the compute dtype for ``ShardKind.FROZEN_VALUES``."""
+        """The master's dtype: fp32, or the dtype gathers read for a chunk of values alone
+        (``ShardKind.FROZEN_VALUES``, ``ShardKind.QUANTIZED``)."""
         return self._values_dtype
 
     @property
     def _values_kind(self) -> MemoryKind:
         """How the ledger counts the master: fp32 shard data as ``MASTER`` (under fp32 compute a
         frozen chunk's values too, as any fp32 master there is what gathers read), a frozen chunk's
-        16-bit values as the compute-dtype shard data they are (``SHARD_COPY``)."""
+        16-bit values as the compute-dtype shard data they are (``SHARD_COPY``), a quantized
+        chunk's stored bytes as ``QUANTIZED``."""
+        if self._kind is ShardKind.QUANTIZED:
+            return MemoryKind.QUANTIZED
         return MemoryKind.MASTER if self._values_dtype == MASTER_DTYPE else MemoryKind.SHARD_COPY
 
     @property

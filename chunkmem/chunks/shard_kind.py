@@ -9,7 +9,10 @@ nor optimizer state; whether it needs a master depends on its parameters' own dt
   all there is (``FROZEN_VALUES``): no fp32 master anywhere, no write-back after the boost;
 * in another dtype (fp32 weights computed in 16 bits): the fp32 values are the user's weights that
   ``state_dict`` and ``save_model`` give back, so they stay as the master, and gathers read their
-  16-bit copy (``FROZEN_MASTER``).
+  16-bit copy (``FROZEN_MASTER``);
+* quantized (a 4-bit base: packed weights and their scales, ``chunkmem.quantized``): kept and gathered
+  in their own dtype (uint8, float32) as they are, never cast; the ops using them dequantize
+  (``QUANTIZED``). Such a chunk holds only quantized tensors, and its dtype is theirs.
 """
 
 from __future__ import annotations
@@ -33,10 +36,16 @@ class ShardKind(enum.Enum):
     the compute-dtype copies derived from it; no gradient shard."""
     FROZEN_VALUES = "frozen_values"
     """Frozen parameters in the compute dtype: their values only, in that dtype."""
+    QUANTIZED = "quantized"
+    """A quantized frozen base's stored tensors (packed 4-bit weights, their scales): their values
+    only, in their own dtype, which is the chunk's (what gathers read: never cast)."""
 
     @staticmethod
-    def of(trainable: bool, param_dtype: torch.dtype, compute_dtype: torch.dtype) -> ShardKind:
-        """The kind of a chunk whose parameters have ``param_dtype`` (one dtype per chunk)."""
+    def of(trainable: bool, param_dtype: torch.dtype, compute_dtype: torch.dtype, quantized: bool = False) -> ShardKind:
+        """The kind of a chunk whose parameters have ``param_dtype`` (one dtype per chunk);
+        ``quantized``: a chunk of a quantized base's stored tensors."""
+        if quantized:
+            return ShardKind.QUANTIZED
         if trainable:
             return ShardKind.TRAINED
         return ShardKind.FROZEN_VALUES if param_dtype == compute_dtype else ShardKind.FROZEN_MASTER
@@ -45,9 +54,15 @@ class ShardKind(enum.Enum):
     def has_grad(self) -> bool:
         return self is ShardKind.TRAINED
 
+    @property
+    def values_only(self) -> bool:
+        """The shard keeps the values alone, in the dtype gathers read (no master, no cast)."""
+        return self is ShardKind.FROZEN_VALUES or self is ShardKind.QUANTIZED
+
     def values_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the shard's authoritative values (the master, or the values alone)."""
-        return compute_dtype if self is ShardKind.FROZEN_VALUES else MASTER_DTYPE
+        """The dtype of the shard's authoritative values (the master, or the values alone), for a
+        chunk gathered in ``compute_dtype`` (a quantized chunk's is its tensors' own)."""
+        return compute_dtype if self.values_only else MASTER_DTYPE
 
 
 class SourceKind(enum.Enum):

@@ -45,7 +45,6 @@ from ..ranks.local_failures import Lasts, LocalFailures
 from .chunk_layout import ChunkLayout
 from .param_values import ParamValues
 from .sampled_check import ContentSample
-from .shard_kind import ShardKind
 
 if TYPE_CHECKING:
     from ..tiers.disk import SidesFile
@@ -213,7 +212,7 @@ def choose_in_place(
     """Whether this rank reads the chunk's shard in place (module docstring): only a frozen chunk of
     values alone whose parameter shard the placement puts on disk, every piece of it found as it is
     in a weights file. The files are opened here."""
-    if layout.shard_kind is not ShardKind.FROZEN_VALUES or not param_on_disk:
+    if not layout.shard_kind.values_only or not param_on_disk:
         return None
     itemsize = layout.compute_dtype.itemsize
     extents = []

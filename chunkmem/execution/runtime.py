@@ -35,7 +35,7 @@ from ..chunks.manager import ChunkManager
 from ..chunks.tensor_state import TensorInfo, TensorState
 from ..errors import DiskTierError, NotSupportedError
 from ..ranks.agreed_values import AgreedValues
-from ..usage.accounting import Location
+from ..usage.accounting import Location, MemoryKind
 from ..usage.stats import Stats
 from .backward_agreement import agree_backward
 from .executor import ResidencyExecutor
@@ -221,6 +221,7 @@ class ChunkRuntime(ParamOpHook):
         self._stats.peak_device_bytes = self._ledger.peak_device_bytes
         self._stats.peak_host_bytes = self._ledger.peak_host_bytes
         self._stats.disk_bytes = self._ledger.disk_bytes
+        self._stats.quantized_bytes = sum(self._ledger.bytes(where, MemoryKind.QUANTIZED) for where in Location)
         return self._stats.snapshot()
 
     # --- iterations -------------------------------------------------------------------------

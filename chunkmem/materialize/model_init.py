@@ -14,7 +14,8 @@ the parent that creates them, as ``__init__`` runs):
   model's construction as above, then PEFT's injection of the adapter into it, run again from the
   tuner's config, as ``get_peft_model`` ran it after the model was built (its layers' own
   initialisation and PEFT's ``reset_lora_parameters``, with the same generator draws, and its cast
-  to the base layer's dtype, which PEFT skips on meta: ``peft_cast``). When the
+  to the base layer's dtype, which PEFT skips on meta: ``peft_cast``; a rebuilt layer shows PEFT
+  the ``compute_dtype`` its given layer has, a bitsandbytes 4-bit layer's). When the
   base's values come from a checkpoint (``base_from_weights``), its construction draws nothing, as
   ``from_pretrained`` skips it: the adapter's draws are those of ``get_peft_model`` after it.
 * any other module: its ``reset_parameters()`` (``_reset_parameters()`` for ``MultiheadAttention``
@@ -145,6 +146,31 @@ class RecordedInit:
             raise MaterializeError(f"buffer '{name}' of {target.module}: {error}. {_FIX}") from None
 
 
+@contextmanager
+def _compute_dtypes_as_given(model: torch.nn.Module, rebuilt: torch.nn.Module) -> Iterator[None]:
+    """Within the block, each layer of ``rebuilt`` whose counterpart in ``model`` (under a PEFT
+    tuner: the same name without its ``base_layer`` segment) has a ``compute_dtype`` has it too: what
+    PEFT casts an adapter to over a quantized layer (``peft_cast``), which rebuilding from the
+    config does not make."""
+    layers = dict(rebuilt.named_modules())
+    given: dict[str, torch.dtype | None] = {}
+    for name, module in model.named_modules():
+        dtype = getattr(module, "compute_dtype", False)
+        if dtype is None or isinstance(dtype, torch.dtype):
+            given.setdefault(name.replace(".base_layer", ""), dtype)
+    marked: list[torch.nn.Module] = []
+    for name, dtype in given.items():
+        layer = layers.get(name)
+        if layer is not None and not hasattr(layer, "compute_dtype"):
+            layer.compute_dtype = dtype
+            marked.append(layer)
+    try:
+        yield
+    finally:
+        for layer in marked:
+            del layer.compute_dtype
+
+
 def _describe(name: str, module: torch.nn.Module) -> str:
     return f"{type(module).__name__} '{name}'" if name else f"{type(module).__name__} (the model)"
 
@@ -253,7 +279,7 @@ class _Recording:
             with self.recorder.not_drawing() if self.base_from_weights else nullcontext():
                 rebuilt = self._build_again(_join(prefix, "model"), model)
             try:
-                with adapters_cast_as_on_the_cpu():
+                with adapters_cast_as_on_the_cpu(), _compute_dtypes_as_given(model, rebuilt):
                     type(tuner)(rebuilt, copy.deepcopy(config), adapter)
             except MaterializeError:
                 raise

@@ -3,9 +3,11 @@
 ``get_peft_model`` over a CPU model creates each adapter layer in the default dtype, initialises it,
 then casts it to its base layer's dtype (``_move_adapter_to_device_of_base_layer``); a bf16 base
 therefore gets a LoRA A rounded to bf16 (upcast to fp32 again afterwards by ``PeftModel``'s
-``autocast_adapter_dtype``). On the meta device PEFT skips that cast (an adapter on meta is not
-moved), so a recorded injection would replay unrounded values: while recording, the cast is done
-for meta adapters too, as the CPU construction the replay reproduces did it.
+``autocast_adapter_dtype``); over a base layer with a ``compute_dtype`` (a bitsandbytes 4-bit layer,
+its weight packed bytes) PEFT casts to that dtype instead. On the meta device PEFT skips that cast
+(an adapter on meta is not moved), so a recorded injection would replay unrounded values: while
+recording, the cast is done for meta adapters too, as the CPU construction the replay reproduces
+did it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def _base_dtype(layer: Any) -> torch.dtype | None:
     if isinstance(base, torch.nn.MultiheadAttention):
         base = base.out_proj
     weight = getattr(base, "weight", None)
-    if weight is None or not (weight.dtype.is_floating_point or weight.dtype.is_complex):
+    dtype = None if weight is None else weight.dtype
+    if hasattr(base, "compute_dtype"):
+        dtype = base.compute_dtype
+    if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
         return None
-    return weight.dtype
+    return dtype
 
 
 def _is_meta(item: Any) -> bool:

@@ -55,6 +55,7 @@ from ..errors import BudgetExceededError, BudgetTooSmallError, ChunkmemError, Ho
 from ..optim import ChunkOptimizer
 from ..optim.probe import hyperparameters
 from ..plugin import ChunkPlugin
+from ..quantized import QuantizedBase
 from ..ranks.comm import Communicator
 from ..tiers.disk import PlannedDiskFile, SidesFile
 from ..usage.stats import Stats
@@ -262,7 +263,7 @@ def _run(
     """Boost a copy of the meta model over a planning communicator and train ``steps`` steps of
     ``grad_accum`` micro-batches each (all but the last under ``no_sync``)."""
     comm = target.communicator()
-    local = copy.deepcopy(model)
+    local = copy.deepcopy(model, QuantizedBase.deepcopy_memo(model))  # (bitsandbytes' 4-bit weights: on meta)
     optimizer = make_optimizer(local.parameters())
     template = _StateTemplate(optimizer)
     optimizer.step = lambda closure=None: template.emulate_step(optimizer)  # type: ignore[method-assign]

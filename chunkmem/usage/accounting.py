@@ -29,7 +29,7 @@ class MemoryKind(enum.Enum):
     """What a buffer holds; the ledger counts bytes per kind and location."""
 
     GATHERED = "gathered"
-    """Full compute-dtype chunk buffers."""
+    """Full chunk buffers, in the dtype gathers read (the compute dtype; a quantized chunk's own)."""
     MASTER = "master"
     """fp32 master shards."""
     SHARD_COPY = "shard_copy"
@@ -44,6 +44,9 @@ class MemoryKind(enum.Enum):
     """Temporary buffers of a collective outside training (state dicts, checkpoints)."""
     STAGING = "staging"
     """Host buffers a chunk's optimizer side from disk is stepped in."""
+    QUANTIZED = "quantized"
+    """A quantized frozen base's stored bytes (packed 4-bit weights and their scales), in every tier
+    they are placed in, as any chunk shard (``chunkmem.quantized``)."""
     ACTIVATION = "activation"
     """Saved activations of the blocks ``ActivationPlacement(auto=...)`` places under the device
     budget, while they are on the device (see ``chunkmem.activations.ledger``); with

@@ -38,6 +38,9 @@ class Stats:
     """Highest accounted chunk bytes in host memory (never above ``host_budget``)."""
     disk_bytes: int = 0
     """Chunk bytes kept on disk (the disk tier's files)."""
+    quantized_bytes: int = 0
+    """Of the bytes above (device, host and disk), a quantized base's stored shards on this rank:
+    packed 4-bit weights and their scales (``chunkmem.quantized``); gathered copies not included."""
     disk_read_bytes: int = 0
     """Bytes read from the disk tier's files."""
     disk_write_bytes: int = 0
