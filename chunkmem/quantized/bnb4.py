@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..device.moves import to_device
+
 __all__ = [
     "Format4bit",
     "Linear4bitParts",
@@ -200,10 +202,10 @@ def constants(quant_state: Any) -> list[torch.Tensor]:
 
 
 def move_constants(quant_state: Any, device: torch.device) -> None:
-    quant_state.code = quant_state.code.to(device)
+    quant_state.code = to_device(quant_state.code, device)
     if quant_state.nested:
-        quant_state.state2.code = quant_state.state2.code.to(device)
-        quant_state.offset = quant_state.offset.to(device)
+        quant_state.state2.code = to_device(quant_state.state2.code, device)
+        quant_state.offset = to_device(quant_state.offset, device)
 
 
 def new_quant_state(fmt: Format4bit, absmax: torch.Tensor, device: torch.device) -> Any:
