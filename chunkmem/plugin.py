@@ -39,6 +39,7 @@ from .device import bf16_supported, compute_device
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
+    DiskTierError,
     HostBudgetTooSmallError,
     MaterializeError,
     NotSupportedError,
@@ -48,6 +49,7 @@ from .optim import ChunkOptimizer, StateSize, check_elementwise, optimizer_state
 from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
 from .optim.places import SidePlaces
 from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
+from .ranks.agreement import agree
 from .ranks.comm import Communicator
 from .tiers.disk import DISK_BLOCK, SidesFile
 from .usage.stats import Stats
@@ -317,7 +319,13 @@ class ChunkPlugin:
             (self.chunk_size, None) if self.chunk_size is not None else self._search(named, comm.world_size)
         )
 
-        values = backing.values(model, weights)
+        # Each rank reads weights files of its own (a copy on each node): one it cannot read is an
+        # error on every rank, before the boost's first collective leaves the others waiting.
+        values = (
+            backing.values(model, weights)
+            if weights is None
+            else agree(comm, "opening the weights files", lambda: backing.values(model, weights), DiskTierError)
+        )
         stats = Stats()
         manager = ChunkManager(comm, dtype, stats, values)
         manager.register(named, chunk_size, trainable_chunk_size)
