@@ -359,13 +359,29 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _mebibytes(text: str) -> int:
+    """The argparse type of a size flag in MiB (argparse names the flag in its refusal): a whole
+    number above zero (a probe of nothing, or of a negative size, measures nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of MiB, not {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"at least 1 MiB (what the probe moves), not {value}")
+    return value
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--disk-dir", default=None, help="the directory to probe (default: the temporary directory)")
-    parser.add_argument("--disk-mib", type=int, default=64, help="MiB the disk probe writes and reads (default 64)")
-    parser.add_argument("--copy-mib", type=int, default=256, help="MiB the pinned-copy probe moves (default 256)")
+    parser.add_argument(
+        "--disk-mib", type=_mebibytes, default=64, help="MiB the disk probe writes and reads (default 64)"
+    )
+    parser.add_argument(
+        "--copy-mib", type=_mebibytes, default=256, help="MiB the pinned-copy probe moves (default 256)"
+    )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     return parser
 

@@ -45,6 +45,7 @@ from .device.probes import peak_allocated
 from .errors import (
     AlreadyBoostedError,
     BudgetTooSmallError,
+    DiskTierError,
     HostBudgetTooSmallError,
     MaterializeError,
     NotSupportedError,
@@ -55,6 +56,7 @@ from .optim.loss_scale import DynamicLossScaler, LossScaleConfig
 from .optim.places import SidePlaces
 from .optim.step_config import HostStepConfig, StepAfterBackward, StepDuringBackward
 from .quantized import QuantizedBase, QuantizingValues
+from .ranks.agreement import agree
 from .ranks.comm import Communicator
 from .tiers.disk import DISK_BLOCK, SidesFile
 from .usage.stats import Stats
@@ -352,7 +354,13 @@ class ChunkPlugin:
             else self._search(every, comm.world_size, quantized_tensors)
         )
 
-        values = backing.values(model, weights)
+        # Each rank reads weights files of its own (a copy on each node): one it cannot read is an
+        # error on every rank, before the boost's first collective leaves the others waiting.
+        values = (
+            backing.values(model, weights)
+            if weights is None
+            else agree(comm, "opening the weights files", lambda: backing.values(model, weights), DiskTierError)
+        )
         if quantized is not None:
             values = QuantizingValues(values, quantized.layers)  # weights quantized at boost, piece by piece
         stats = Stats()

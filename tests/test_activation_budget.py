@@ -116,13 +116,13 @@ def _train(
     }
 
 
-def _plain(recomputed: set[int]) -> dict[str, Any]:
-    """Plain PyTorch: the first step as it is, the next ones with the recomputed blocks under
-    non-reentrant checkpointing."""
+def _plain(recomputed: set[int], data: list[torch.Tensor] | None = None) -> dict[str, Any]:
+    """Plain PyTorch on ``data`` (default ``_data()``): the first step as it is, the next ones with
+    the recomputed blocks under non-reentrant checkpointing."""
     model = as_reference(Stack())
     optimizer = adamw_two_groups(model)
     losses = []
-    for step, x in enumerate(_data()):
+    for step, x in enumerate(_data() if data is None else data):
         model.checkpointed = recomputed if step else set()
         loss = _loss(model, x.to(device_of(model)))
         loss.backward()
@@ -215,6 +215,52 @@ def test_a_budget_under_the_minimum_is_refused_at_the_first_forward_and_the_mini
     assert ActivationChoice.KEEP not in run["plan"].choices
     _assert_identical(run, _plain(_recomputed(run["plan"])))
     assert run["stats"].peak_device_bytes <= minimum
+
+
+def test_after_a_refusal_at_the_first_forward_the_same_model_trains_a_shorter_batch_as_plain_pytorch() -> None:
+    """The refusal's fix (a shorter micro-batch) followed on the same boosted model: it measures
+    again (nothing of the refused batch's figures stays, nor the reserve kept for its fetches), and
+    trains as plain PyTorch does with the plan's checkpointing, bit for bit."""
+    minimum = _model_minimum(optim_on_host=True) + PER_BLOCK
+    chunked, optimizer, booster = _boosted(minimum - 1, optim_on_host=True)
+    with pytest.raises(BudgetTooSmallError, match=rf"at least {minimum} "):
+        _loss(chunked, _data()[0])
+    # Each block call saves half of PER_BLOCK: it fits (cloned: a view's whole storage counts).
+    half = [x[: BATCH // 2].clone() for x in _data()]
+    run = _steps(chunked, optimizer, booster, half)
+    plan = chunked.activation_plan
+    assert plan is not None and plan.saved_bytes == (PER_BLOCK // 2,) * BLOCKS  # measured on the half batch
+    _assert_identical(run, _plain(_recomputed(plan), half))
+    assert chunked.stats().peak_device_bytes <= minimum - 1
+
+
+def _steps(chunked: Any, optimizer: Any, booster: Any, data: list[torch.Tensor]) -> dict[str, Any]:
+    losses = []
+    for x in data:
+        loss = _loss(chunked, x)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": chunked.state_dict()}
+
+
+def _refused_then_half(rank: int, world_size: int) -> list[float]:
+    minimum = _model_minimum(optim_on_host=True) + PER_BLOCK
+    chunked, optimizer, booster = _boosted(minimum - 1, optim_on_host=True)
+    with pytest.raises(BudgetTooSmallError):  # the same figures on both ranks
+        _loss(chunked, _data(rank, world_size)[0])
+    half = [x[: BATCH // 2] for x in _data(rank, world_size)]
+    run = _steps(chunked, optimizer, booster, half)
+    _assert_identical(run, _steps(*_boosted(None, None, optim_on_host=True), half))  # all activations kept
+    return run["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_after_a_refusal_at_the_first_forward_two_ranks_train_a_shorter_batch_as_keeping_everything() -> None:
+    first, second = run_ranks(_refused_then_half, 2)
+    assert first != second  # each rank's own half of the batch
 
 
 @pytest.mark.slow  # the fast tier's case: with room, everything kept

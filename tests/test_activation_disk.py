@@ -98,11 +98,20 @@ def test_activations_changed_on_disk_before_their_backward_are_refused_not_used(
     chunked, optimizer, booster = boost(
         Stack(), adamw_two_groups, chunk_size=4_000, activations=activations, disk_dir=tmp_path
     )
+    before = {key: value.clone() for key, value in chunked.state_dict().items()}
     loss = _loss(chunked, _data()[0])
     (file,) = tmp_path.glob(".chunkmem-scratch-*/activations-0.bin")
     file.write_bytes(os.urandom(file.stat().st_size))
     with pytest.raises(DiskTierError, match=r"saved activations of block blocks\.\d.*differ from those written"):
         booster.backward(loss, optimizer)
+    # The backward stopped part-way: a user who catches the error and steps gets no partial update.
+    with pytest.raises(DiskTierError, match=r"This optimizer step is refused: call zero_grad\(\)"):
+        optimizer.step()
+    assert all(torch.equal(value, before[key]) for key, value in chunked.state_dict().items())
+    assert chunked.stats().optimizer_steps == 0
+    optimizer.zero_grad()  # as the refusal says: the refusal goes with the lost gradients
+    optimizer.step()  # no gradients: nothing changes, and nothing is refused
+    assert all(torch.equal(value, before[key]) for key, value in chunked.state_dict().items())
 
 
 # --- the planner --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from models import adamw_two_groups, as_reference, batches, boost, device_of, enable_checkpointing, gpt2, lm_loss
 from tier import slow_cases
 
-from chunkmem.placement import ActivationPlacement, StaticPlacementConfig
+from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 
 BLOCK = "GPT2Block"
 
@@ -66,14 +66,24 @@ PLACEMENTS: dict[str, tuple[ActivationPlacement | None, int | None]] = {
     "auto": (ActivationPlacement(auto=[BLOCK]), 2**30),  # every call kept, under the budget
     "offload, all small": (ActivationPlacement(offload=[BLOCK], min_offload_bytes=2**40), None),
     "a block no placement names": (ActivationPlacement(offload=["Conv1D"], min_offload_bytes=2**40), None),
+    # AutoPlacementConfig profiles its first step with saved-tensor hooks of its own (on the CPU):
+    # the meter must see what is saved there as well.
+    "offload, all small, AutoPlacementConfig": (ActivationPlacement(offload=[BLOCK], min_offload_bytes=2**40), 2**30),
 }
+
+
+def _placement(how: str, budget: int | None) -> StaticPlacementConfig | AutoPlacementConfig:
+    if how.endswith("AutoPlacementConfig"):
+        assert budget is not None, "an auto placement has a budget"
+        return AutoPlacementConfig(device_budget=budget)
+    return StaticPlacementConfig(device_budget=budget)
 
 
 @pytest.mark.parametrize("how", slow_cases(PLACEMENTS, "offload, all small", "a block no placement names"))
 def test_unbudgeted_saved_bytes_equal_a_plain_pytorch_meter_and_go_with_the_backward(how: str) -> None:
     activations, budget = PLACEMENTS[how]
     chunked, optimizer, booster = boost(
-        gpt2(), adamw_two_groups, activations=activations, placement=StaticPlacementConfig(device_budget=budget)
+        gpt2(), adamw_two_groups, activations=activations, placement=_placement(how, budget)
     )
     expected = _plain_figure(how if how in ("recompute", "auto") else "none")  # the others keep all on the device
     for step, ids in enumerate(batches(2)):  # the second step: auto's planned calls

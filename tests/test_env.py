@@ -128,3 +128,15 @@ def test_a_disk_dir_the_tier_cannot_use_is_something_to_fix(tmp_path: Path, caps
     needed = [f for f in facts["findings"] if not f["optional"]]
     assert any("disk_dir" in f["fix"] and str(missing) in f["problem"] for f in needed), needed
     assert "probe: failed" in text and not missing.exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--disk-mib", "-5"), ("--copy-mib", "-1"), ("--disk-mib", "0")])
+def test_a_probe_size_under_one_mib_is_refused_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's own refusal (exit status 2, the usage line), before any probe runs."""
+    with pytest.raises(SystemExit) as refused:
+        env.main([*SMALL, flag, value])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: at least 1 MiB (what the probe moves), not {value}" in err, err

@@ -22,7 +22,7 @@ from models import adamw_two_groups, batches, boost, gpt2, llama, train_chunked
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from chunkmem import Booster, ChunkedModel, ChunkPlugin, MaterializeError
+from chunkmem import Booster, ChunkedModel, ChunkPlugin, DiskTierError, MaterializeError
 from chunkmem.placement import StaticPlacementConfig
 
 CHUNK = 7_000  # several chunks, parameters packed so that shard boundaries fall inside rows
@@ -305,7 +305,8 @@ def test_weights_that_do_not_fit_are_refused_before_anything_changes(tmp_path: P
     assert "no tensor for parameter 'transformer.wpe.weight'" in str(caught.value)
     assert "'transformer.ln_f.bias' has shape (5,)" in str(caught.value)
     assert all(p.is_meta for p in meta.parameters())
-    with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
+    # Every rank's own files: an error of the disk tier's on every rank (an OSError, as the file's own).
+    with pytest.raises(DiskTierError, match=r"opening the weights files failed: .*model\.safetensors"):
         Booster(ChunkPlugin()).boost(meta, weights=tmp_path / "missing")
 
 

@@ -5,6 +5,7 @@ process that ends would fail the others' collectives at once on gloo and hide a 
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -130,3 +131,61 @@ def test_a_disk_tier_file_truncated_on_one_rank_raises_on_every_rank_within_seco
     expected = "reading a parameter shard" if what == "parameters" else "reading back a gradient"
     for rank, result in enumerate(_on_two_ranks(_sides_file_truncated, tmp_path, what)):
         assert expected in result["error"] and "sides.bin" in result["error"], (rank, result)
+
+
+# --- the weights files a meta model is boosted from: each rank's own copy ---------------------------
+def _boosted_from_a_bad_weights_file(
+    rank: int, world_size: int, scratch: str, signals: str, how: str
+) -> dict[str, Any]:
+    """Rank 1's own copy of the weights is bad at boost: ``"truncated"`` (its header names bytes past
+    its end), or ``"unreadable"`` (a read error where boost samples the pages of a piece it reads in
+    place, a bad sector: injected)."""
+    import torch
+    from test_param_disk import ON_DISK
+    from test_peft import adamw
+    from test_values_in_place import CHUNK, tiny, write_weights
+
+    from chunkmem import Booster, ChunkPlugin
+    from chunkmem.chunks import values_in_place
+
+    own = Path(scratch) / f"rank{rank}"
+    own.mkdir()
+    weights = write_weights(own, torch.bfloat16)
+    if rank == 1 and how == "truncated":
+        os.truncate(weights, weights.stat().st_size - 4096)
+    with torch.device("meta"):
+        model = tiny()
+    booster = Booster(ChunkPlugin(placement=ON_DISK, precision="bf16", chunk_size=CHUNK, disk_dir=own))
+    take = values_in_place.ContentSample.take
+
+    def unreadable(*args: Any) -> Any:
+        raise OSError(errno.EIO, "Input/output error")
+
+    if rank == 1 and how == "unreadable":
+        values_in_place.ContentSample.take = unreadable  # type: ignore[method-assign]
+    try:
+        result = _raised(lambda: booster.boost(model, adamw(model), weights=weights), signals, rank, world_size)
+    finally:
+        values_in_place.ContentSample.take = take  # type: ignore[method-assign]
+    result["file"] = str(Path(scratch) / "rank1" / weights.name)
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("how", "said"), [("truncated", "cannot be read"), ("unreadable", "Input/output error")])
+def test_a_weights_file_bad_on_one_rank_at_boost_raises_on_every_rank_within_seconds(
+    tmp_path: Path, how: str, said: str
+) -> None:
+    (tmp_path / "signals").mkdir()
+    args = (str(tmp_path), str(tmp_path / "signals"), how)
+    results = run_ranks(_boosted_from_a_bad_weights_file, 2, args=args, timeout=60)
+    assert (
+        results[0]["error"]
+        == f"{results[1]['error']} (rank 0 did its part; every rank raises this error, nothing was changed here)"
+    )
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error.startswith("opening the weights files") and "on rank 1: " in error, (rank, result)
+        assert "on rank 0" not in error and said in error and result["file"] in error, (rank, result)
+        assert "Boost from a complete checkpoint" in error, (rank, result)
+        assert result["seconds"] < 10, (rank, result)

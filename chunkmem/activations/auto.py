@@ -24,7 +24,9 @@ The budget is refused as early as the figures allow: in the first training forwa
 the first measured call whose figures (with those before it) no plan can hold, and in its backward
 where a measured call's bytes find no room beside the small storages the calls before it keep
 (``placement.refuse_below_minimum``, ``measured_step_refusal``; the same figures and ledger on every
-rank, so every rank raises at the same call).
+rank, so every rank raises at the same call). A refusal forgets the measured figures, and the
+reserve the policy kept for their fetches: the next training forward measures again, so the fix
+the refusal names (a shorter sequence or micro-batch) works on the same model.
 Between the overrun and the forward's end, the overrunning rank holds more on the device than the
 ledger accounts (the pack hooks do not raise: one rank's error would leave the others waiting in
 their next collective)."""
@@ -333,6 +335,7 @@ class AutoBlocks:
         try:
             refuse_below_minimum(measures, self._budget(), self._policy.placement_need().minimum, complete=False)
         except placement_pkg.BudgetTooSmallError as error:
+            self._forget_measures()
             raise BudgetTooSmallError.from_placement(error) from None
 
     def _measured_refusal(self) -> BudgetTooSmallError:
@@ -340,7 +343,19 @@ class AutoBlocks:
         budget that holds the small storages of the calls measured so far beside each fetch."""
         measures, copied = self._figures(len(self._agreed))
         model = self._policy.placement_need().minimum
-        return BudgetTooSmallError.from_placement(measured_step_refusal(measures, copied, self._budget(), model))
+        refusal = BudgetTooSmallError.from_placement(measured_step_refusal(measures, copied, self._budget(), model))
+        self._forget_measures()
+        return refusal
+
+    def _forget_measures(self) -> None:
+        """The measured step is refused: its figures go, and the reserve kept for its fetches, so
+        that the next training forward measures afresh (the user followed the refusal: a shorter
+        sequence or micro-batch) rather than plan from the refused shape's. The figures are agreed,
+        so every rank forgets alike."""
+        self._measures.clear()
+        self._agreed.clear()
+        self._offload_times.clear()
+        self._policy.forget_measured_activations()
 
     def _figures(self, calls: int) -> tuple[list[BlockMeasure], list[int]]:
         """The first ``calls`` measured calls' agreed figures, and what their offload copies."""

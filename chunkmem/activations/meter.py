@@ -10,7 +10,9 @@ the boosted model stays where autograd keeps it, and is only measured here:
   softmax), and inside blocks no ``ActivationPlacement`` names: the meter's saved-tensor hooks
   are entered around the model's whole training forward, beneath every other hook of chunkmem's
   (the blocks' offload, keep and checkpoint hooks, the stretches outside the blocks) and of the
-  model's own, so it sees exactly what none of them places;
+  model's own, so it sees exactly what none of them places (the hooks with which the auto
+  placement policy profiles an iteration on the CPU count each tensor and hand it on to the
+  meter's: ``usage.memory.NonModelSampler``);
 * the storages an ``offload`` block (or a stretch outside the blocks, without ``auto``) leaves on
   the device (under ``min_offload_bytes``), and an offloaded call's copies fetched back for its
   backward, until the call is gone (``keep``, ``hold``).

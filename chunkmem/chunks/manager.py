@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..errors import UnmanageableParameter
+from ..errors import DiskTierError, UnmanageableParameter
+from ..ranks.agreement import agree
 from ..ranks.comm import Communicator
 from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
@@ -226,12 +227,20 @@ class ChunkManager:
         """The chunks whose shard this rank reads in place from the weights files, chosen once at
         boost (``choose_in_place``); ``param_on_disk``: the placement's, by chunk id."""
         files = WeightFiles(self._comm.rank, self._failures)
-        chosen = {}
-        for chunk in self._chunks:
-            label = f"chunk {chunk.chunk_id} (rank {self._comm.rank})"
-            found = choose_in_place(label, chunk.layout, param_on_disk[chunk.chunk_id], self._values, files)
-            if found is not None:
-                chosen[chunk.chunk_id] = found
+
+        def choose() -> dict[int, InPlaceShard]:
+            chosen = {}
+            for chunk in self._chunks:
+                label = f"chunk {chunk.chunk_id} (rank {self._comm.rank})"
+                found = choose_in_place(label, chunk.layout, param_on_disk[chunk.chunk_id], self._values, files)
+                if found is not None:
+                    chosen[chunk.chunk_id] = found
+            return chosen
+
+        # Only chunks on disk are read in place (the placement is the same on every rank). Each rank
+        # opens and samples files of its own: one that fails there is an error on every rank.
+        what = "opening the weights files read in place"
+        chosen = agree(self._comm, what, choose, DiskTierError) if any(param_on_disk) else {}
         self._weight_files = files if chosen else None
         # Whether the ranks agree their reads after each forward (``agree_reads``): asked of every
         # rank once here, as some may read in place and others not (files of their own).

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MaterializeError
+from ..errors import DiskTierError, MaterializeError
 
 __all__ = ["SafetensorsWeights"]
 
@@ -49,6 +49,16 @@ def _safe_open(path: Path) -> object:
     return safe_open(str(path), framework="pt", device="cpu")
 
 
+def _unreadable() -> tuple[type[Exception], ...]:
+    """What reading a file that is not a whole safetensors file raises (its header cut short, or
+    not JSON, or naming bytes past the end)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        return (OSError, ValueError, KeyError, struct.error)
+    return (OSError, ValueError, KeyError, struct.error, SafetensorError)
+
+
 class SafetensorsWeights:
     """The tensors of a safetensors checkpoint: names, shapes, dtypes, and slices on demand."""
 
@@ -73,16 +83,29 @@ class SafetensorsWeights:
         self._dtype: dict[str, str] = {}
         self._data_offset: dict[str, int] = {}
         for file in files:
-            self._data_offset.update(_data_offsets(file))
             if not file.is_file():
                 raise FileNotFoundError(f"weights={str(path)!r}: the index names {file.name}, which does not exist")
-            with _safe_open(file) as handle:
-                names = handle.keys()
-                for key in names:
-                    piece = handle.get_slice(key)
-                    self._file[key] = file
-                    self._shape[key] = tuple(piece.get_shape())
-                    self._dtype[key] = piece.get_dtype()
+            try:
+                self._read_header(file)
+            except MaterializeError:
+                raise
+            except _unreadable() as error:
+                raise DiskTierError(
+                    f"the weights file {file} cannot be read ({type(error).__name__}: {error}): it is truncated, "
+                    "still being written, or not a safetensors file. Boost from a complete checkpoint (compare the "
+                    "file's size with the saved one's, or write it again with save_pretrained)"
+                ) from error
+
+    def _read_header(self, file: Path) -> None:
+        """Each tensor of ``file``: its name, shape, dtype and where its bytes lie."""
+        self._data_offset.update(_data_offsets(file))
+        with _safe_open(file) as handle:
+            names = handle.keys()
+            for key in names:
+                piece = handle.get_slice(key)
+                self._file[key] = file
+                self._shape[key] = tuple(piece.get_shape())
+                self._dtype[key] = piece.get_dtype()
 
     def __contains__(self, key: str) -> bool:
         return key in self._file

@@ -118,6 +118,12 @@ class PlacementPolicy(ABC):
         if not self._activations_planned:
             self._reserved = max(self._reserved, nbytes)
 
+    def forget_measured_activations(self) -> None:
+        """The measuring step was refused (its figures are dropped, the next step measures again):
+        the reserve it kept goes with them. A plan's reserve stays."""
+        if not self._activations_planned:
+            self._reserved = 0
+
     @property
     def activations_planned(self) -> bool:
         """Whether the reserve is a plan's (``reserve_for_activations``), not the measuring step's."""

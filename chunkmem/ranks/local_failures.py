@@ -16,7 +16,9 @@ file changed after boost) is raised at every agreement from then on. Once the ra
 failure, every rank keeps the agreed error and refuses the optimizer step with it until
 ``zero_grad`` (``refuse_step``; no collective: every rank holds the same error).
 
-At world size 1 there is nobody to wait: ``note`` raises at once.
+At world size 1 there is nobody to wait: ``note`` raises at once, and keeps the error as the
+agreed one first, so that the optimizer step is refused until ``zero_grad`` as with several ranks
+(a user who catches the error and steps would apply the gradients of a half-run backward).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class LocalFailures:
         """``what`` failed with ``error`` on this rank: raise it now (one rank), or keep it, the
         first of each ``what``, for the agreement."""
         if not self._defer:
+            self._agreed = error
             raise error
         if all(kept.what != what for kept in self._kept):
             self._kept.append(LocalFailure(what, error, lasts))

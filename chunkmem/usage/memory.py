@@ -27,7 +27,7 @@ from ..device import (
     reset_peak,
 )
 from .accounting import MemoryLedger
-from .saved import KeptTensor, LiveSaved
+from .saved import KeptTensor, LiveSaved, top_hooks
 
 __all__ = [
     "DeviceMemory",
@@ -143,16 +143,36 @@ class NonModelSampler:
         self._samples.append(max(0, int(used)))
 
     def saved_tensor_hooks(self) -> Any:
-        """A context manager that tracks saved activations (CPU only; a no-op context on CUDA)."""
+        """A context manager that tracks saved activations (CPU only; a no-op context on CUDA).
+        Where saved-tensor hooks are in place already (the boosted model's saved-activation meter,
+        or the user's around the model), each saved tensor is counted here and handed on to them:
+        they pack it as they would without the sampler, so what they count and keep stays the same.
+        Before PyTorch 2.8, which cannot say which hooks are in place, the sampler's own take the
+        saved tensors from them during the measured iteration."""
         if self._allocator_measures:
             from contextlib import nullcontext
 
             return nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        beneath = top_hooks()
+        if beneath is None:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        pack_beneath, unpack_beneath = beneath
+
+        def pack(tensor: torch.Tensor) -> tuple[KeptTensor | None, Any]:
+            return self._count(tensor), pack_beneath(tensor)
+
+        def unpack(saved: tuple[KeptTensor | None, Any]) -> torch.Tensor:
+            return unpack_beneath(saved[1])
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _pack(self, tensor: torch.Tensor) -> KeptTensor:
+        return self._count(tensor) or KeptTensor(tensor)
+
+    def _count(self, tensor: torch.Tensor) -> KeptTensor | None:
+        """The handle that counts ``tensor`` while it lives (``None``: model data, not counted)."""
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-            return KeptTensor(tensor)
+            return None
         return self._live.keep(tensor)
 
     @staticmethod
