@@ -158,6 +158,8 @@ class ChunkedModel(torch.nn.Module):
         # The manager may hold other models' chunks too (several models under one budget): this
         # model's own parameters are those its module holds; each chunk holds one model's.
         own = {id(p) for p in module.parameters()}
+        if quantized is not None:  # a 4-bit weight's scales are chunk tensors, not module parameters
+            own |= {id(t) for t in quantized.tensors}
         self._infos = tuple(info for info in manager.infos if id(info.param) in own)
         self._chunks = tuple(manager.chunk(i) for i in sorted({info.chunk_id for info in self._infos}))
         self._markers = GradientMarkers((info.name, info.param) for info in self._infos)

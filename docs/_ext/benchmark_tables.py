@@ -39,6 +39,7 @@ TITLES = {
     "wait_removal": "Every wait removed alone, on the simulated device",
     "compile_w1": "torch.compile per block at one rank",
     "compile_w2": "torch.compile per block at two ranks, against FSDP2",
+    "qlora": "QLoRA: a 4-bit base on disk",
 }
 
 NO_RESULTS = (
