@@ -34,6 +34,7 @@ import argparse
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,33 @@ HEADERS = [
 ]
 
 
+def trial_base(args: argparse.Namespace) -> dict[str, Any]:
+    """What every trial's spec shares: the command line's shape, budgets and scratch directory."""
+    base = {
+        k: getattr(args, k)
+        for k in ("vocab", "seq", "batch", "rank", "threads", "host_budget", "device_budget", "chunk_size")
+    }
+    return {**base, "train_steps": args.steps, "disk_dir": str(args.disk_dir)}
+
+
+def run_trials(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    run_trial: Callable[[dict[str, Any], float], dict[str, Any]],
+    after_each: Callable[[], None] = lambda: None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each system of ``args.systems`` at each size of ``args.sizes`` (``run_trial``: one trial in a
+    process of its own), the trials of a system in order of size."""
+    trials: dict[str, list[dict[str, Any]]] = {}
+    for system in args.systems.split(","):
+        for hidden, layers in (_size(s) for s in args.sizes.split(",")):
+            spec = {**base, "system": system, "hidden": hidden, "layers": layers}
+            trials.setdefault(system, []).append(run_trial(spec, args.timeout))
+            print(f"{system} {hidden}x{layers}: {trials[system][-1]['state']}", flush=True)
+            after_each()
+    return trials
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     begin_run(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -252,18 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.disk_dir.mkdir(parents=True, exist_ok=True)
     dd = _dd(args.disk_dir, args.dd_mib)
     read_bps = dd.get("read_bytes_per_second")
-    base = {
-        k: getattr(args, k)
-        for k in ("vocab", "seq", "batch", "rank", "threads", "host_budget", "device_budget", "chunk_size")
-    }
-    base["train_steps"] = args.steps
-    base["disk_dir"] = str(args.disk_dir)
-    trials: dict[str, list[dict[str, Any]]] = {}
-    for system in args.systems.split(","):
-        for hidden, layers in (_size(s) for s in args.sizes.split(",")):
-            spec = {**base, "system": system, "hidden": hidden, "layers": layers}
-            trials.setdefault(system, []).append(_run_trial(spec, args.timeout))
-            print(f"{system} {hidden}x{layers}: {trials[system][-1]['state']}", flush=True)
+    base = trial_base(args)
+    trials = run_trials(args, base, _run_trial)
     free_disk = shutil.disk_usage(args.disk_dir).free
     rows, summary = [], {}
     for system, runs in trials.items():

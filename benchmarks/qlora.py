@@ -429,19 +429,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.disk_dir.mkdir(parents=True, exist_ok=True)
     dd = _dd(args.disk_dir, args.dd_mib)
     read_bps = dd.get("read_bytes_per_second")
-    base = {
-        k: getattr(args, k)
-        for k in ("vocab", "seq", "batch", "rank", "threads", "host_budget", "device_budget", "chunk_size")
-    }
-    base["train_steps"] = args.steps
-    base["disk_dir"] = str(args.disk_dir)
-    trials: dict[str, list[dict[str, Any]]] = {}
-    for system in args.systems.split(","):
-        for hidden, layers in (_size(s) for s in args.sizes.split(",")):
-            spec = {**base, "system": system, "hidden": hidden, "layers": layers}
-            trials.setdefault(system, []).append(_run_trial(spec, args.timeout))
-            print(f"{system} {hidden}x{layers}: {trials[system][-1]['state']}", flush=True)
-            current_run().sample()
+    base = lora.trial_base(args)
+    trials = lora.run_trials(args, base, _run_trial, lambda: current_run().sample())
     free_disk = shutil.disk_usage(args.disk_dir).free
     usable = max(0, free_disk - args.disk_reserve)
     summary = {system: _summary(system, runs, ram, usable) for system, runs in trials.items()}

@@ -302,7 +302,6 @@ def test_qlora_trains_the_nf4_base_from_disk_and_plain_peft_qlora(tmp_path: Path
     """The 4-bit systems (the 16-bit one is lora.py's, tested above): the NF4 base's stored bytes are
     at least what its layers' shapes say (half a byte a weight, a 4-byte scale per 64; the rest is
     chunk padding), all on disk, read from there every step, never written."""
-    pytest.importorskip("bitsandbytes")
     out = _run(
         "qlora.py",
         *("--systems", "chunkmem-nf4-disk,peft-qlora", "--sizes", "64x1,64x2", "--vocab", "256", "--steps", "2"),

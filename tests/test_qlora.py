@@ -48,8 +48,6 @@ from chunkmem import Booster, ChunkPlugin, NotSupportedError, StepCounters, Unma
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.usage.accounting import Location, MemoryKind
 
-pytest.importorskip("bitsandbytes")  # the test extra installs it
-
 STEPS = 3
 BUDGET = 60_000  # below the model's chunks: the base's chunks are evicted and gathered again every step
 ON_DISK = StaticPlacementConfig(
