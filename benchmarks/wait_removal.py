@@ -62,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from simulated import SCENARIOS, caught_on_every_rank
-    from test_simulated_device import CATCHES, NOT_ORDERING, SITES
+    from test_simulated_device import CATCHES, NOT_ORDERING, sites
 
     entries: list[dict[str, Any]] = []
     rows: list[list[Any]] = []
     for label, name in CATCHES.items():
         if args.only not in label:
             continue
-        site = SITES[label]
+        site = sites()[label]
         began = time.perf_counter()
         runs = [caught_on_every_rank(site, name) for _ in range(args.runs)]
         seconds = time.perf_counter() - began

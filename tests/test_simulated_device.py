@@ -721,14 +721,14 @@ NOT_ORDERING: dict[str, str] = {
 
 
 @functools.cache
-def _sites() -> dict[str, Any]:
+def sites() -> dict[str, Any]:
     """The waits the AST scan finds, by label: scanned when a test asks (seconds a worker at collection)."""
     return {site.label: site for site in wait_sites()}
 
 
 def test_every_wait_the_scan_finds_is_listed() -> None:
     assert not CATCHES.keys() & NOT_ORDERING.keys()
-    assert sorted(_sites()) == sorted({**CATCHES, **NOT_ORDERING}), (
+    assert sorted(sites()) == sorted({**CATCHES, **NOT_ORDERING}), (
         "a wait was added or moved: say which scenario catches it"
     )
 
@@ -755,7 +755,7 @@ def test_removing_one_wait_fails_a_run_on_the_simulated_device_by_its_checker(la
     must be caught: the checker does not depend on how the threads and gloo happened to run)."""
     name = CATCHES[label]
     for run in range(RUNS):
-        found = caught_on_every_rank(_sites()[label], name)
+        found = caught_on_every_rank(sites()[label], name)
         assert any(f is not None and f.startswith("checker:") for f in found), f"{label}: {name}, run {run}: {found}"
 
 
