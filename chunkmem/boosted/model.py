@@ -45,6 +45,7 @@ from ..quantized import QuantizedBase
 from ..ranks.agreement import agree, on_first_rank
 from ..usage.stats import Stats
 from .compiled_blocks import CompiledBlocks
+from .generation import generate_under_budget
 from .grad_markers import GradientMarkers, clear_markers
 from .model_state import StagedModelLoad, check_model_state
 from .peft_adapter import adapter_entries
@@ -556,29 +557,22 @@ class ChunkedModel(torch.nn.Module):
         on_first_rank(self._manager.comm, "save_pretrained", write, CheckpointWriteError, f"to {save_directory}")
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """Hugging Face ``generate`` on the chunked weights: each forward it runs is an inference
-        iteration of the runtime (chunks are gathered and released per the placement). Tensors are
-        moved to the compute device. With several ranks every rank must call it (each forward is
-        collective); ``synced_gpus`` defaults to True so ranks that finish early keep stepping."""
+        """Hugging Face ``generate`` on the chunked weights, under the device budget
+        (``chunkmem.boosted.generation``): the KV cache is reserved in the ledger for the whole call
+        (refused before decoding where it cannot fit beside the model's working set), and each
+        forward it runs is an inference iteration, the decode steps prefetching their chunks in the
+        order the first one recorded. Tensors are moved to the compute device. With several ranks
+        every rank must call it (each forward is collective); ``synced_gpus`` defaults to True so
+        ranks that finish early keep stepping."""
         generate = getattr(self.module, "generate", None)
         if generate is None:
             raise AttributeError(f"{type(self.module).__name__} has no generate (not a transformers model)")
-        if self._manager.comm.world_size > 1:
+        comm = self._manager.comm
+        if comm.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         device = self._device
         args, kwargs = tree_map(lambda v: to_device(v, device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
-        with self._module_calls_are_iterations():
-            return generate(*args, **kwargs)
-
-    @contextmanager
-    def _module_calls_are_iterations(self) -> Iterator[None]:
-        runtime = self._runtime
-        before = self.module.register_forward_pre_hook(lambda module, args: runtime.begin_forward())
-        returned = self.module.register_forward_hook(lambda module, args, out: runtime.agree_reads())
-        after = self.module.register_forward_hook(lambda module, args, out: runtime.end_forward(), always_call=True)
-        try:
-            yield
-        finally:
-            before.remove()
-            returned.remove()
-            after.remove()
+        chunk_ids = {chunk.chunk_id for chunk in self._chunks}
+        return generate_under_budget(
+            self.module, self._runtime, comm, chunk_ids, self._compute_dtype, generate, args, kwargs
+        )

@@ -314,9 +314,10 @@ class ResidencyExecutor:
         return None if budget is None else max(0, budget - self._ledger.device_bytes)
 
     @contextmanager
-    def transient(self, nbytes: int, what: str) -> Iterator[None]:
-        """Account a temporary device buffer used outside training steps (state dicts,
-        checkpoints): idle gathered chunks are released first if the budget needs the room."""
+    def transient(self, nbytes: int, what: str, kind: MemoryKind = MemoryKind.TRANSIENT) -> Iterator[None]:
+        """Account a temporary device buffer of ``kind`` used outside training steps (state dicts,
+        checkpoints; a generate's KV cache): idle gathered chunks are released first if the budget
+        needs the room."""
         budget = self._policy.budget
         self._carry(self._residency.make_room(nbytes))
         if budget is not None and self._ledger.device_bytes + nbytes > budget:
@@ -324,8 +325,8 @@ class ResidencyExecutor:
                 f"rank {self._rank}: {what} needs a {format_bytes(nbytes)} device buffer but only "
                 f"{format_bytes(budget - self._ledger.device_bytes)} of device_budget={budget} are free"
             )
-        self._ledger.alloc(Location.DEVICE, MemoryKind.TRANSIENT, nbytes)
+        self._ledger.alloc(Location.DEVICE, kind, nbytes)
         try:
             yield
         finally:
-            self._ledger.free(Location.DEVICE, MemoryKind.TRANSIENT, nbytes)
+            self._ledger.free(Location.DEVICE, kind, nbytes)

@@ -6,7 +6,11 @@ forward call of the step is in it, so the trace is the same from step to step. A
 of the step although grad is disabled (a frozen model's beside the trained one, as a reference model's
 in DPO) is in it too: one trace spans every model's ops of the step. Any other **inference** forward
 (grad disabled) is an iteration of its own, on a trace of its own, after which whatever was running
-before it goes on.
+before it goes on. The decode steps of ``generate`` (every forward after the prompt's) are such
+iterations on a third trace, the **decode trace**: recorded by the first decode step, followed by the
+next ones, and cyclic (``TraceCursor(cyclic=True)``): a step's trace leads into the next step's, so
+the chunks the next step starts with are kept or prefetched at the end of this one. Other inference
+forwards (the prompt's, an evaluation) do not break it.
 
 Within an iteration the tracker follows the frozen trace op by op (or records one), keeps a digest
 of the op sequence (ranks compare it), and numbers iterations so that messages and cross-rank
@@ -43,6 +47,7 @@ class IterationTracker:
         self._report = report
         self._train = TraceCursor()
         self._infer = TraceCursor()
+        self._decode = TraceCursor(cyclic=True)
         self._cursor: TraceCursor | None = None
         self._mode = Mode.IDLE
         self._resume: tuple[TraceCursor | None, Mode] = (None, Mode.IDLE)
@@ -117,12 +122,13 @@ class IterationTracker:
         self._unhashed.clear()
 
     # --- transitions ------------------------------------------------------------------------------
-    def begin_forward(self, in_step: bool) -> bool:
-        """A forward starts (``in_step``: as in ``next_forward``). Returns whether it begins a new
-        iteration (training or inference)."""
+    def begin_forward(self, in_step: bool, decoding: bool = False) -> bool:
+        """A forward starts (``in_step``: as in ``next_forward``; ``decoding``: an inference forward
+        that is a decode step, on the decode trace). Returns whether it begins a new iteration
+        (training or inference)."""
         if not in_step:
             self._resume = (self._cursor, self._mode)
-            self._begin(self._infer, IterationKind.INFERENCE)
+            self._begin(self._decode if decoding else self._infer, IterationKind.INFERENCE)
             self._mode = Mode.FORWARD
             return True
         new = self._cursor is not self._train
@@ -142,9 +148,10 @@ class IterationTracker:
     def end_forward(self) -> bool:
         """A forward returned. An inference iteration ends here (returns True) and what ran
         before it goes on."""
-        if self._cursor is not self._infer:
+        cursor = self._cursor
+        if cursor is not self._infer and cursor is not self._decode:
             return False
-        self._note(self._infer.end_iteration())
+        self._note(cursor.end_iteration())
         self._cursor, self._mode = self._resume
         return True
 

@@ -222,6 +222,7 @@ class ChunkRuntime(ParamOpHook):
         self._stats.peak_host_bytes = self._ledger.peak_host_bytes
         self._stats.disk_bytes = self._ledger.disk_bytes
         self._stats.quantized_bytes = sum(self._ledger.bytes(where, MemoryKind.QUANTIZED) for where in Location)
+        self._stats.kv_cache_bytes = self._ledger.bytes(Location.DEVICE, MemoryKind.KV_CACHE)
         return self._stats.snapshot()
 
     # --- iterations -------------------------------------------------------------------------
@@ -237,10 +238,12 @@ class ChunkRuntime(ParamOpHook):
         one rank only would leave the others waiting in its reductions."""
         return "" if self._executor.residency.can_reduce else ", no_sync"
 
-    def begin_forward(self, in_step: bool = False) -> None:
+    def begin_forward(self, in_step: bool = False, decoding: bool = False) -> None:
         """Called by the model wrapper when its forward starts. ``in_step``: the forward belongs
         to the training step even with grad disabled (a frozen model's, beside the trained one in
-        training mode): it joins the step's iteration and trace rather than being one of its own."""
+        training mode): it joins the step's iteration and trace rather than being one of its own.
+        ``decoding``: an inference forward that is a decode step of ``generate`` (see
+        ``IterationTracker``): it follows the decode trace, whose end leads into the next step."""
         self.cancel_early_steps()
         grad_enabled = torch.is_grad_enabled()
         in_step = in_step or grad_enabled
@@ -248,11 +251,13 @@ class ChunkRuntime(ParamOpHook):
             detail = f"grad enabled{self._sync_detail()}" if grad_enabled else "grad disabled"
             if in_step and not grad_enabled:
                 detail += ", in the training step"
+            if decoding and not in_step:
+                detail += ", a decode step"
             self._checks.entry("forward", detail, self._tracker.next_forward(in_step))
         if self._tracker.mode is Mode.BACKWARD:
             self.finish_backward()
         self._check_requires_grad()
-        if self._tracker.begin_forward(in_step):
+        if self._tracker.begin_forward(in_step, decoding):
             self._executor.begin_iteration()
             if in_step:
                 self._comm.note_divergence(None)
@@ -279,6 +284,13 @@ class ChunkRuntime(ParamOpHook):
         iteration, after which what was running before it goes on."""
         if self._tracker.end_forward():
             self._executor.begin_iteration()
+
+    def end_decoding(self) -> None:
+        """``generate`` returned (or failed): the decode steps' last prefetches, of a next step that
+        will not run, land and every idle gathered chunk is released (on every rank alike: the
+        ranks decode in step)."""
+        self._executor.wait_all()
+        self._executor.release_all()
 
     def finish_backward(self) -> None:
         """After ``loss.backward()`` returns: reduce what is left and agree across ranks. The
@@ -464,9 +476,10 @@ class ChunkRuntime(ParamOpHook):
         """Device bytes free for a temporary buffer wanting ``nbytes`` (see ``ResidencyExecutor``)."""
         return self._executor.transient_room(nbytes)
 
-    def transient(self, nbytes: int, what: str) -> Any:
-        """Account a temporary device buffer used outside training steps (see ``ResidencyExecutor``)."""
-        return self._executor.transient(nbytes, what)
+    def transient(self, nbytes: int, what: str, kind: MemoryKind = MemoryKind.TRANSIENT) -> Any:
+        """Account a temporary device buffer used outside training steps, of ``kind`` (see
+        ``ResidencyExecutor``)."""
+        return self._executor.transient(nbytes, what, kind)
 
     # --- gradients --------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .snapshot import (
@@ -384,6 +384,21 @@ class PlacementPolicy(ABC):
                 worst, worst_need = ws, need
         return BudgetNeed(at_rest, grads, worst_need, worst)
 
+    def inference_need(self, chunks: Collection[int]) -> BudgetNeed:
+        """What an inference forward of the model on ``chunks`` needs on the device under the
+        decided layout: what every chunk holds there between uses, and the largest single-op
+        working set among that model's (those on ``chunks`` alone), of gathered parameters only: an
+        inference forward allocates no gradient buffer."""
+        layout = self.layout_decided
+        worst, worst_need = None, 0
+        for ws in self._working_sets:
+            if not set(ws.chunks) <= set(chunks):
+                continue
+            need = sum(layout[c].fetch_bytes(self._specs[c]) for c in ws.chunks)
+            if need > worst_need:
+                worst, worst_need = ws, need
+        return BudgetNeed(layout.at_rest_bytes(self._specs), 0, worst_need, worst, gradients=False)
+
     def placement_need(self) -> BudgetNeed:
         """What the decided layout needs on the device (with the gradient accumulation it was
         decided for)."""
@@ -413,6 +428,8 @@ class BudgetNeed:
     working_set: int
     """The largest single-op working set."""
     worst: WorkingSet | None
+    gradients: bool = True
+    """Whether the working set holds gradient buffers (a training step's; not an inference forward's)."""
 
     @property
     def minimum(self) -> int:
@@ -427,7 +444,8 @@ class BudgetNeed:
                 "synchronised backward"
             )
         if self.worst is not None:
-            what = "gathered parameters" if self.grad_buffers else "gathered parameters and gradient buffers"
+            both = self.gradients and not self.grad_buffers
+            what = "gathered parameters and gradient buffers" if both else "gathered parameters"
             parts.append(
                 f"the largest single-op working set, module '{self.worst.label}' on chunks {self.worst.chunks}, "
                 f"needs {format_bytes(self.working_set)} for its {what}"

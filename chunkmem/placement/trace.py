@@ -64,7 +64,11 @@ class ComputeTrace:
     under non-reentrant activation checkpointing holds its chunks across the recomputation). It
     is part of what happened, not of what ran: it is not compared or hashed."""
 
-    def __init__(self, steps: Sequence[TraceStep], closes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, steps: Sequence[TraceStep], closes: Sequence[int] | None = None, pass_starts: Sequence[int] = ()
+    ) -> None:
+        """``pass_starts``: positions that begin a new pass although the phase does not change (the
+        next decode step of a cyclic trace, ``TraceCursor(cyclic=True)``)."""
         self._steps: tuple[TraceStep, ...] = tuple(steps)
         self._closes = tuple(range(len(self._steps))) if closes is None else tuple(closes)
         if len(self._closes) != len(self._steps) or any(
@@ -80,8 +84,9 @@ class ComputeTrace:
         seen: set[int] = set()
         seen_backward: set[int] = set()
         current, backward = -1, None
+        starts = frozenset(pass_starts)
         for index, step in enumerate(self._steps):
-            if step.in_backward_pass is not backward:
+            if step.in_backward_pass is not backward or index in starts:
                 current, backward = current + 1, step.in_backward_pass
                 seen.clear()
                 seen_backward.clear()
@@ -220,10 +225,18 @@ class TraceCursor:
 
     ``observe`` is called once per hooked op, ``end_iteration`` once per iteration. The frozen trace
     is served (``trace``) only while the current iteration still matches it.
+
+    ``cyclic``: the iterations repeat back to back with nothing between them that uses chunks (the
+    decode steps of ``generate``). The trace served then holds the recorded iteration twice, the
+    second time as the next pass, so that its next uses, releases and prefetches near the end of an
+    iteration see the start of the next one; an iteration still follows only the first copy (its
+    ``period``), and one that runs past it has diverged.
     """
 
-    def __init__(self, max_steps: int = 1_000_000) -> None:
+    def __init__(self, max_steps: int = 1_000_000, cyclic: bool = False) -> None:
         self._max_steps = max_steps
+        self._cyclic = cyclic
+        self._period = 0  # ops of one iteration of the frozen trace
         self._frozen: ComputeTrace | None = None
         self._mode = CursorMode.RECORDING
         self._recorded: list[TraceStep] = []
@@ -282,7 +295,7 @@ class TraceCursor:
             return None
         frozen = self._frozen
         assert frozen is not None, "TraceCursor: following without a frozen trace"
-        expected = frozen[self._position] if self._position < len(frozen) else None
+        expected = frozen[self._position] if self._position < self._period else None
         if expected == step:
             return None
         self._mode = CursorMode.RECORDING
@@ -300,12 +313,22 @@ class TraceCursor:
         frozen trace is a divergence too (a branch not taken)."""
         divergence = None
         frozen = self._frozen
-        if self._mode is CursorMode.FOLLOWING and frozen is not None and self._position + 1 < len(frozen):
+        if self._mode is CursorMode.FOLLOWING and frozen is not None and self._position + 1 < self._period:
             divergence = Divergence(self._position + 1, frozen[self._position + 1], None)
             self._mode = CursorMode.RECORDING
             self._recorded = list(frozen.steps[: self._position + 1])
             self._closes = [min(c, self._position) for c in frozen.closes[: self._position + 1]]
         if self._mode is CursorMode.RECORDING and self._recorded:
-            self._frozen = ComputeTrace(self._recorded, self._closes)
+            self._freeze()
         self._start()
         return divergence
+
+    def _freeze(self) -> None:
+        """Freeze what was recorded (twice over, the second time as the next pass, when cyclic)."""
+        steps, closes = self._recorded, self._closes
+        self._period = len(steps)
+        if self._cyclic:
+            period = self._period
+            self._frozen = ComputeTrace([*steps, *steps], [*closes, *(c + period for c in closes)], (period,))
+        else:
+            self._frozen = ComputeTrace(steps, closes)

@@ -3,7 +3,8 @@
 Every allocation and free of chunk-owned memory goes through one ``MemoryLedger``; it is the number
 the budget is enforced against and what ``Stats.peak_device_bytes`` reports. With
 ``ActivationPlacement(auto=...)`` it accounts the saved activations of those blocks too
-(``MemoryKind.ACTIVATION``); other activations and temporaries are outside it.
+(``MemoryKind.ACTIVATION``), and during ``ChunkedModel.generate`` the KV cache
+(``MemoryKind.KV_CACHE``); other activations and temporaries are outside it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class MemoryKind(enum.Enum):
     budget, while they are on the device (see ``chunkmem.activations.ledger``); with
     ``ActivationPlacement.host_budget``, the ``offload`` blocks' host copies and staging window (host)
     and what they wrote to the disk tier (disk; ``chunkmem.activations.disk``)."""
+    KV_CACHE = "kv_cache"
+    """The KV cache of a ``generate()`` under way on the device, non-model data under the device
+    budget: its bytes at the longest sequence the call may reach, reserved from its start to its
+    end (``chunkmem.boosted.generation``)."""
 
 
 class MemoryLedger:

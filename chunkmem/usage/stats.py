@@ -71,6 +71,10 @@ class Stats:
     """Saved activations of ``ActivationPlacement(auto=...)`` blocks accounted on the device now, under
     the budget (in ``device_bytes``): those kept, those of offloaded calls until copied out and once
     fetched back (the rank-agreed figures of each call)."""
+    kv_cache_bytes: int = 0
+    """The KV cache of a ``generate()`` under way, accounted on the device now, under the budget (in
+    ``device_bytes``): what the cache holds at the longest sequence the call may reach (the prompt
+    and ``max_new_tokens``, at its batch), reserved for the whole call; 0 outside ``generate()``."""
     unbudgeted_activation_bytes: int | None = None
     """Saved activations on the compute device now that ``device_budget`` does not govern (not in
     ``device_bytes``), measured: every storage autograd keeps for a backward of a training forward
