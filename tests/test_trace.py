@@ -476,3 +476,30 @@ def test_the_trace_notes_where_each_op_let_go_of_its_chunks() -> None:
     assert cursor.end_iteration() is None and cursor.last_frozen is frozen
     with pytest.raises(ValueError, match="closes"):
         ComputeTrace(frozen.steps, (0, 0, 2))
+
+
+# --- a cyclic cursor (the decode steps of generate) ---------------------------------------------
+DECODE = [fwd(0), fwd(1), fwd(2), fwd(0)]  # a tied embedding: the first and the last op share chunk 0
+
+
+def test_a_cyclic_trace_leads_into_the_next_iteration() -> None:
+    cursor = TraceCursor(cyclic=True)
+    cursor.begin_iteration()
+    assert run_iteration(cursor, DECODE) == [None] * len(DECODE)
+    assert cursor.end_iteration() is None
+    trace = cursor.trace
+    assert trace is not None and trace.steps == (*DECODE, *DECODE)  # this step, then the next
+    assert [trace.pass_of(p) for p in range(8)] == [0] * 4 + [1] * 4
+    assert not trace.used_again_in_pass(0, 3)  # released after the step's last op, or kept for the next:
+    assert trace.next_use(0, 3) == 4 and trace.entry_rank(0, 4) == 0  # the next step starts with it
+    assert list(trace.entries_after(2)) == [(4, 0), (5, 1), (6, 2)]  # what the step's last ops prefetch
+    # Iterations follow the first copy only: the same steps match, one op more is a divergence.
+    cursor.begin_iteration()
+    assert run_iteration(cursor, DECODE) == [None] * len(DECODE)
+    extra = fwd(3)
+    assert cursor.observe(extra) == Divergence(len(DECODE), None, extra)
+    assert cursor.end_iteration() is None
+    assert cursor.last_frozen is not None and cursor.last_frozen.steps == (*DECODE, extra) * 2
+    cursor.begin_iteration()  # and one that stops short of the recorded step
+    assert run_iteration(cursor, [*DECODE, extra][:3]) == [None] * 3
+    assert cursor.end_iteration() == Divergence(3, DECODE[3], None)
