@@ -20,6 +20,8 @@ from chunkmem import Booster, BudgetExceededError, ChunkedModel, ChunkPlugin
 from chunkmem.placement import StaticPlacementConfig
 from chunkmem.placement.actions import Verb
 
+pytestmark = pytest.mark.slow  # a boost and a few generates each: the full tier
+
 CHUNK = 12_000
 
 
@@ -101,12 +103,12 @@ def test_a_cache_that_cannot_fit_is_refused_before_decoding() -> None:
     chunked, budget = _boosted(model)
     calls: list[int] = []
     chunked.module.register_forward_pre_hook(lambda module, args: calls.append(1))
-    prompt = _prompt(8, 4)
+    prompt = _prompt(32, 4)
     with pytest.raises(BudgetExceededError) as refused:
         chunked.generate(**prompt, max_new_tokens=60, do_sample=False)
     message = str(refused.value)
     assert f"device_budget={budget}" in message
-    assert f"{_cache_bytes(ref, 8, 4 + 60 - 1) / 1024:.2f} KiB for the KV cache" in message
+    assert f"{_cache_bytes(ref, 32, 4 + 60 - 1) / 1024:.2f} KiB for the KV cache" in message
     assert "smaller batch" in message and calls == []  # decided before the prompt's forward
     assert refused.value.minimum is not None and refused.value.minimum > budget
     fits = re.search(r"max_new_tokens=(\d+) fits at this batch", message)
@@ -116,7 +118,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_decoding() -> None:
     with pytest.raises(BudgetExceededError, match="for the KV cache"):
         chunked.generate(**prompt, max_new_tokens=tokens + 1, do_sample=False)
     out = chunked.generate(**prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)  # the fix it named
-    assert out.shape == (8, 4 + tokens)
+    assert out.shape == (32, 4 + tokens)
     assert chunked.stats().peak_device_bytes <= budget
 
     # The real cache is checked as it grows: a config that says less than the model keeps is caught.

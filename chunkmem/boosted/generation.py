@@ -21,7 +21,7 @@ token (the decode steps). Around it:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -147,6 +147,12 @@ def generate_under_budget(
     with runtime.transient(forecast.nbytes, "the KV cache of generate()", MemoryKind.KV_CACHE):
         try:
             with _calls_hooked(module, calls):
-                return generate(*args, **kwargs)
-        finally:
-            runtime.end_decoding()
+                out = generate(*args, **kwargs)
+        except BaseException:
+            # The error that stopped generate is the one to see; releasing what is idle is only
+            # tidying (a collective failure may fail it again).
+            with suppress(Exception):
+                runtime.end_decoding()
+            raise
+        runtime.end_decoding()
+        return out
