@@ -162,7 +162,9 @@ def test_decode_steps_prefetch_every_chunk_in_the_recorded_order() -> None:
         ahead = {c: n for (verb, c), n in step.items() if verb is Verb.PREFETCH}
         hits = {c: n for (verb, c), n in step.items() if verb is Verb.CLAIM}
         assert (on_demand, ahead, hits) == (0, dict.fromkeys(chunks, 1), dict.fromkeys(chunks, 1)), index
-    assert chunked.stats().peak_device_bytes <= budget
+    stats = chunked.stats()
+    assert stats.peak_device_bytes <= budget
+    assert stats.divergences == 0  # the prompt's forward and the decode steps each follow a trace of their own
     # A later generate follows the decode trace from its first decode step.
     _, again = _decode_counts(chunked, prompt, 4)
     assert all(sum(n for (verb, _), n in step.items() if verb is Verb.GATHER) == 0 for step in again[2:])
