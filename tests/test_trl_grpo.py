@@ -13,7 +13,6 @@ chunks. What GRPOTrainer would do that chunkmem cannot honour is refused when th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from distributed import run_ranks
 from models import VOCAB, llama
 from test_hf_trainer import assert_same_training, logged, training_args
+from test_trl import torchrun_rank
 from test_trl_dpo import word_tokenizer
 
 from chunkmem import ChunkedModel, ChunkPlugin
@@ -198,16 +198,8 @@ def test_grpo_trainer_with_reference_and_reward_model_same_as_plain_trl(
 
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from accelerate.state import AcceleratorState
-
-    # What torchrun sets; the trainers (through Accelerate) join the process group that exists.
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "2"}
-    )
-    try:
+    with torchrun_rank(rank, world_size):
         return train_both_with_reference_and_reward_model(Path(root), ddp_backend="gloo")
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.slow
