@@ -190,8 +190,9 @@ def assert_trained_like_plain_grpo(result: dict[str, Any]) -> None:
 def test_grpo_trainer_with_reference_and_reward_model_same_as_plain_trl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two micro-batches a step: one generation per step, then two forwards and backwards."""
     generated = counting_generate(monkeypatch)
-    result = train_both_with_reference_and_reward_model(tmp_path)
+    result = train_both_with_reference_and_reward_model(tmp_path, gradient_accumulation_steps=2)
     assert generated, "completions come from the boosted model's generate"
     assert result["world_size"] == 1
     assert_trained_like_plain_grpo(result)
