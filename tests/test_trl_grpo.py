@@ -179,7 +179,8 @@ def assert_trained_like_plain_grpo(result: dict[str, Any]) -> None:
     assert_same_training(result["chunked"], result["plain"], exact=True)
     assert result["chunked_scored"] == result["plain_scored"], "completions, rewards, advantages or metrics differ"
     assert any(value != 0.0 for value in result["plain_scored"]["advantages"]), "rewards must differ within a group"
-    assert result["plain_scored"]["metrics"][-1]["kl"] > 0.0, "the trained policy has moved away from its reference"
+    if len(result["plain"]) > 1:  # the first step's policy is its reference
+        assert result["plain_scored"]["metrics"][-1]["kl"] > 0.0, "the trained policy has moved from its reference"
     assert result["policy_differs"] == [], "policy weights differ from plain TRL's"
     assert result["reference_changed"] == [] and result["reward_changed"] == [], "a frozen model's values changed"
     assert result["peak_device_bytes"] <= BUDGET, "the budget covers the policy, its reference and the reward model"
@@ -200,14 +201,15 @@ def test_grpo_trainer_with_reference_and_reward_model_same_as_plain_trl(
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     with torchrun_rank(rank, world_size):
-        return train_both_with_reference_and_reward_model(Path(root), ddp_backend="gloo")
+        return train_both_with_reference_and_reward_model(Path(root), ddp_backend="gloo", max_steps=1)
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_grpo_trainer_at_two_ranks_same_as_plain_trl_with_ddp(tmp_path: Path) -> None:
-    """Each rank generates and trains on its share of each step's prompts; plain TRL adds the ranks'
-    gradients with DDP; rewards are gathered over the ranks before the advantages (both sides)."""
+    """Each rank generates and trains on its share of the step's prompts; plain TRL adds the ranks'
+    gradients with DDP; rewards are gathered over the ranks before the advantages (both sides). One
+    step (the suite's time): the KL to a moved policy is the one-rank case's."""
     saved_policy(tmp_path)  # once, before the ranks load it
     results = run_ranks(_two_ranks, 2, args=(str(tmp_path),))
     for result in results:
