@@ -9,6 +9,8 @@ onto a fresh base."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +94,24 @@ def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
     assert_trained_like_plain_trl(result, tmp_path)
 
 
-def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+@contextmanager
+def torchrun_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Inside a pooled rank of ``run_ranks``: the environment torchrun sets, so that the trainers
+    (through Accelerate) join the process group that exists; Accelerate's state is reset after."""
     from accelerate.state import AcceleratorState
 
-    # What torchrun sets; the trainers (through Accelerate) join the process group that exists.
     os.environ.update(
         {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "2"}
     )
     try:
-        return train_both(Path(root), ddp_backend="gloo")
+        yield
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    with torchrun_rank(rank, world_size):
+        return train_both(Path(root), ddp_backend="gloo")
 
 
 @pytest.mark.long

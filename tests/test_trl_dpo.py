@@ -30,16 +30,11 @@ def plugin() -> ChunkPlugin:
 
 
 def dpo_parts(out: Path, name: str, **overrides: Any) -> dict[str, Any]:
-    """DPOTrainer's arguments but the models: a word-level tokenizer over the test vocabulary, text
+    """DPOTrainer's arguments but the models: a word-level tokenizer (``word_tokenizer``), text
     preference rows, ``test_hf_trainer``'s arguments as a DPOConfig (fp32, no clipping acting)."""
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from trl import DPOConfig
 
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t0", unk_token="t1")
     g = torch.Generator().manual_seed(3)
 
     def text(n: int) -> str:
@@ -48,7 +43,18 @@ def dpo_parts(out: Path, name: str, **overrides: Any) -> dict[str, Any]:
     rows = [{"prompt": text(4) + " ", "chosen": text(5) + " t0", "rejected": text(3) + " t0"} for _ in range(16)]
     settings = {"max_steps": 2, **overrides}
     args = training_args(out / name, cls=DPOConfig, max_grad_norm=0.0, bf16=False, **settings)
-    return {"args": args, "train_dataset": Dataset.from_list(rows), "processing_class": tokenizer}
+    return {"args": args, "train_dataset": Dataset.from_list(rows), "processing_class": word_tokenizer()}
+
+
+def word_tokenizer() -> Any:
+    """A word-level tokenizer over the test vocabulary (token i is "t{i}"; t0 pads and ends), built
+    offline: TRL's trainers need one even for a model built from its config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t0", unk_token="t1")
 
 
 def reference_model() -> torch.nn.Module:

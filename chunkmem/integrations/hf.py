@@ -8,9 +8,11 @@
 ``checkpoint-N`` directories, sharded at world size > 1; ``save_model`` writes a plain
 ``save_pretrained`` directory. What cannot be honoured is refused when the trainer is built
 (``hf_refusals``). ``ChunkTrainerMixin`` puts the same in front of a Trainer subclass; a trainer that
-keeps a reference model (TRL's ``ref_model``: ``DPOTrainer``...) gets it boosted beside the model under
-the same budget, or, for a PEFT model without one, the model with its adapter off
-(``trainer_references``).
+keeps a reference model (TRL's ``ref_model``: ``DPOTrainer``, ``GRPOTrainer``...) or reward models
+(``GRPOTrainer``'s ``reward_funcs``) gets them boosted beside the model under the same budget, and for
+a PEFT model without a reference, the model with its adapter off (``trainer_references``); what such
+a trainer asks that chunkmem cannot honour (vLLM generation...) is refused when it is built
+(``trl_refusals``).
 
 Importing this module imports ``transformers`` and ``accelerate`` (``import chunkmem`` does not).
 """
@@ -31,7 +33,7 @@ from ..plugin import ChunkPlugin
 from ..ranks.agreement import agree
 from .hf_accelerator import routed_to_chunkmem
 from .hf_refusals import refuse_unsupported
-from .trainer_references import plain_reference, reference_after_boost, refuse_second_adapter
+from .trainer_references import TrainerFrozenModels, refuse_second_adapter
 
 __all__ = ["CHECKPOINT_DIR", "ChunkTrainer", "ChunkTrainerMixin"]
 
@@ -60,14 +62,15 @@ class ChunkTrainerMixin:
         self._set_signature_columns_if_needed()
         # Trainer's own optimizer (its param groups, weight decay, optim choice) or the one given.
         optimizer = self.create_optimizer()
-        # A preference or RL trainer's reference model (TRL's ``ref_model``) is boosted beside the
-        # model, under the same budget; a PEFT model's is the model with its adapter off.
+        # A preference or RL trainer's reference and reward models (TRL's ``ref_model`` and
+        # ``reward_funcs``) are boosted beside the model, under the same budget; a PEFT model's
+        # reference is the model with its adapter off.
         users_model = self.model
         refuse_second_adapter(self, users_model)
-        reference = plain_reference(self)
-        model, boosted, *_ = self.booster.boost(self.model, optimizer, frozen=reference)
+        frozen = TrainerFrozenModels(self)
+        model, boosted, *_ = self.booster.boost(self.model, optimizer, frozen=frozen.models)
         assert isinstance(boosted, ChunkOptimizer), "boost returns an optimizer when given one"
-        reference_after_boost(self, users_model, model)
+        frozen.after_boost(self, users_model, model)
         self.model = self.model_wrapped = model
         self.optimizer = boosted
         self._chunk_optimizer = boosted

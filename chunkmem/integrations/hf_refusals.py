@@ -1,5 +1,6 @@
 """What ``ChunkTrainer`` cannot honour in a ``TrainingArguments`` (or a Trainer), refused when the
-trainer is built, before anything is boosted: each refusal names the field, why, and what to do."""
+trainer is built, before anything is boosted: each refusal names the field, why, and what to do.
+The fields TRL's configs add are refused by ``trl_refusals``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from ..errors import NotSupportedError
 from ..plugin import ChunkPlugin
+from .trl_refusals import trl_refusals
 
 __all__ = ["refuse_unsupported"]
 
@@ -101,7 +103,7 @@ def _checks(args: Any, plugin: ChunkPlugin) -> list[NotSupportedError]:
 def refuse_unsupported(args: Any, plugin: ChunkPlugin, model_init: Any) -> None:
     """Raise what ``args`` (a ``TrainingArguments``, or None for Trainer's defaults) and a
     ``model_init`` ask for that chunkmem cannot honour, every refusal in one error."""
-    found = [] if args is None else _checks(args, plugin)
+    found = [] if args is None else _checks(args, plugin) + trl_refusals(args, plugin)
     if model_init is not None:
         found.append(
             NotSupportedError(
