@@ -19,6 +19,7 @@ __all__ = [
     "CHAINED_SCHEDULERS_KEY",
     "SEES_SAVED_TENSOR_HOOKS",
     "TENSOR_IS_VIEW",
+    "TRACING_CONTEXT",
     "TRUNC_NORMAL_HELPER",
     "IncompatibleKeys",
     "ModuleConversionHook",
@@ -36,7 +37,6 @@ __all__ = [
     "set_parameter_entry",
     "storage_id",
     "top_saved_tensors_hooks",
-    "tracing_context_active",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
@@ -169,15 +169,11 @@ def own_reset_method(module: torch.nn.Module) -> Callable[[], None] | None:
 
 
 # --- Dynamo -------------------------------------------------------------------------------------
-# Dynamo's context while it builds a graph (``torch._guards.TracingContext``; read through getattr so
-# a torch without it leaves only ``torch.compiler.is_compiling`` to ask).
-_TRACING_CONTEXT = getattr(getattr(torch, "_guards", None), "TracingContext", None)
-
-
-def tracing_context_active() -> bool:
-    """Whether Dynamo is inside its ``TracingContext`` (wrapping a parameter, reading its metadata
-    for real): ``TracingContext.try_get() is not None``."""
-    return _TRACING_CONTEXT is not None and _TRACING_CONTEXT.try_get() is not None
+TRACING_CONTEXT: Any = getattr(getattr(torch, "_guards", None), "TracingContext", None)
+"""``torch._guards.TracingContext`` (``None`` in a torch without it, where only
+``torch.compiler.is_compiling`` can be asked): Dynamo's context while it builds a graph, whose
+``try_get()`` is not ``None`` while it wraps a parameter and reads its metadata for real. A class,
+not a function around it: the hooked parameter asks it on every op."""
 
 
 def dynamo_supported() -> bool:

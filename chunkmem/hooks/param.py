@@ -22,8 +22,8 @@ import torch
 
 from ..compat.torch import (
     TENSOR_IS_VIEW,
+    TRACING_CONTEXT,
     disable_torch_function_subclass,
-    tracing_context_active,
     tree_flatten,
     tree_map_only,
     tree_unflatten,
@@ -160,7 +160,7 @@ def _compiler_tracing() -> bool:
     wherever it is raised."""
     if torch.compiler.is_compiling():
         return True
-    return tracing_context_active()
+    return TRACING_CONTEXT is not None and TRACING_CONTEXT.try_get() is not None
 
 
 def _hooked_params(leaves: list[Any]) -> list[torch.Tensor]:
