@@ -29,6 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, RepeatedBlocks, StaticPlacementConfig
 from chunkmem.placement.config import Budget
 
+from .compat.python import DefaultsWhereSetHelpFormatter
 from .device import PLANNED_DEVICES, planned_precision
 from .errors import ChunkmemError
 from .planning.plan_fixes import FixKind, PlanFix
@@ -181,18 +182,9 @@ def _bandwidth(text: str) -> float:
     return float(_bytes(text.lower().removesuffix("/s")))
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except where there is none (``None``, an empty list): the help says what happens then."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _parser(prog: str) -> argparse.ArgumentParser:
     summary = " ".join(__doc__.split("\n\n")[0].split())
-    parser = argparse.ArgumentParser(prog=prog, description=summary, formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(prog=prog, description=summary, formatter_class=DefaultsWhereSetHelpFormatter)
     parser.add_argument("--hf-config", required=True, help=f"{', '.join(SHAPES)}, or a config.json / model dir")
     parser.add_argument(
         "--device-budget", type=_bytes, default=None, help="chunk bytes on each device, e.g. 24GiB (default: no cap)"

@@ -12,22 +12,25 @@ imported: a sibling import does not run it again).
 The layers, lowest first (``LAYERS``; README.md "Layout" draws the same): a package imports only
 packages of lower layers, never one of its own layer or above, type-only imports included.
 
- 0. ``chunkmem.placement`` (decisions), ``chunkmem.hooks`` (parameter-op hooks): nothing else of chunkmem
- 1. ``chunkmem.errors`` (the exceptions), ``chunkmem.device`` (the accelerator layer)
- 2. ``chunkmem.usage``: the byte ledger, the counters, memory probes
- 3. ``chunkmem.ranks``: collectives and cross-rank checks; ``chunkmem.tiers``: host transfers, disk
+ 0. ``chunkmem.compat``: other libraries' internals, named in one place (``test_compat``); nothing of
+    chunkmem
+ 1. ``chunkmem.placement`` (decisions), ``chunkmem.hooks`` (parameter-op hooks): nothing else of chunkmem
+    but ``chunkmem.compat``
+ 2. ``chunkmem.errors`` (the exceptions), ``chunkmem.device`` (the accelerator layer)
+ 3. ``chunkmem.usage``: the byte ledger, the counters, memory probes
+ 4. ``chunkmem.ranks``: collectives and cross-rank checks; ``chunkmem.tiers``: host transfers, disk
     files, owned directories
- 4. ``chunkmem.chunks``: chunks, their state, this rank's shard in every tier, the manager
- 5. ``chunkmem.execution``: the runtime and the executor; ``chunkmem.activations``;
+ 5. ``chunkmem.chunks``: chunks, their state, this rank's shard in every tier, the manager
+ 6. ``chunkmem.execution``: the runtime and the executor; ``chunkmem.activations``;
     ``chunkmem.materialize``; ``chunkmem.quantized`` (4-bit bases)
- 6. ``chunkmem.boosted``: ``ChunkedModel`` and what it carries
- 7. ``chunkmem.optim``: the optimizer side
- 8. ``chunkmem.checkpoint``
- 9. ``chunkmem.plugin``
-10. ``chunkmem.booster``; ``chunkmem.planning``
-11. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
-12. ``chunkmem`` (its ``__init__``: the public API)
-13. ``chunkmem.env`` (the environment report: it reports the public API's ``__version__``)
+ 7. ``chunkmem.boosted``: ``ChunkedModel`` and what it carries
+ 8. ``chunkmem.optim``: the optimizer side
+ 9. ``chunkmem.checkpoint``
+10. ``chunkmem.plugin``
+11. ``chunkmem.booster``; ``chunkmem.planning``
+12. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
+13. ``chunkmem`` (its ``__init__``: the public API)
+14. ``chunkmem.env`` (the environment report: it reports the public API's ``__version__``)
 
 Every module of chunkmem lives in one of these subpackages; only the public entry points
 (``ENTRY_POINTS``) sit at its top level.
@@ -168,15 +171,21 @@ def test_the_packages_import_each_other_without_cycles() -> None:
     assert {"chunkmem", "chunkmem.checkpoint", "chunkmem.placement", "chunkmem.hooks"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-    for package in ("chunkmem.placement", "chunkmem.hooks"):  # the arrows point one way (layer 0 of LAYERS)
+    for package in ("chunkmem.placement", "chunkmem.hooks"):  # the arrows point one way (layer 1 of LAYERS)
         inside = [m for m in graph if m == package or m.startswith(package + ".")]
-        outward = {t for m in inside for t in graph[m] if t.startswith("chunkmem") and not t.startswith(package)}
+        outward = {
+            t
+            for m in inside
+            for t in graph[m]
+            if t.startswith("chunkmem") and not t.startswith((package, "chunkmem.compat"))
+        }
         assert not outward, f"{package} imports the rest of chunkmem: {sorted(outward)}"
 
 
 # The layers of the module docstring, lowest first. An entry is a package (all its modules) or a
 # module at the top of chunkmem; ``chunkmem`` itself names its ``__init__`` only.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("chunkmem.compat",),
     ("chunkmem.placement", "chunkmem.hooks"),
     ("chunkmem.errors", "chunkmem.device"),
     ("chunkmem.usage",),

@@ -35,6 +35,7 @@ from chunkmem.placement import (
     matches_block,
 )
 
+from ..compat.torch import is_checkpoint_hook
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
 from ..ranks.local_failures import LocalFailures
@@ -63,7 +64,6 @@ class DeviceBudget(NamedTuple):
     policy: PlacementPolicy
 
 
-_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 SEES_CHECKPOINTS = SEES_HOOKS
 """Whether this PyTorch lets a block see that it runs inside a ``torch.utils.checkpoint`` (2.8 and
 later); before, only a Hugging Face model's own ``gradient_checkpointing`` flag is seen, and a
@@ -74,7 +74,7 @@ which costs time and gives the same values)."""
 def _in_checkpoint() -> bool:
     """Whether the innermost saved-tensor hooks are those of a non-reentrant checkpoint."""
     top = top_hooks()
-    return top is not None and any(getattr(top[0], "__qualname__", "").startswith(p) for p in _CHECKPOINT_HOOKS)
+    return top is not None and is_checkpoint_hook(top[0])
 
 
 def _refuse_double_checkpointing(name: str, how: str) -> None:

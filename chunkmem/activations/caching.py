@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..compat.transformers import is_cache
 from ..errors import NotSupportedError
 
 __all__ = ["holds_cache", "refuse_cache", "without_cache"]
@@ -33,13 +34,9 @@ __all__ = ["holds_cache", "refuse_cache", "without_cache"]
 log = logging.getLogger("chunkmem")
 
 
-def _is_cache(value: object) -> bool:
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(value).__mro__)
-
-
 def holds_cache(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether a block's call is handed a ``transformers`` cache."""
-    return any(_is_cache(value) for value in (*args, *kwargs.values()))
+    return any(is_cache(value) for value in (*args, *kwargs.values()))
 
 
 def _takes_use_cache(module: torch.nn.Module) -> bool:

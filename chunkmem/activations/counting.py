@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..compat.torch import storage_id, version, view_base
+
 __all__ = ["Saved", "SavedCount", "is_model_memory", "storage_key"]
 
 
@@ -44,14 +46,14 @@ class Saved(enum.Enum):
 
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of the tensor's storage (shared by every view of it)."""
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor.untyped_storage())
 
 
 def is_model_memory(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
     """Whether a tensor saved in a call of ``module`` is model memory (see the module docstring)."""
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
         return True
-    if isinstance(tensor._base, torch.nn.Parameter):
+    if isinstance(view_base(tensor), torch.nn.Parameter):
         return True
     key = storage_key(tensor)
     return any(storage_key(t) == key for t in (*module.parameters(), *module.buffers()))
@@ -78,7 +80,7 @@ class SavedCount:
             return Saved.MODEL
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        key = storage._cdata
+        key = storage_id(storage)
         seen = self._storages.get(key)
         if seen is None or seen[0].expired():  # new, or made where one saved earlier was freed
             stays = self._stays(nbytes, whole=nbytes % tensor.element_size() == 0)
@@ -88,9 +90,9 @@ class SavedCount:
                 self.small_bytes += nbytes
         if seen[2]:
             return Saved.SMALL
-        if tensor._version in seen[1]:
+        if version(tensor) in seen[1]:
             return Saved.COPIED
-        seen[1].add(tensor._version)
+        seen[1].add(version(tensor))
         self.copied_bytes += nbytes
         return Saved.COPY
 

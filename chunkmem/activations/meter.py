@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch import view_base
 from ..usage.saved import KeptTensor, LiveSaved, top_hooks, unlinked
 from .counting import storage_key
 
@@ -95,7 +96,7 @@ class SavedMeter:
         if (
             type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
-            or isinstance(tensor._base, torch.nn.Parameter)
+            or isinstance(view_base(tensor), torch.nn.Parameter)
             or storage_key(tensor) in self._buffers
         ):
             return unlinked(tensor)

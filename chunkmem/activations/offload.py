@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch import storage_id, version
 from ..device.layer import Event
 from ..errors import DiskTierError
 from ..tiers.transfers import Direction, HostTransfers
@@ -172,7 +173,7 @@ class ActivationOffload:
             return self._left(tensor, call)
         if verdict is Saved.SMALL:
             return self._left(tensor, call)
-        key = (tensor.untyped_storage()._cdata, tensor._version)
+        key = (storage_id(tensor.untyped_storage()), version(tensor))
         if verdict is Saved.COPY:  # the first save of this storage version in the call
             began = time.perf_counter()
             try:

@@ -33,6 +33,7 @@ from chunkmem.placement import ActivationPlacement, RepeatedBlocks, WorkingSet, 
 
 from ..activations.detect import agreed_repeated_block
 from ..chunks.manager import ChunkManager
+from ..compat.torch import dynamo_supported
 from ..errors import NotSupportedError
 from ..ranks.comm import Communicator
 from .compile_config import CompileBlocks
@@ -53,7 +54,7 @@ def find_compiled_blocks(
     """The modules ``config`` compiles, in module order, ``RepeatedBlocks()`` found the same way on
     every rank; ``activations``: the placement the blocks run under (its ``RepeatedBlocks()``
     resolved). Raises what cannot be compiled, naming the block and what to do."""
-    if not torch._dynamo.is_dynamo_supported():
+    if not dynamo_supported():
         raise NotSupportedError(
             "ChunkPlugin(compile=CompileBlocks(...)): torch.compile is not supported on this Python or platform "
             f"(torch {torch.__version__}): boost without compile"

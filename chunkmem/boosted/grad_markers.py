@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from chunkmem.hooks import unhooked
 
+from ..compat.torch import disable_torch_function_subclass, make_wrapper_subclass
 from ..errors import ShardedGradientError
 
 __all__ = ["GradientMarkers", "ShardedGradient", "clear_markers"]
@@ -44,9 +45,7 @@ class ShardedGradient(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str) -> ShardedGradient:
-        marker = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
-        )
+        marker = make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
         marker._name = name
         return marker
 
@@ -57,7 +56,7 @@ class ShardedGradient(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
         if name in _ALLOWED:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **(kwargs or {}))
         markers = [a for a in args if isinstance(a, ShardedGradient)]
         if not markers:

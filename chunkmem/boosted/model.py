@@ -25,8 +25,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils._pytree import tree_map
 
 from chunkmem.placement import ActivationPlacement, ActivationPlan
 
@@ -36,6 +34,7 @@ from ..chunks.chunk import Chunk
 from ..chunks.chunk_layout import ShardPiece
 from ..chunks.manager import ChunkManager
 from ..chunks.tensor_state import TensorInfo
+from ..compat.torch import IncompatibleKeys, ModuleConversionHook, parse_to, tree_map
 from ..device import gpu_device
 from ..device.moves import to_device, to_host
 from ..errors import CheckpointWriteError, NotSupportedError, StateDictMismatchError
@@ -124,7 +123,7 @@ def _refuse_placeholder_state(module: torch.nn.Module, prefix: str, keep_vars: b
         )
 
 
-class ChunkedModel(torch.nn.Module):
+class ChunkedModel(ModuleConversionHook, torch.nn.Module):
     """What ``Booster.boost`` returns for the model: call it like the original module; attribute
     lookups that the wrapper does not answer go to the module (``model.config``...)."""
 
@@ -331,7 +330,7 @@ class ChunkedModel(torch.nn.Module):
     def to(self, *args: Any, **kwargs: Any) -> ChunkedModel:  # type: ignore[override]
         """Accepted only when it changes nothing (the compute device and dtype already); anything
         else raises ``NotSupportedError`` saying what to do."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _, _ = parse_to(*args, **kwargs)
         if (device is None or self._same_device(torch.device(device))) and dtype in (None, self._compute_dtype):
             return self
         shown = ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
@@ -355,7 +354,7 @@ class ChunkedModel(torch.nn.Module):
     def bfloat16(self) -> ChunkedModel:
         return self.to(torch.bfloat16)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ChunkedModel:
+    def _chunkmem_apply(self, fn: Any, recurse: bool = True) -> ChunkedModel:
         raise self._refuse_conversion(f"a conversion of every parameter ({getattr(fn, '__name__', 'fn')})")
 
     # --- full state -------------------------------------------------------------------------
@@ -456,7 +455,7 @@ class ChunkedModel(torch.nn.Module):
         _check_values_in_place(pieces, source)
         return StagedModelLoad(pieces, buffers, missing, unexpected)
 
-    def apply_load(self, staged: StagedModelLoad) -> _IncompatibleKeys:
+    def apply_load(self, staged: StagedModelLoad) -> IncompatibleKeys:
         """Write a validated state into this rank's master shards and the buffers."""
         self._runtime.cancel_early_steps()
         manager = self._manager
@@ -472,7 +471,7 @@ class ChunkedModel(torch.nn.Module):
             for target, value in staged.buffers:
                 target.copy_(value)
         self._runtime.masters_loaded()
-        return _IncompatibleKeys(staged.missing, staged.unexpected)
+        return IncompatibleKeys(staged.missing, staged.unexpected)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full values (as produced by ``state_dict`` or by the unwrapped module) into the

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from ..compat.peft import defined_in_peft
+
 __all__ = ["adapter_entries"]
 
 
 def is_peft_model(module: torch.nn.Module) -> bool:
-    return type(module).__module__.startswith("peft.") and hasattr(module, "peft_config")
+    return defined_in_peft(module) and hasattr(module, "peft_config")
 
 
 def adapter_entries(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..compat.torch import CHAINED_SCHEDULERS_KEY
 from ..errors import CheckpointError, CheckpointWriteError, StateDictMismatchError
 from ..execution.gather import Destination
 from ..optim import ChunkOptimizer
@@ -287,11 +288,10 @@ def _stage_scheduler(scheduler: Any, obj: Any, source: str) -> Mapping[str, Any]
             f"{source} was saved by another LR scheduler class: its keys {sorted(obj)} differ from {name}'s "
             f"{sorted(current)} (nothing was changed). Build the same scheduler class before loading."
         )
-    nested = current.get("_schedulers")
-    if isinstance(nested, list) and len(obj.get("_schedulers") or []) != len(nested):
-        raise StateDictMismatchError(
-            f"{source} holds {len(obj.get('_schedulers') or [])} chained schedulers, this {name} has {len(nested)}"
-        )
+    nested = current.get(CHAINED_SCHEDULERS_KEY)
+    saved = obj.get(CHAINED_SCHEDULERS_KEY) or []
+    if isinstance(nested, list) and len(saved) != len(nested):
+        raise StateDictMismatchError(f"{source} holds {len(saved)} chained schedulers, this {name} has {len(nested)}")
     return obj
 
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from ..compat.dcp import GET_LAYOUT, MEMORY_FORMAT_ENCODING, MEMORY_FORMATS, STORAGE_INFO, StorageInfo
 from ..errors import CheckpointCorruptedError
 from .workspace import read_error
 
@@ -63,19 +63,17 @@ _DATACLASSES = {
     f"{_M}.TensorProperties",
     f"{_M}.MetadataIndex",
     f"{_M}.StorageMeta",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    STORAGE_INFO,
 }
 _DTYPES = {f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _LAYOUTS = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
-# TensorProperties pickles its memory format as this enum's value (DCP's _MEM_FORMAT_ENCODING).
-_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
 _PATHS = {
     f"pathlib.{cls}" for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 }
 _CALLED = {
     "torch.Size",
-    "torch.serialization._get_layout",
-    f"{_M}._MEM_FORMAT_ENCODING",
+    GET_LAYOUT,
+    MEMORY_FORMAT_ENCODING,
     *_PATHS,
 }
 _NAMEABLE = _DATACLASSES | _CALLED | set(_DTYPES)
@@ -224,9 +222,9 @@ class _Rebuild:
         dtype, layout, requires_grad, memory_format, pin_memory = record.state
         return TensorProperties(
             dtype=self._dtype(dtype),
-            layout=self._called(layout, "torch.serialization._get_layout", _LAYOUTS, "layout"),
+            layout=self._called(layout, GET_LAYOUT, _LAYOUTS, "layout"),
             requires_grad=self._typed(requires_grad, bool, "requires_grad"),
-            memory_format=self._called(memory_format, f"{_M}._MEM_FORMAT_ENCODING", _MEMORY_FORMATS, "memory format"),
+            memory_format=self._called(memory_format, MEMORY_FORMAT_ENCODING, MEMORY_FORMATS, "memory format"),
             pin_memory=self._typed(pin_memory, bool, "pin_memory"),
         )
 
@@ -251,10 +249,10 @@ class _Rebuild:
             index=self._typed(fields.get("index"), (int, type(None)), "index"),
         )
 
-    def _storage_info(self, value: Any) -> _StorageInfo:
+    def _storage_info(self, value: Any) -> StorageInfo:
         fields = self._fields(
             value,
-            "torch.distributed.checkpoint.filesystem._StorageInfo",
+            STORAGE_INFO,
             {"relative_path", "offset", "length"},
             {"transform_descriptors"},
         )
@@ -262,7 +260,7 @@ class _Rebuild:
         if descriptors is not None:
             listed = self._typed(descriptors, (list, tuple), "transform descriptors")
             descriptors = [self._typed(d, str, "transform descriptor") for d in listed]
-        info = _StorageInfo(
+        info = StorageInfo(
             relative_path=self._typed(fields["relative_path"], str, "relative_path"),
             offset=self._typed(fields["offset"], int, "offset"),
             length=self._typed(fields["length"], int, "length"),

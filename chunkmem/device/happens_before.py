@@ -46,9 +46,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ..compat.torch import TorchDispatchMode, op_schema, storage_id, tree_flatten
 from .layer import CollectiveWaits
 from .sim_allocator import Block, CachingAllocator, MemoryFigures, PinnedAllocator
 from .sim_collectives import CollectiveOp, collective_op, process_group, work_of
@@ -142,7 +141,7 @@ def _merge(into: Clock, other: Clock) -> None:
 def _key(tensor: torch.Tensor) -> int | None:
     if tensor.is_meta or tensor.device.type != "cpu" or tensor.layout is not torch.strided:
         return None
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor.untyped_storage())
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +161,7 @@ _OP_INFO: dict[Any, _OpInfo] = {}
 def _op_info(func: Any) -> _OpInfo:
     info = _OP_INFO.get(func)
     if info is None:
-        schema = func._schema
+        schema = op_schema(func)
         writes = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         returns = schema.returns
         info = _OP_INFO[func] = _OpInfo(
@@ -586,7 +585,7 @@ class Simulator:
         if size != 0 or storage.device.type != "cpu" or storage.nbytes() == 0:
             return
         with self._lock:
-            entry = self._storages.get(storage._cdata)
+            entry = self._storages.get(storage_id(storage))
             if entry is not None and not entry.ref.expired():
                 self._check_host_uses_before_free(entry, self.host_actor(), self._clocks[self.host_actor()])
 
@@ -605,7 +604,7 @@ class Simulator:
         after = storage.nbytes()
         if storage.device.type != "cpu" or (before == 0) == (after == 0):
             return
-        key = storage._cdata
+        key = storage_id(storage)
         with self._lock:
             entry = self._storages.get(key)
             if entry is not None and entry.ref.expired():

@@ -16,36 +16,13 @@ checks is the order the waits give, on every schedule.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CollectiveOp", "collective_op", "process_group", "work_class", "work_of"]
+from ..compat.distributed import C10D_WRITTEN_ARGUMENTS, c10d_bindings
+from ..compat.torch import op_schema
 
-# Which arguments each c10d op writes (its schema does not say: they are annotated as inputs).
-# Read-modify-write ones (all-reduce, broadcast) count as writes; every other tensor is read.
-_WRITTEN: dict[str, tuple[int, ...]] = {
-    "_allgather_base_": (0,),
-    "allgather_": (0,),
-    "allgather_coalesced_": (0,),
-    "allgather_into_tensor_coalesced_": (0,),
-    "allreduce_": (0,),
-    "allreduce_coalesced_": (0,),
-    "_reduce_scatter_base_": (0,),
-    "reduce_scatter_": (0,),
-    "reduce_scatter_tensor_coalesced_": (0,),
-    "reduce_": (0,),
-    "broadcast_": (0,),
-    "alltoall_base_": (0,),
-    "alltoall_": (0,),
-    "gather_": (0,),
-    "scatter_": (0,),
-    "recv_": (0,),
-    "recv_any_source_": (0,),
-    "send": (),
-    "barrier": (),
-    "monitored_barrier_": (),
-}
+__all__ = ["CollectiveOp", "collective_op", "process_group", "work_class", "work_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +38,14 @@ def collective_op(func: Any) -> CollectiveOp | None:
     """The c10d facts of ``func`` (``None``: not a collective)."""
     if func.namespace != "c10d":
         return None
-    schema = func._schema
+    schema = op_schema(func)
     group = next((i for i, a in enumerate(schema.arguments) if "ProcessGroup" in str(a.type)), None)
-    return CollectiveOp(_WRITTEN.get(str(func.overloadpacket.__name__)), group)
+    return CollectiveOp(C10D_WRITTEN_ARGUMENTS.get(str(func.overloadpacket.__name__)), group)
 
 
 def process_group(value: Any) -> Any | None:
     """The ``ProcessGroup`` a c10d op's argument stands for (``None`` without torch.distributed)."""
-    c10d = sys.modules.get("torch._C._distributed_c10d")
+    c10d = c10d_bindings()
     if c10d is None:
         return None
     try:
@@ -79,7 +56,7 @@ def process_group(value: Any) -> Any | None:
 
 def work_of(value: Any) -> Any | None:
     """The ``Work`` a c10d op returned (as a ScriptObject), as Python code sees it."""
-    c10d = sys.modules.get("torch._C._distributed_c10d")
+    c10d = c10d_bindings()
     if c10d is None:
         return None
     try:
@@ -89,5 +66,5 @@ def work_of(value: Any) -> Any | None:
 
 
 def work_class() -> type | None:
-    c10d = sys.modules.get("torch._C._distributed_c10d")
+    c10d = c10d_bindings()
     return getattr(c10d, "Work", None) if c10d is not None else None

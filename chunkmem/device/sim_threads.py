@@ -28,6 +28,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..compat.python import executor_thread_prefix, executor_workers
+
 __all__ = ["HostThreads"]
 
 Clock = dict[str, int]
@@ -91,8 +93,8 @@ class HostThreads:
     def _submit(self, executor: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         pool = self._pools.get(executor)
         if pool is None:
-            pool = self._pools[executor] = _Pool(serial=getattr(executor, "_max_workers", 0) == 1)
-        prefix = getattr(executor, "_thread_name_prefix", "") or "pool"
+            pool = self._pools[executor] = _Pool(serial=executor_workers(executor) == 1)
+        prefix = executor_thread_prefix(executor) or "pool"
         task = _Task(f"{prefix} task {next(self._numbers)}", self._actors.snapshot())
         before = pool.last if pool.serial else None
         pool.last = task

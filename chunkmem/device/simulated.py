@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ..compat.torch import disable_current_modes
 from .happens_before import (
     SimEvent,
     SimStream,
@@ -123,7 +123,7 @@ class SimulatedLayer(DeviceLayer):
         return True
 
     def host_empty(self, numel: int, dtype: torch.dtype, host: torch.device, pinned: bool = True) -> torch.Tensor:
-        with _disable_current_modes():  # host memory, from the pinned allocator: no device op made it
+        with disable_current_modes():  # host memory, from the pinned allocator: no device op made it
             buffer = torch.empty(numel, dtype=dtype, device=host)
         self.simulator.register_host(buffer, pinned)
         return buffer

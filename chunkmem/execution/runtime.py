@@ -33,6 +33,7 @@ from chunkmem.placement import ChunkSpec, ComputeTrace, Divergence, Phase, Place
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager
 from ..chunks.tensor_state import TensorInfo, TensorState
+from ..compat.torch import autograd_running
 from ..errors import DiskTierError, NotSupportedError
 from ..ranks.agreed_values import AgreedValues
 from ..usage.accounting import Location, MemoryKind
@@ -497,4 +498,4 @@ class ChunkRuntime(ParamOpHook):
 
 def _in_backward() -> bool:
     """The autograd engine is running (a forward op now is a recomputation)."""
-    return torch._C._current_graph_task_id() != -1
+    return autograd_running()

@@ -36,8 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..compat.torch import disable_torch_function_subclass, set_parameter_entry, tree_flatten, tree_unflatten, version
 from .bridges import OpBackward
 from .hook import hooks_for
 from .param import HookedParameter, _unalias
@@ -92,7 +92,7 @@ class BlockOp:
         observing = tuple(call for call in calls if call[0].observes_ops)
         leaves, spec = tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             trainable = [p for p in params if p.requires_grad] if grad else []
             needs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
             inputs = needs if grad else []
@@ -103,7 +103,7 @@ class BlockOp:
         for hook, seen in observing:
             hook.pre_op(seen)
         try:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 aliases = {id(p): p.data for p in params}
                 if trainable or bridged:
                     out = PlainAliases.apply(op, len(trainable), *trainable, *(leaves[i] for i in bridged))
@@ -112,17 +112,17 @@ class BlockOp:
                         leaves[i] = alias
                     if bridged:
                         args, kwargs = tree_unflatten(leaves, spec)
-                versions = [(p, aliases[id(p)], aliases[id(p)]._version) for p in params]
+                versions = [(p, aliases[id(p)], version(aliases[id(p)])) for p in params]
             for sub, name, p in self._slots:
-                sub._parameters[name] = aliases[id(p)]  # torch.func.functional_call swaps the same entries
+                set_parameter_entry(sub, name, aliases[id(p)])  # torch.func.functional_call swaps the same entries
             try:
                 result = fn(*args, **kwargs)
             finally:
                 for sub, name, p in self._slots:
-                    sub._parameters[name] = p
-            self._refuse_writes(calls, [p for p, alias, version in versions if alias._version != version])
+                    set_parameter_entry(sub, name, p)
+            self._refuse_writes(calls, [p for p, alias, before in versions if version(alias) != before])
             out_leaves, out_spec = tree_flatten(result)
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 if _unalias(out_leaves, params):
                     result = tree_unflatten(out_leaves, out_spec)
         finally:
@@ -137,7 +137,7 @@ class BlockOp:
         if not written:
             return
         what = f"an in-place write inside a call of {self._name} (run as one op of its parameters)"
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             for hook, seen in calls:
                 mutated = [p for p in written if any(p is s for s in seen)]
                 if mutated:

@@ -19,8 +19,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from ..compat.torch import (
+    TENSOR_IS_VIEW,
+    TRACING_CONTEXT,
+    disable_torch_function_subclass,
+    tree_flatten,
+    tree_map_only,
+    tree_unflatten,
+)
 from .bridges import OpBackward, PreForwardPostBackward
 from .hook import ParamOpHook, hooks_for
 
@@ -30,7 +37,7 @@ __all__ = ["HookedParameter", "ValueCopy", "to_hooked", "to_plain", "unhooked"]
 def unhooked() -> Any:
     """A context in which hooked parameters behave like plain ones: what a hook uses to read or
     swap a parameter's ``.data`` without calling hooks again."""
-    return torch._C.DisableTorchFunctionSubclass()
+    return disable_torch_function_subclass()
 
 
 _METADATA_METHODS = {
@@ -55,7 +62,7 @@ _METADATA_METHODS = {
     torch.Tensor.__reduce_ex__,
     torch.Tensor.__setstate__,
     torch.Tensor.__deepcopy__,
-    torch.Tensor._is_view,
+    TENSOR_IS_VIEW,
 }
 # Properties that read or write the values, unlike shape/dtype/device/grad. Reading ``.data`` is an
 # op like any other (a hook may hold the values elsewhere between ops: the reader gets a copy);
@@ -130,12 +137,12 @@ class HookedParameter(torch.nn.Parameter):
         if _compiler_tracing():
             _report_tracing(args, kwargs)
         if _is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         leaves, spec = _flatten(args, kwargs)
         params = _hooked_params(leaves)
         calls = hooks_for(params)
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             if not calls:
                 return func(*args, **kwargs)
             written = _guard_writes(func, args, kwargs, calls)
@@ -143,10 +150,6 @@ class HookedParameter(torch.nn.Parameter):
             if not observing:
                 return func(*args, **kwargs)
             return _run_hooked(func, args, kwargs, leaves, spec, params, tuple(observing), written)
-
-
-# Dynamo's context while it builds a graph (a private name: without it, only is_compiling is asked).
-_TRACING_CONTEXT = getattr(getattr(torch, "_guards", None), "TracingContext", None)
 
 
 def _compiler_tracing() -> bool:
@@ -157,7 +160,7 @@ def _compiler_tracing() -> bool:
     wherever it is raised."""
     if torch.compiler.is_compiling():
         return True
-    return _TRACING_CONTEXT is not None and _TRACING_CONTEXT.try_get() is not None
+    return TRACING_CONTEXT is not None and TRACING_CONTEXT.try_get() is not None
 
 
 def _hooked_params(leaves: list[Any]) -> list[torch.Tensor]:
@@ -171,7 +174,7 @@ def _hooked_params(leaves: list[Any]) -> list[torch.Tensor]:
 
 def _report_tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     params = _hooked_params(_flatten(args, kwargs)[0])
-    with torch._C.DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         for hook, seen in hooks_for(params):
             hook.traced_op(seen)
 
@@ -290,7 +293,7 @@ class ValueCopy(torch.Tensor):
             _refuse_writes_into_copies(_written(func, args, kwargs), _op_name(func))
         if any(t is not ValueCopy for t in types):
             return NotImplemented  # another subclass takes part (a hooked parameter: its hooks must run)
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             out = func(*args, **kwargs)
             copies = {
                 leaf.untyped_storage().data_ptr(): leaf
@@ -316,7 +319,7 @@ class ValueCopy(torch.Tensor):
         what = f"{op_name} through a copy of its values (p.data, p.detach() or a view of p)"
         sources = [p for p in (ref() for ref in self._sources) if p is not None]
         if sources:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 for hook, seen in hooks_for(sources):
                     hook.mutating_op(seen, what)
         shapes = [tuple(p.shape) for p in sources]
@@ -328,14 +331,14 @@ class ValueCopy(torch.Tensor):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
         # Like Tensor.__deepcopy__: a new leaf with the same requires_grad.
-        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+        with disable_torch_function_subclass(), torch.no_grad():
             copy = self.as_subclass(torch.Tensor).detach().clone()
         copy.requires_grad_(self.requires_grad)
         memo[id(self)] = copy
         return copy
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 

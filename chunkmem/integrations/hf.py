@@ -27,6 +27,7 @@ from transformers import Trainer
 
 from ..boosted.model import ChunkedModel
 from ..booster import Booster
+from ..compat.transformers import TrainerCheckpointHooks, set_signature_columns
 from ..errors import NotSupportedError
 from ..optim import ChunkOptimizer
 from ..plugin import ChunkPlugin
@@ -41,7 +42,7 @@ __all__ = ["CHECKPOINT_DIR", "ChunkTrainer", "ChunkTrainerMixin"]
 CHECKPOINT_DIR = "chunkmem"
 
 
-class ChunkTrainerMixin:
+class ChunkTrainerMixin(TrainerCheckpointHooks):
     """Put in front of ``transformers.Trainer`` or a subclass of it:
     ``class MyTrainer(ChunkTrainerMixin, SomeTrainer)``; build it with ``plugin=ChunkPlugin(...)``."""
 
@@ -59,7 +60,7 @@ class ChunkTrainerMixin:
         self.booster = Booster(plugin.on_device(self.args.device))  # without args: Trainer's default ones
         # Trainer keeps the dataset columns that the model's forward names; the boosted model's
         # forward takes (*args, **kwargs), so read them from the module before boosting.
-        self._set_signature_columns_if_needed()
+        set_signature_columns(self)
         # Trainer's own optimizer (its param groups, weight decay, optim choice) or the one given.
         optimizer = self.create_optimizer()
         # A preference or RL trainer's reference and reward models (TRL's ``ref_model`` and
@@ -153,16 +154,16 @@ class ChunkTrainerMixin:
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def _chunkmem_save_optimizer_and_scheduler(self, output_dir: str) -> None:
         _, optimizer_path, scheduler_path = self._checkpoint_paths(output_dir, self._sharded)
         self.booster.save_optimizer(self._chunk_optimizer, optimizer_path, shard=self._sharded)
         self.booster.save_lr_scheduler(self.lr_scheduler, scheduler_path, self._chunk_optimizer)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _chunkmem_load_model(self, resume_from_checkpoint: str, model: Any = None) -> None:
         model_path, _, _ = self._saved_paths(resume_from_checkpoint)
         self.booster.load_model(self.model, model_path)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _chunkmem_load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
         _, optimizer_path, scheduler_path = self._saved_paths(checkpoint)

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..boosted.model import ChunkedModel
+from ..compat.accelerate import prepared_models, prepared_optimizers
 from ..errors import NotSupportedError
 from ..optim import ChunkOptimizer
 
@@ -49,7 +50,7 @@ class ChunkAccelerator(Accelerator):
     training) is refused."""
 
     def _chunk_optimizer(self, what: str) -> ChunkOptimizer:
-        found = {id(o): o for o in (chunk_optimizer_of(opt) for opt in self._optimizers) if o is not None}
+        found = {id(o): o for o in (chunk_optimizer_of(opt) for opt in prepared_optimizers(self)) if o is not None}
         if len(found) != 1:
             raise NotSupportedError(
                 f"{what} under chunkmem needs exactly one boosted optimizer prepared by this accelerator, found "
@@ -84,8 +85,8 @@ class ChunkAccelerator(Accelerator):
     ) -> torch.nn.Module:
         if isinstance(model, ChunkedModel):
             # The plugin chose the device and dtype; no DDP, no autocast wrapper around forward.
-            if model not in self._models:
-                self._models.append(model)
+            if model not in prepared_models(self):
+                prepared_models(self).append(model)
             return model
         if evaluation_mode:  # a frozen model beside the trained one (e.g. a reference model): Accelerate's way
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
@@ -126,7 +127,7 @@ class ChunkAccelerator(Accelerator):
         # chunkmem clips over every gradient its optimizer holds: only "all of a boosted model's
         # parameters" (what Trainer passes) means that.
         params = {id(p) for p in parameters}
-        if not any(params == {id(p) for p in model.parameters()} for model in self._models):
+        if not any(params == {id(p) for p in model.parameters()} for model in prepared_models(self)):
             raise NotSupportedError(
                 "clip_grad_norm_ under chunkmem clips the norm over all of the boosted model's gradients: pass "
                 "model.parameters() of the boosted model, not a subset"

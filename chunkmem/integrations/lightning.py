@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
-    from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.plugins.io import CheckpointIO
@@ -35,6 +34,8 @@ try:
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from ..compat.lightning import init_dist_connection, layer_sync, sync_ddp_if_available
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
         "chunkmem.integrations.lightning needs Lightning 2.5 or 2.6: pip install 'chunkmem[lightning]'"
@@ -168,7 +169,7 @@ class ChunkStrategy(ParallelStrategy):
             reset_seed()
         if self.world_size > 1 and not dist.is_initialized():
             assert environment is not None, "ChunkStrategy: no cluster environment (Lightning sets one before this)"
-            _init_dist_connection(environment, collective_backend(self.root_device))
+            init_dist_connection(environment, collective_backend(self.root_device))
         rank_zero_only.rank = self.global_rank
 
     def model_to_device(self) -> None:
@@ -260,7 +261,7 @@ class ChunkStrategy(ParallelStrategy):
                 f"{type(module).__name__}.backward overridden: refused by ChunkStrategy, whose backward applies "
                 "fp16 loss scaling and finishes chunkmem's gradient reduction; remove the override"
             )
-        if self._layer_sync is not None:
+        if layer_sync(self) is not None:
             raise NotSupportedError(
                 "Trainer(sync_batchnorm=True) refused by ChunkStrategy: it would replace modules whose parameters "
                 "are in chunks; convert BatchNorm layers to SyncBatchNorm before building the Trainer"
@@ -278,7 +279,7 @@ class ChunkStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, name: str | None = None) -> None:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from ..compat.torch import TRUNC_NORMAL_HELPER, storage_id, tree_leaves
 
 __all__ = ["Const", "Node", "OpGraph", "RngSnapshot", "StorageRecord", "TensorRef"]
 
@@ -120,7 +121,7 @@ class StorageRecord:
 # argument is the written tensor), and torch initialisers recorded as whole calls (they write the
 # whole tensor). An op on this list that covers a whole storage defines it.
 _OVERWRITES = {
-    "_no_grad_trunc_normal_",
+    TRUNC_NORMAL_HELPER,
     "orthogonal_",
     "sparse_",
     "dirac_",
@@ -162,13 +163,13 @@ class OpGraph:
         return self._storages[index]
 
     def knows(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage()._cdata in self._index
+        return storage_id(tensor.untyped_storage()) in self._index
 
     def ref(self, tensor: torch.Tensor) -> TensorRef:
         """``tensor`` (on meta) as a view of its storage at its current version; a storage never
         seen before is added as one that existed before recording (values unknown)."""
         storage = tensor.untyped_storage()
-        index = self._index.get(storage._cdata)
+        index = self._index.get(storage_id(storage))
         if index is None:
             index = self._add(storage, None)
         return TensorRef(
@@ -185,7 +186,7 @@ class OpGraph:
         # A storage that existed before recording starts undefined; a created one is decided by
         # ``add_creation``.
         self._storages.append(StorageRecord(index, storage.nbytes(), creator, defined=[] if creator else [False]))
-        self._index[storage._cdata] = index
+        self._index[storage_id(storage)] = index
         self._alive.append(storage)
         return index
 

@@ -23,10 +23,12 @@ from unittest import mock
 import torch
 import torch.nn.init
 
+from ..compat.torch import TRUNC_NORMAL_HELPER
+
 __all__ = ["whole_calls_on_meta"]
 
 # The functions that skip meta tensors; trunc_normal_'s check is in the helper it calls.
-_SKIPPING = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+_SKIPPING = (TRUNC_NORMAL_HELPER, "orthogonal_", "sparse_", "dirac_")
 _TRANSFORMERS_TABLE = ("transformers.initialization", "TORCH_INIT_FUNCTIONS")
 
 

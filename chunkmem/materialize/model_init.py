@@ -41,6 +41,8 @@ from unittest import mock
 
 import torch
 
+from ..compat.torch import own_reset_method
+from ..compat.transformers import config_builder, is_pretrained_model
 from ..errors import MaterializeError
 from .graph import OpGraph, TensorRef
 from .peft_cast import adapters_cast_as_on_the_cpu
@@ -56,15 +58,14 @@ _FIX = "Otherwise build the model on the CPU, or boost it with weights=<a safete
 
 def is_transformers_model(module: torch.nn.Module) -> bool:
     """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
-    return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
-    )
+    return is_pretrained_model(module)
 
 
 def _reset_method(module: torch.nn.Module) -> Any:
     """What the module's ``__init__`` calls to initialise its own parameters, if anything."""
-    if isinstance(module, torch.nn.MultiheadAttention | torch.nn.Transformer):
-        return module._reset_parameters
+    own = own_reset_method(module)
+    if own is not None:
+        return own
     reset = getattr(module, "reset_parameters", None)
     return reset if callable(reset) else None
 
@@ -307,8 +308,9 @@ class _Recording:
         cls = type(module)
         config = copy.deepcopy(module.config)
         try:
-            if hasattr(cls, "_from_config"):  # applies config.dtype, as from_config does
-                return cls._from_config(config, dtype=_dominant_dtype(module))
+            build = config_builder(cls)
+            if build is not None:  # applies config.dtype, as from_config does
+                return build(config, dtype=_dominant_dtype(module))
             return cls(config)
         except MaterializeError:
             raise

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from unittest import mock
 
 import torch
+
+from ..compat.peft import after_adapter_moves
 
 __all__ = ["adapters_cast_as_on_the_cpu"]
 
@@ -44,12 +45,8 @@ def _is_meta(item: Any) -> bool:
 @contextmanager
 def adapters_cast_as_on_the_cpu() -> Iterator[None]:
     """Within the block, PEFT casts a new adapter on the meta device to its base layer's dtype."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    original = BaseTunerLayer._move_adapter_to_device_of_base_layer
-
-    def move(layer: Any, adapter_name: str, device: torch.device | None = None) -> None:
-        original(layer, adapter_name, device)
+    def cast(layer: Any, adapter_name: str) -> None:
         dtype = _base_dtype(layer)
         if dtype is None:
             return
@@ -62,5 +59,5 @@ def adapters_cast_as_on_the_cpu() -> Iterator[None]:
             if _is_meta(item) and floating:
                 container[adapter_name] = item.to(dtype=dtype)
 
-    with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", move):
+    with after_adapter_moves(cast):
         yield

@@ -16,9 +16,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from ..compat.torch import TorchDispatchMode, op_schema, tree_leaves, tree_map
 from ..errors import MaterializeError
 from .graph import Const, Node, OpGraph, RngSnapshot, TensorRef
 from .init_functions import whole_calls_on_meta
@@ -80,7 +79,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     """The arguments the op writes in place (by the schema's alias annotations), with their
     position (int) or keyword (str)."""
     out: list[tuple[int | str, torch.Tensor]] = []
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(op_schema(func).arguments):
         info = argument.alias_info
         if info is None or not info.is_write:
             continue

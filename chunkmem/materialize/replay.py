@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
+from ..compat.torch import tree_leaves, tree_map
 from ..errors import MaterializeError
 from .graph import Const, Node, OpGraph, TensorRef
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat.peft import is_peft_class
+
 __all__ = ["CheckpointNames", "WeightSource", "is_peft_tuner"]
 
 _BASE_LAYER = "base_layer"
@@ -64,7 +66,7 @@ def _candidates(name: str, prefix: str) -> tuple[str, ...]:
 
 
 def _is_peft_class(module: torch.nn.Module, name: str) -> bool:
-    return any(cls.__name__ == name and cls.__module__.startswith("peft.") for cls in type(module).__mro__)
+    return is_peft_class(module, name)
 
 
 def _base_segments(segments: list[str], wrapped: set[int]) -> list[str]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compat.torch import OpOverload, TorchDispatchMode, op_schema, storage_id
 
 __all__ = ["MetaResults"]
 
@@ -35,9 +36,9 @@ _Result = tuple[type | None, tuple[_Layout | None, ...]]
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _fresh_results(func: torch._ops.OpOverload) -> bool:
+def _fresh_results(func: OpOverload) -> bool:
     """Whether ``func`` neither writes into an argument nor returns an alias of one."""
-    schema = func._schema
+    schema = op_schema(func)
     if any(a.alias_info is not None for a in schema.arguments):
         return False
     return all(r.alias_info is None for r in schema.returns) and not schema.is_mutable
@@ -78,7 +79,7 @@ def _add(key: list[Any], leaves: Any) -> bool:
 
 
 def _storages(tensors: Any) -> list[int]:
-    return [t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)]
+    return [storage_id(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _own_storage(tensor: torch.Tensor, others: list[int]) -> bool:
@@ -86,7 +87,7 @@ def _own_storage(tensor: torch.Tensor, others: list[int]) -> bool:
     the start of a storage of its own (not one of ``others``, the arguments' and earlier outputs')."""
     if tensor.device.type != "meta" or tensor.layout is not torch.strided or tensor.storage_offset() != 0:
         return False
-    storage = tensor.untyped_storage()._cdata
+    storage = storage_id(tensor.untyped_storage())
     if storage in others:
         return False
     others.append(storage)
@@ -140,7 +141,7 @@ class MetaResults(TorchDispatchMode):
         kwargs = kwargs or {}
         fresh = self._fresh.get(func)
         if fresh is None:
-            fresh = self._fresh[func] = isinstance(func, torch._ops.OpOverload) and _fresh_results(func)
+            fresh = self._fresh[func] = isinstance(func, OpOverload) and _fresh_results(func)
         key = _key(func, args, kwargs) if fresh else None
         if key is None:
             return func(*args, **kwargs)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..compat.bitsandbytes import defined_in_bitsandbytes
 from ..device.moves import to_device
 
 __all__ = [
@@ -124,7 +125,7 @@ def refused_bnb(module: torch.nn.Module) -> str | None:
     """The bitsandbytes format of ``module`` that chunkmem refuses (``None``: none, or not one of
     bitsandbytes'), named for the error."""
     bnb = _bnb()
-    if bnb is None or not type(module).__module__.startswith("bitsandbytes"):
+    if bnb is None or not defined_in_bitsandbytes(module):
         return None
     if isinstance(module, bnb.nn.Linear8bitLt) or any(
         isinstance(p, bnb.nn.Int8Params) for p in module.parameters(recurse=False)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..compat.distributed import process_group_timeout
 from ..device import CollectiveWaits, DeviceLayer, device_layer
 from ..device.layer import Event, Stream
 from ..errors import CollectiveMismatchError
@@ -80,7 +81,7 @@ class _SlotOfAllReduce:
 def _timeout(group: dist.ProcessGroup) -> datetime.timedelta:
     """The process group's timeout (the cross-rank checks wait as long as its collectives would)."""
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return process_group_timeout(group)
     except (AttributeError, RuntimeError):
         return datetime.timedelta(minutes=30)
 

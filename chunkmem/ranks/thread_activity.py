@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -30,6 +29,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from chunkmem import hooks, placement
+
+from ..compat.distributed import default_group, named_groups, operations_issued
+from ..compat.python import current_frame
 
 __all__ = ["UserCollective", "blocked_in_user_collective", "own_operations", "raise_in", "where_thread_is"]
 
@@ -95,7 +97,7 @@ def _site(frame: FrameType) -> str:
 
 def _stack(thread_id: int) -> list[FrameType]:
     """The thread's frames, innermost first (empty when it is gone)."""
-    frame = sys._current_frames().get(thread_id)
+    frame = current_frame(thread_id)
     frames = []
     while frame is not None:
         frames.append(frame)
@@ -119,7 +121,7 @@ def blocked_in_user_collective(thread_id: int) -> UserCollective | None:
     try:
         group = frames[0].f_locals.get("group")
         if group is None:
-            group = c10d._get_default_group()
+            group = default_group()
         if not isinstance(group, dist.ProcessGroup):
             return None
         return UserCollective(
@@ -127,7 +129,7 @@ def blocked_in_user_collective(thread_id: int) -> UserCollective | None:
             site=_site(frames[outside]),
             group_name=group.group_name,
             group_ranks=tuple(dist.get_process_group_ranks(group)),
-            operation=int(group._get_sequence_number_for_group()),
+            operation=operations_issued(group),
         )
     except Exception:  # a torch without these (or a group being destroyed): say nothing
         return None
@@ -147,9 +149,9 @@ def own_operations(group_name: str) -> int | None:
     """Operations this process has issued on the process group named ``group_name`` (``None``
     when it is not a member)."""
     try:
-        for group, name in c10d._world.pg_names.items():
+        for group, name in named_groups():
             if name == group_name and isinstance(group, dist.ProcessGroup):
-                return int(group._get_sequence_number_for_group())
+                return operations_issued(group)
     except Exception:
         return None
     return None

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import torch
 
+from ..compat.torch import view_base
 from ..device import (
     DeviceMemory,
     accelerator_lines,
@@ -171,7 +172,7 @@ class NonModelSampler:
 
     def _count(self, tensor: torch.Tensor) -> KeptTensor | None:
         """The handle that counts ``tensor`` while it lives (``None``: model data, not counted)."""
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(view_base(tensor), torch.nn.Parameter):
             return None
         return self._live.keep(tensor)
 

@@ -27,16 +27,17 @@ from typing import Any
 
 import torch
 
+from ..compat.torch import SEES_SAVED_TENSOR_HOOKS, storage_id, top_saved_tensors_hooks, version
+
 __all__ = ["SEES_HOOKS", "KeptTensor", "LiveSaved", "top_hooks", "unlinked"]
 
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-SEES_HOOKS = _TOP_HOOKS is not None
+SEES_HOOKS = SEES_SAVED_TENSOR_HOOKS
 """Whether this PyTorch says which saved-tensor hooks are in place (2.8 and later)."""
 
 
 def top_hooks() -> tuple[Any, Any] | None:
     """The innermost saved-tensor hooks now, ``(pack, unpack)`` (see the module docstring)."""
-    return _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+    return top_saved_tensors_hooks()
 
 
 def unlinked(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,16 +54,16 @@ class KeptTensor:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = unlinked(tensor)
-        self.version = tensor._version
+        self.version = version(tensor)
 
     def get(self) -> torch.Tensor:
         """The tensor, for the backward; ``RuntimeError`` where it was written in place since it
         was saved (autograd's own check, which it makes only where no hooks are in place)."""
         tensor = self.tensor
-        if tensor._version != self.version:
+        if version(tensor) != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version "
+                f"[{tensor.type()} {list(tensor.shape)}] is at version {version(tensor)}; expected version "
                 f"{self.version} instead (chunkmem keeps autograd's saved tensors through saved-tensor hooks and makes "
                 "the check autograd makes without them). Make the in-place operation out of place (x = x * 2 rather "
                 "than x *= 2), or clone the tensor before it."
@@ -106,7 +107,7 @@ class LiveSaved:
         """The handle of ``tensor``, its storage counted until no handle holds it (the handle
         holds the storage, so its identity is not reused meanwhile)."""
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_id(storage)
         entry = self._storages.get(key)
         if entry is None:
             self._storages[key] = [storage.nbytes(), 1]
