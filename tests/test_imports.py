@@ -25,7 +25,7 @@ packages of lower layers, never one of its own layer or above, type-only imports
  8. ``chunkmem.checkpoint``
  9. ``chunkmem.plugin``
 10. ``chunkmem.booster``; ``chunkmem.planning``
-11. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
+11. ``chunkmem.integrations``; ``chunkmem.plan_command`` (the planner's command line)
 12. ``chunkmem`` (its ``__init__``: the public API)
 13. ``chunkmem.env`` (the environment report: it reports the public API's ``__version__``)
 
@@ -188,12 +188,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("chunkmem.checkpoint",),
     ("chunkmem.plugin",),
     ("chunkmem.booster", "chunkmem.planning"),
-    ("chunkmem.integrations", "chunkmem.plan"),
+    ("chunkmem.integrations", "chunkmem.plan_command"),
     ("chunkmem",),
     ("chunkmem.env",),
 )
 # The modules at the top of chunkmem: what users import or run; everything else is in a subpackage.
-ENTRY_POINTS = {"chunkmem", "chunkmem.errors", "chunkmem.plugin", "chunkmem.booster", "chunkmem.plan", "chunkmem.env"}
+ENTRY_POINTS = {
+    "chunkmem",
+    "chunkmem.errors",
+    "chunkmem.plugin",
+    "chunkmem.booster",
+    "chunkmem.plan_command",
+    "chunkmem.env",
+}
 
 
 def unit_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:

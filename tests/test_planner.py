@@ -186,15 +186,15 @@ def test_the_minimum_budget_is_the_minimum() -> None:
 
 @pytest.mark.slow
 def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
-    cli = importlib.import_module("chunkmem.plan")
+    cli = importlib.import_module("chunkmem.plan_command")
     # The shipped shape is LLaMA 7B. Planning all its 32 layers takes about 25 s here (PyTorch's
     # meta kernels run in Python), so the command line plans its widths at two layers, given as a
     # user gives a config: a config.json.
     assert 6.7e9 < sum(p.numel() for p in cli.build_meta_model("llama-7b", 512).parameters()) < 6.8e9
     (tmp_path / "config.json").write_text(json.dumps({**cli.SHAPES["llama-7b"], "num_hidden_layers": 2}))
     argv = ["--hf-config", str(tmp_path), "--device-budget", "24GiB", "--batch", "1x512", "--world-size", "8", "--json"]
-    # ``python -m chunkmem.plan``, forked from the tests' fork server (its imports done).
-    done = run_main("chunkmem.plan", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
+    # ``python -m chunkmem.plan_command``, forked from the tests' fork server (its imports done).
+    done = run_main("chunkmem.plan_command", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     hidden, mlp, vocab = 4096, 11008, 32000  # embeddings and head untied; four attention and three MLP matrices
@@ -263,7 +263,7 @@ def test_a_plan_for_the_cpu_equals_a_run_on_it_and_a_gpu_frees_disk_chunks_gradi
 def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
 
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
     (tmp_path / "config.json").write_text(json.dumps({**small, "n_layer": 6}))  # the directory's, not asked for
@@ -313,7 +313,9 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
             plan_cli.main(argv)
         err = capsys.readouterr().err  # argparse prints the usage, then one line
         assert exit_.value.code == 2, (name, exit_.value.code)
-        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("python -m chunkmem.plan: error:")
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+            "python -m chunkmem.plan_command: error:"
+        )
         assert message in err.strip().splitlines()[-1], (name, err)
 
 
@@ -321,7 +323,7 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
 def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fitting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     with pytest.raises(SystemExit):
         plan_cli.main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
@@ -351,7 +353,7 @@ def test_a_plan_that_does_not_fit_names_the_flags_that_make_it_fit(
 ) -> None:
     """Following what "to fit" says makes the plan fit: the fix is checked against the planner itself
     planning what it names, not against its own text."""
-    plan_cli = importlib.import_module("chunkmem.plan")
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "4x64", "--device", "cpu", "--precision", "fp32"]
