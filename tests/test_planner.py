@@ -432,3 +432,79 @@ def test_a_prediction_with_gradient_accumulation_equals_a_run(name: str, world_s
     assert predicted.allgather_bytes_per_step + predicted.h2d_bytes_per_step > (
         single.allgather_bytes_per_step + single.h2d_bytes_per_step
     )
+
+
+# --- a trained model and a frozen one beside it (a DPO policy and its reference) ------------------------------------
+PAIR = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, device_budget=160_000, max_prefetch=2)
+
+
+def _measured_pair(rank: int, world_size: int) -> list[dict[str, int]]:
+    """Three steps of a LLaMA policy with its reference boosted beside it: each step the reference's
+    forward under ``no_grad`` (no labels), then the policy's forward, backward and step."""
+    with _on("cuda"):
+        policy, reference = llama(n_layer=2), llama(n_layer=2, seed=1)
+        booster = Booster(ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK))
+        chunked, optimizer, *_ = booster.boost(policy, adamw_groups(policy.parameters()), frozen=reference)
+        (beside,) = chunked.frozen_models
+        ledger = chunked.manager.ledger
+        steps = []
+        for ids in batches(3, batch=4):
+            local = ids.chunk(world_size)[rank]
+            before = chunked.stats()
+            ledger.reset_peak()
+            with torch.no_grad():
+                beside(input_ids=local)
+            booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
+            steps.append(vars(counters))
+        return steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_prediction_for_a_trained_and_a_frozen_model_equals_a_run(world_size: int) -> None:
+    """``plan(..., frozen=...)``: the counters of a DPO-shaped step (the reference's forward, then the
+    policy's) under one budget equal a run's, step for step, with the reference's chunks counted."""
+    with torch.device("meta"):
+        policy, reference = llama(n_layer=2), llama(n_layer=2, seed=1)
+    ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
+    predicted = plan(
+        policy,
+        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
+        {"input_ids": ids, "labels": ids},
+        world_size=world_size,
+        optimizer=adamw_groups,
+        device_capacity=CAPACITY,
+        steps=3,
+        frozen=[reference],
+    )
+    for measured in run_ranks(_measured_pair, world_size):
+        assert [vars(s) for s in predicted.steps] == measured
+    alone = plan(
+        policy,
+        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
+        {"input_ids": ids, "labels": ids},
+        world_size=world_size,
+        optimizer=adamw_groups,
+        device_capacity=CAPACITY,
+        steps=3,
+    )
+    per_model = sum(p.numel() for p in policy.parameters())
+    assert predicted.parameters == alone.parameters + per_model == 2 * per_model
+    # Every step brings the reference's values (fp32 here: 4 bytes a parameter, this rank's share)
+    # to the device for its forward, from the host where they stay between forwards.
+    both, one = predicted.steps[-1], alone.steps[-1]
+    assert both.gathers + both.prefetches > one.gathers + one.prefetches
+    assert both.h2d_bytes - one.h2d_bytes >= 4 * per_model // world_size
+    assert predicted.host_bytes_per_rank - alone.host_bytes_per_rank >= 4 * per_model // world_size
+    assert predicted.fits and predicted.peak_device_bytes <= PAIR.device_budget
+
+
+def test_a_plan_refuses_a_frozen_model_with_real_weights() -> None:
+    with torch.device("meta"):
+        policy = llama(n_layer=2)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"build frozen model 0 on the meta device"):
+        plan(policy, ChunkPlugin(placement=PAIR, chunk_size=CHUNK), {"input_ids": ids}, frozen=[llama(n_layer=1)])
