@@ -302,10 +302,12 @@ class ChunkPlugin:
         ``frozen_models``. Their parameters are frozen and cast to the compute dtype here (put back
         if boosting is refused)."""
         generator_state = torch.random.default_generator.get_state()
-        kept = FrozenModels(model, optimizer, frozen, weights)
+        kept = FrozenModels(model, optimizer, frozen)
+        backing = backing or TrainingBacking()
+        backing.check_frozen(kept, model, weights)
         try:
             kept.freeze(self.compute_dtype)
-            return self._configure(model, optimizer, weights, backing or TrainingBacking(), kept)
+            return self._configure(model, optimizer, weights, backing, kept)
         except BaseException:
             kept.restore()
             torch.random.default_generator.set_state(generator_state)

@@ -1,10 +1,12 @@
 """A plain PyTorch training loop with chunkmem's ``Booster``: a small LLaMA (or GPT-2) built from a
-config, trained under a device budget below what the model needs, with gradient accumulation,
+config, or a causal LM of plain ``torch.nn`` layers (``--model torch``: no transformers needed),
+trained under a device budget below what the model needs, with gradient accumulation,
 norm clipping, an LR schedule and a checkpoint that a fresh model loads; beside it, the same loop
 in plain PyTorch on the same weights and data.
 
     python examples/train_loop.py                          # a few seconds on a CPU
     python examples/train_loop.py --model gpt2 --steps 12 --budget 256KiB
+    python examples/train_loop.py --model torch            # torch.nn layers only
     torchrun --nproc-per-node 2 examples/train_loop.py     # two ranks (gloo on a CPU, NCCL on GPUs)
 
 The lines that differ from plain PyTorch are marked ``# chunkmem``. The data is token rows that
@@ -26,17 +28,18 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+import torch.nn.functional as F
 
 from chunkmem import AutoPlacementConfig, Booster, ChunkPlugin
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--model", choices=["llama", "gpt2", "torch"], default="llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
@@ -56,8 +59,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class TorchCausalLM(torch.nn.Module):
+    """A causal language model of plain ``torch.nn`` layers: learned positions, pre-norm blocks of
+    causal self-attention and an MLP, no biases (a bias whose exact gradient is zero, as a key
+    projection's is, would let AdamW blow up the rounding where two runs sum gradients in a
+    different order). Called as a transformers model is: ``model(input_ids=..., labels=...).loss``."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, positions: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Embedding(positions, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True, bias=False
+            )
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(width, bias=False)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        length = input_ids.shape[1]
+        x = self.embed(input_ids) + self.position(torch.arange(length, device=input_ids.device))
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(length, device=x.device, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, src_mask=causal, is_causal=True)
+        logits = self.head(self.norm(x))
+        loss = None
+        if labels is not None:  # each position predicts the next token, as transformers' causal LMs do
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return SimpleNamespace(logits=logits, loss=loss)
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights on every rank and in both runs
+    if args.model == "torch":
+        return TorchCausalLM(args.vocab, args.width, args.layers, heads=4, positions=args.seq)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     if args.model == "gpt2":
         config = GPT2Config(
             vocab_size=args.vocab, n_positions=args.seq, n_embd=args.width, n_layer=args.layers, n_head=4

@@ -195,7 +195,7 @@ def test_a_full_disk_while_writing_activations_raises_on_every_rank(tmp_path: Pa
 def test_the_cli_takes_the_host_budget_and_shows_the_disk_bytes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "2x16", "--device", "cpu", "--precision", "fp32"]

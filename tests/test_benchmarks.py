@@ -608,3 +608,45 @@ def test_compile_benchmark_trains_bit_for_bit_as_plain_per_block_compile_with_in
         assert len(r["round_medians"]) == 2 and r["median_s"] == pytest.approx(sum(r["round_medians"]) / 2)
     assert payload["summary_table"]["rows"] and "llama: losses equal" in out
     _assert_aligned(_table_lines(out, len(systems)))
+
+
+def test_dpo_trains_the_pair_as_plain_pytorch_under_each_budget_and_fits_a_larger_pair(tmp_path: Path) -> None:
+    """The DPO benchmark (benchmarks/dpo.py) on a tiny LLaMA pair: every system's losses are plain
+    PyTorch's, bit for bit (fp32, one rank); each budget holds both models' chunks (the ledger's peak
+    within it); and under the fit budget chunkmem trains a pair plain PyTorch cannot hold resident,
+    the pair sizes its counts from the parameters."""
+    out = _run(
+        "dpo.py",
+        *("--size", "64x2", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2", "--rounds", "1"),
+        *("--chunk-size", "4096", "--budget-chunks", "8", "--threads", "1"),
+        *("--fit-budget", "1MiB", "--fit-sizes", "32x1,64x2", "--fit-chunk-size", "4096"),
+        *("--out-dir", str(tmp_path)),
+        tiny=False,
+    )
+    payload = json.loads((tmp_path / "dpo.json").read_text())
+    rows = {(r["system"], r["budget"]): r for r in payload["rows"]}
+    fit = payload["fit"]
+    budget = 8 * 4 * 4096
+    assert set(rows) == {("plain", None), ("chunkmem", None), ("chunkmem", budget), ("chunkmem-no-prefetch", budget)}
+    plain = rows["plain", None]
+    for key, row in rows.items():
+        assert row["state"] == "ok", key
+        assert row["losses"] == plain["losses"], key
+        assert row["reference_s"] > 0 and row["step_s"] >= row["reference_s"], key
+    # plain's figure is its resident model state, 16 B a policy parameter and 4 B a reference one. A
+    # LLaMA 64x2 (one head of 64, one kv head, MLP 170 wide) over 256 tokens: embedding and head 256 x 64
+    # each, a block's attention 4 x 64 x 64 and MLP 3 x 64 x 170 and two norms, the final norm.
+    parameters = 2 * 256 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 170 + 2 * 64) + 64
+    assert plain["peak_device_bytes"] == 20 * parameters
+    assert fit["sizes"][1]["parameters_per_model"] == parameters
+    for system in ("chunkmem", "chunkmem-no-prefetch"):
+        assert 0 < rows[system, budget]["peak_device_bytes"] <= budget, system
+        assert rows[system, budget]["peak_host_bytes"] > 0, system  # the offloaded chunks
+    assert [s["plain_fits"] for s in fit["sizes"]] == [True, False]
+    assert [s["chunkmem_fits"] for s in fit["sizes"]] == [True, True]
+    assert fit["ratio"] >= 2.0, fit
+    assert all(s["chunkmem_peak_device_bytes"] <= fit["budget"] for s in fit["sizes"])
+    table = payload["summary_table"]
+    assert len(table["rows"]) == 4 and all(len(row) == len(table["headers"]) for row in table["rows"])
+    _assert_aligned(_table_lines(out, 4))
+    assert (tmp_path / "dpo.png").exists()

@@ -4,8 +4,10 @@ the installed one (or pyproject's from a checkout), and the two console scripts 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import pkgutil
 import shutil
 import sys
 from importlib import metadata
@@ -138,7 +140,7 @@ def test_a_built_distribution_installs_both_console_scripts(tmp_path: Path) -> N
         patch.setattr(sys, "argv", ["setup.py"])
         info = build_meta.prepare_metadata_for_build_wheel(str(out))
     points = metadata.PathDistribution(out / info).entry_points.select(group="console_scripts")
-    expected = {"chunkmem-plan": "chunkmem.plan:cli", "chunkmem-env": "chunkmem.env:cli"}
+    expected = {"chunkmem-plan": "chunkmem.plan_command:cli", "chunkmem-env": "chunkmem.env:cli"}
     assert {p.name: p.value for p in points} == expected
     for point in points:
         assert callable(point.load()), point.name
@@ -154,3 +156,35 @@ def test_each_console_script_answers_help(
         getattr(importlib.import_module(module), function)()
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: {script} ")
+
+
+def _bound_from_other_modules(init: Path) -> set[str]:
+    """The names a package's ``__init__`` binds with ``from .module import name`` where ``module`` is
+    not a submodule of that name (``from .simulate import simulate`` imports the submodule first and
+    binds the function over it: safe)."""
+    tree = ast.parse(init.read_text())
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for alias in node.names
+        if node.module.split(".")[0] != (alias.asname or alias.name)
+    }
+
+
+def test_no_submodule_has_the_name_of_what_its_package_exports() -> None:
+    """Importing a submodule binds it on its package: ``chunkmem/plan.py`` (the command line) replaced
+    the function ``chunkmem.plan`` (from ``chunkmem.planning.planner``) for the rest of the process
+    once anything imported the command line (``from chunkmem import plan`` then gave the module:
+    "'module' object is not callable")."""
+    package_dir = Path(chunkmem.__file__).parent
+    clashes = []
+    for init in sorted(package_dir.rglob("__init__.py")):
+        here = init.parent
+        for name in _bound_from_other_modules(init):
+            if (here / f"{name}.py").exists() or (here / name / "__init__.py").exists():
+                clashes.append(f"{here.relative_to(package_dir.parent)}: {name}")
+    assert clashes == [], clashes
+    for info in pkgutil.walk_packages(chunkmem.__path__, "chunkmem."):
+        importlib.import_module(info.name)
+    assert callable(chunkmem.plan) and not inspect.ismodule(chunkmem.plan)

@@ -28,7 +28,7 @@ packages of lower layers, never one of its own layer or above, type-only imports
  9. ``chunkmem.checkpoint``
 10. ``chunkmem.plugin``
 11. ``chunkmem.booster``; ``chunkmem.planning``
-12. ``chunkmem.integrations``; ``chunkmem.plan`` (the command line)
+12. ``chunkmem.integrations``; ``chunkmem.plan_command`` (the planner's command line)
 13. ``chunkmem`` (its ``__init__``: the public API)
 14. ``chunkmem.env`` (the environment report: it reports the public API's ``__version__``)
 
@@ -197,12 +197,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("chunkmem.checkpoint",),
     ("chunkmem.plugin",),
     ("chunkmem.booster", "chunkmem.planning"),
-    ("chunkmem.integrations", "chunkmem.plan"),
+    ("chunkmem.integrations", "chunkmem.plan_command"),
     ("chunkmem",),
     ("chunkmem.env",),
 )
 # The modules at the top of chunkmem: what users import or run; everything else is in a subpackage.
-ENTRY_POINTS = {"chunkmem", "chunkmem.errors", "chunkmem.plugin", "chunkmem.booster", "chunkmem.plan", "chunkmem.env"}
+ENTRY_POINTS = {
+    "chunkmem",
+    "chunkmem.errors",
+    "chunkmem.plugin",
+    "chunkmem.booster",
+    "chunkmem.plan_command",
+    "chunkmem.env",
+}
 
 
 def unit_of(module: str, layers: tuple[tuple[str, ...], ...]) -> str | None:

@@ -335,7 +335,7 @@ def test_a_plan_predicts_the_parameter_reads_and_writes_of_a_run(tmp_path: Path)
 
 @pytest.mark.slow
 def test_the_planner_cli_takes_a_parameter_disk_fraction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x16", "--device", "cpu", "--chunk-size"]

@@ -124,7 +124,7 @@ def test_auto_saved_bytes_per_call_and_the_minimum_budget_equal_a_runs() -> None
 def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x8", "--device", "cpu", "--precision", "fp32"]
@@ -146,7 +146,7 @@ def test_the_cli_plans_named_blocks_and_refuses_what_it_cannot_mean(
         with pytest.raises(SystemExit) as exit_:
             plan_cli.main([*base, *argv])
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert exit_.value.code == 2 and last.startswith("python -m chunkmem.plan: error:"), (name, last)
+        assert exit_.value.code == 2 and last.startswith("python -m chunkmem.plan_command: error:"), (name, last)
         assert message in last, (name, last)
 
 

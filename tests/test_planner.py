@@ -186,15 +186,15 @@ def test_the_minimum_budget_is_the_minimum() -> None:
 
 @pytest.mark.slow
 def test_the_cli_plans_llama_shapes_as_json(tmp_path: Path) -> None:
-    cli = importlib.import_module("chunkmem.plan")
+    cli = importlib.import_module("chunkmem.plan_command")
     # The shipped shape is LLaMA 7B. Planning all its 32 layers takes about 25 s here (PyTorch's
     # meta kernels run in Python), so the command line plans its widths at two layers, given as a
     # user gives a config: a config.json.
     assert 6.7e9 < sum(p.numel() for p in cli.build_meta_model("llama-7b", 512).parameters()) < 6.8e9
     (tmp_path / "config.json").write_text(json.dumps({**cli.SHAPES["llama-7b"], "num_hidden_layers": 2}))
     argv = ["--hf-config", str(tmp_path), "--device-budget", "24GiB", "--batch", "1x512", "--world-size", "8", "--json"]
-    # ``python -m chunkmem.plan``, forked from the tests' fork server (its imports done).
-    done = run_main("chunkmem.plan", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
+    # ``python -m chunkmem.plan_command``, forked from the tests' fork server (its imports done).
+    done = run_main("chunkmem.plan_command", *argv, cwd=str(Path(__file__).resolve().parent.parent), env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     hidden, mlp, vocab = 4096, 11008, 32000  # embeddings and head untied; four attention and three MLP matrices
@@ -263,7 +263,7 @@ def test_a_plan_for_the_cpu_equals_a_run_on_it_and_a_gpu_frees_disk_chunks_gradi
 def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
 
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
     (tmp_path / "config.json").write_text(json.dumps({**small, "n_layer": 6}))  # the directory's, not asked for
@@ -313,7 +313,9 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
             plan_cli.main(argv)
         err = capsys.readouterr().err  # argparse prints the usage, then one line
         assert exit_.value.code == 2, (name, exit_.value.code)
-        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("python -m chunkmem.plan: error:")
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+            "python -m chunkmem.plan_command: error:"
+        )
         assert message in err.strip().splitlines()[-1], (name, err)
 
 
@@ -321,7 +323,7 @@ def test_the_cli_plans_the_config_file_it_is_given_and_refuses_bad_arguments(
 def test_the_cli_shows_its_defaults_and_plans_a_host_budget_too_small_as_not_fitting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     with pytest.raises(SystemExit):
         plan_cli.main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
@@ -351,7 +353,7 @@ def test_a_plan_that_does_not_fit_names_the_flags_that_make_it_fit(
 ) -> None:
     """Following what "to fit" says makes the plan fit: the fix is checked against the planner itself
     planning what it names, not against its own text."""
-    plan_cli = importlib.import_module("chunkmem.plan")
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     common = ["--hf-config", str(tmp_path / "small.json"), "--batch", "4x64", "--device", "cpu", "--precision", "fp32"]
@@ -430,3 +432,79 @@ def test_a_prediction_with_gradient_accumulation_equals_a_run(name: str, world_s
     assert predicted.allgather_bytes_per_step + predicted.h2d_bytes_per_step > (
         single.allgather_bytes_per_step + single.h2d_bytes_per_step
     )
+
+
+# --- a trained model and a frozen one beside it (a DPO policy and its reference) ------------------------------------
+PAIR = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, device_budget=160_000, max_prefetch=2)
+
+
+def _measured_pair(rank: int, world_size: int) -> list[dict[str, int]]:
+    """Three steps of a LLaMA policy with its reference boosted beside it: each step the reference's
+    forward under ``no_grad`` (no labels), then the policy's forward, backward and step."""
+    with _on("cuda"):
+        policy, reference = llama(n_layer=2), llama(n_layer=2, seed=1)
+        booster = Booster(ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK))
+        chunked, optimizer, *_ = booster.boost(policy, adamw_groups(policy.parameters()), frozen=reference)
+        (beside,) = chunked.frozen_models
+        ledger = chunked.manager.ledger
+        steps = []
+        for ids in batches(3, batch=4):
+            local = ids.chunk(world_size)[rank]
+            before = chunked.stats()
+            ledger.reset_peak()
+            with torch.no_grad():
+                beside(input_ids=local)
+            booster.backward(chunked(input_ids=local, labels=local).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            counters = StepCounters.between(before, chunked.stats(), ledger.peak_device_bytes, ledger.peak_host_bytes)
+            steps.append(vars(counters))
+        return steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_prediction_for_a_trained_and_a_frozen_model_equals_a_run(world_size: int) -> None:
+    """``plan(..., frozen=...)``: the counters of a DPO-shaped step (the reference's forward, then the
+    policy's) under one budget equal a run's, step for step, with the reference's chunks counted."""
+    with torch.device("meta"):
+        policy, reference = llama(n_layer=2), llama(n_layer=2, seed=1)
+    ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
+    predicted = plan(
+        policy,
+        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
+        {"input_ids": ids, "labels": ids},
+        world_size=world_size,
+        optimizer=adamw_groups,
+        device_capacity=CAPACITY,
+        steps=3,
+        frozen=[reference],
+    )
+    for measured in run_ranks(_measured_pair, world_size):
+        assert [vars(s) for s in predicted.steps] == measured
+    alone = plan(
+        policy,
+        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
+        {"input_ids": ids, "labels": ids},
+        world_size=world_size,
+        optimizer=adamw_groups,
+        device_capacity=CAPACITY,
+        steps=3,
+    )
+    per_model = sum(p.numel() for p in policy.parameters())
+    assert predicted.parameters == alone.parameters + per_model == 2 * per_model
+    # Every step brings the reference's values (fp32 here: 4 bytes a parameter, this rank's share)
+    # to the device for its forward, from the host where they stay between forwards.
+    both, one = predicted.steps[-1], alone.steps[-1]
+    assert both.gathers + both.prefetches > one.gathers + one.prefetches
+    assert both.h2d_bytes - one.h2d_bytes >= 4 * per_model // world_size
+    assert predicted.host_bytes_per_rank - alone.host_bytes_per_rank >= 4 * per_model // world_size
+    assert predicted.fits and predicted.peak_device_bytes <= PAIR.device_budget
+
+
+def test_a_plan_refuses_a_frozen_model_with_real_weights() -> None:
+    with torch.device("meta"):
+        policy = llama(n_layer=2)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"build frozen model 0 on the meta device"):
+        plan(policy, ChunkPlugin(placement=PAIR, chunk_size=CHUNK), {"input_ids": ids}, frozen=[llama(n_layer=1)])

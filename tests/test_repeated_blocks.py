@@ -145,7 +145,7 @@ def test_ranks_whose_models_find_different_blocks_raise_on_every_rank() -> None:
 
 @pytest.mark.slow
 def test_the_cli_and_the_plan_take_the_repeated_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plan_cli = importlib.import_module("chunkmem.plan")  # the module; chunkmem.plan is the function
+    plan_cli = importlib.import_module("chunkmem.plan_command")
     small = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 3, "n_head": 2, "n_positions": 64}
     (tmp_path / "small.json").write_text(json.dumps(small))
     base = ["--hf-config", str(tmp_path / "small.json"), "--batch", "1x8", "--device", "cpu", "--precision", "fp32"]

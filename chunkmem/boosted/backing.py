@@ -27,6 +27,7 @@ from ..ranks.comm import Communicator
 from ..tiers.disk import DiskFile, ScratchDir, SidesFile
 from ..usage.stats import Stats
 from .compile_config import CompileBlocks
+from .frozen_models import FrozenModels
 
 __all__ = ["Backing", "TrainingBacking"]
 
@@ -50,6 +51,12 @@ class Backing(Protocol):
         """What runs a compiled block class's ``forward`` (``ChunkPlugin(compile=...)``)."""
         ...
 
+    def check_frozen(
+        self, frozen: FrozenModels, trained: torch.nn.Module, weights: str | os.PathLike[str] | None
+    ) -> None:
+        """Refuse frozen models whose values this backing cannot give."""
+        ...
+
 
 class TrainingBacking:
     """A training run's: the model's (or its initialisation's, or a checkpoint's) values, and a
@@ -57,6 +64,12 @@ class TrainingBacking:
 
     def values(self, model: torch.nn.Module, weights: str | os.PathLike[str] | None) -> ParamValues:
         return model_values(model, weights)
+
+    def check_frozen(
+        self, frozen: FrozenModels, trained: torch.nn.Module, weights: str | os.PathLike[str] | None
+    ) -> None:
+        """Frozen models' values come from the models themselves: they must be in memory."""
+        frozen.refuse_values_not_in_memory(trained, weights)
 
     def disk_file(self, nbytes: int, chunks: int, comm: Communicator, stats: Stats, disk_dir: str | None) -> SidesFile:
         """Refused, on every rank, without a ``disk_dir``, or when it is missing, not writable, or

@@ -7,7 +7,8 @@ across them. Frozen, they keep only their values in the compute dtype (no fp32 m
 optimizer state) on the device, the host or the disk.
 
 This class checks what the user handed over before anything moves (each model once, no parameter
-shared with another boosted model, values in memory), then freezes the parameters and casts them to
+shared with another boosted model; values in memory where the boost reads them, asked by its
+backing), then freezes the parameters and casts them to
 the compute dtype, the state their chunks are built from, and puts both back if boosting is
 refused, so a refused boost leaves every model as it was.
 """
@@ -34,7 +35,6 @@ class FrozenModels:
         trained: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         models: Sequence[torch.nn.Module],
-        weights: str | os.PathLike[str] | None,
     ) -> None:
         self.models = tuple(models)
         self._saved: list[tuple[torch.nn.Parameter, torch.Tensor, bool]] = []
@@ -69,19 +69,27 @@ class FrozenModels:
                         f"the {type(optimizer).__name__} holds parameter '{name}' of {what}: frozen models are never "
                         "stepped. Build the optimizer over the trained model's parameters only"
                     )
+                owner[id(param)] = what
+        self.named = [list(model.named_parameters()) for model in self.models]
+
+    def refuse_values_not_in_memory(self, trained: torch.nn.Module, weights: str | os.PathLike[str] | None) -> None:
+        """A training boost reads a frozen model's values from the model itself: one on the meta
+        device, or beside a trained model materialised while boosting, is refused (a plan, whose
+        models are all on the meta device, reads no values)."""
+        for index, named in enumerate(self.named):
+            for name, param in named:
                 if param.is_meta:
                     raise NotSupportedError(
-                        f"parameter '{name}' of {what} is on the meta device: frozen models are boosted from the "
-                        "values they hold. Load the frozen model's weights first (from_pretrained), then boost it"
+                        f"parameter '{name}' of frozen model {index} ({type(self.models[index]).__name__}) is on the "
+                        "meta device: frozen models are boosted from the values they hold. Load the frozen model's "
+                        "weights first (from_pretrained), then boost it"
                     )
-                owner[id(param)] = what
-        if weights is not None or any(p.is_meta for p in trained.parameters()):
+        if self.models and (weights is not None or any(p.is_meta for p in trained.parameters())):
             raise NotSupportedError(
                 "frozen models beside a trained model that is materialised while boosting (built on the meta device "
                 "or given weights=) are not supported yet: load the trained model's weights first (from_pretrained), "
                 "then boost it with its frozen models"
             )
-        self.named = [list(model.named_parameters()) for model in self.models]
 
     def freeze(self, compute_dtype: torch.dtype) -> None:
         """Every parameter of the frozen models frozen and, if floating in another dtype, cast to

@@ -1,2 +1,2 @@
 """Planning: predict a run without running it (``planner``) and report it (``plan_report``). The command
-line is ``python -m chunkmem.plan``."""
+line is ``chunkmem-plan`` (``python -m chunkmem.plan_command``)."""

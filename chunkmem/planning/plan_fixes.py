@@ -1,6 +1,6 @@
 """What would make a plan that does not fit fit (``Plan.fixes``), as the runtime's refusals say it:
 each fix names the setting to change (a field of the plugin's configs) and, where the planner knows
-one, the value to give it. ``python -m chunkmem.plan`` shows each as the flag that sets it."""
+one, the value to give it. ``python -m chunkmem.plan_command`` shows each as the flag that sets it."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from chunkmem.placement.policy import format_bytes
 from ..activations.detect import RepeatedBlock, resolve_blocks
 from ..activations.forecast import BlockForecast, forecast
 from ..boosted.compile_config import CompileBlocks
+from ..boosted.frozen_models import FrozenModels
 from ..boosted.model import ChunkedModel
 from ..chunks.param_values import LiveValues, ParamValues
 from ..device import PLANNED_DEVICES, DeviceLayer
@@ -179,6 +180,10 @@ class PlanningBacking:
         is the compiled run's (one op per block call either way)."""
         return forward
 
+    def check_frozen(self, frozen: FrozenModels, trained: torch.nn.Module, weights: Any) -> None:
+        """A plan reads no values: its frozen models are on the meta device, as its trained model is."""
+        return None
+
 
 def _meta_inputs(example_inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: to_device(v, _META) if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
@@ -259,24 +264,31 @@ def _run(
     steps: int,
     budget: int | None,
     grad_accum: int = 1,
+    frozen: Sequence[torch.nn.Module] = (),
 ) -> tuple[ChunkedModel, list[StepCounters]]:
-    """Boost a copy of the meta model over a planning communicator and train ``steps`` steps of
-    ``grad_accum`` micro-batches each (all but the last under ``no_sync``)."""
+    """Boost a copy of the meta model (and of each frozen model beside it) over a planning
+    communicator and train ``steps`` steps of ``grad_accum`` micro-batches each (all but the last
+    under ``no_sync``); before each micro-batch's forward, each frozen model's forward under
+    ``no_grad`` on the inputs without ``labels``."""
     comm = target.communicator()
     local = copy.deepcopy(model, QuantizedBase.deepcopy_memo(model))  # (bitsandbytes' 4-bit weights: on meta)
     optimizer = make_optimizer(local.parameters())
     template = _StateTemplate(optimizer)
     optimizer.step = lambda closure=None: template.emulate_step(optimizer)  # type: ignore[method-assign]
     chunked, chunk_optimizer = _planned_plugin(plugin, comm, budget).configure(
-        local, optimizer, backing=PlanningBacking()
+        local, optimizer, backing=PlanningBacking(), frozen=[copy.deepcopy(m) for m in frozen]
     )
     assert isinstance(chunk_optimizer, ChunkOptimizer), "configure returns the optimizer it was given, wrapped"
     ledger = chunked.manager.ledger
     counters = []
     forward_reads = [0]
+    unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
 
     def forward() -> Any:  # counts the parameter shards read from disk while it runs
         start = chunked.stats().disk_param_read_bytes
+        with torch.no_grad():
+            for beside in chunked.frozen_models:
+                beside(**unlabelled)
         output = chunked(**inputs)
         forward_reads[0] += chunked.stats().disk_param_read_bytes - start
         return output
@@ -309,6 +321,7 @@ def _minimum_budget(
     inputs: Mapping[str, Any],
     target: _Target,
     grad_accum: int,
+    frozen: Sequence[torch.nn.Module],
 ) -> int:
     """The smallest budget a run accepts: what the placement needs under a budget of one byte,
     raised until two training steps run (ops overlap where a working set alone does not say).
@@ -316,14 +329,14 @@ def _minimum_budget(
     device, and a one-byte device budget would leave more on the host than the real one."""
     plugin = _with_host_budget(plugin, None)
     try:
-        _run(model, plugin, make_optimizer, inputs, target, 0, 1)
+        _run(model, plugin, make_optimizer, inputs, target, 0, 1, frozen=frozen)
     except BudgetTooSmallError as refused:
         minimum = refused.minimum
     else:  # pragma: no cover - a one-byte budget holds nothing
         return 1
     for _ in range(8):
         try:
-            _run(model, plugin, make_optimizer, inputs, target, 2, minimum, grad_accum)
+            _run(model, plugin, make_optimizer, inputs, target, 2, minimum, grad_accum, frozen)
             return minimum
         except BudgetTooSmallError as refused:
             minimum = max(minimum + 1, refused.minimum)
@@ -409,6 +422,7 @@ def plan(
     steps: int = 3,
     grad_accum: int = 1,
     device: str = PLANNED_DEVICES[0],
+    frozen: Sequence[torch.nn.Module] = (),
 ) -> Plan:
     """Predict a training run of ``model`` (on the meta device; nothing is allocated) boosted with
     ``plugin`` at ``world_size`` ranks, each step a forward on ``example_inputs`` (the keyword
@@ -424,7 +438,11 @@ def plan(
     masters step during the backward by default, and gradient buffers of chunks whose optimizer side
     is on disk are freed as their early step reads them, which lowers the peak). A host budget below
     what the placement needs is reported as not fitting (``why_not``), planned at the minimum, as a
-    device budget is. See the module docstring."""
+    device budget is. ``frozen``: models boosted beside ``model`` (``booster.boost(..., frozen=...)``,
+    on the meta device too), each run forward under ``no_grad`` on ``example_inputs`` without
+    ``labels`` before each of the trained model's forwards, as a DPO step computes its reference's
+    log-probabilities first; the plan counts every model's chunks (``parameters`` is their sum). See
+    the module docstring."""
     if steps < 2:
         raise ValueError(f"plan: steps must be at least 2 (the first records the trace), got {steps}")
     if device not in PLANNED_DEVICES:
@@ -434,11 +452,12 @@ def plan(
     for name, speed in (("bandwidth", bandwidth), ("disk_bandwidth", disk_bandwidth)):
         if not speed > 0 or speed == float("inf"):
             raise ValueError(f"plan: {name} must be a positive, finite number of bytes per second, got {speed!r}")
-    if any(p.device.type != "meta" for p in model.parameters()):
-        raise ValueError(
-            "plan: build the model on the meta device (with torch.device('meta'): model = ...); a model that "
-            "holds real weights can be measured by training it"
-        )
+    for what, one in [("the model", model), *((f"frozen model {i}", m) for i, m in enumerate(frozen))]:
+        if any(p.device.type != "meta" for p in one.parameters()):
+            raise ValueError(
+                f"plan: build {what} on the meta device (with torch.device('meta'): model = ...); a model that "
+                "holds real weights can be measured by training it"
+            )
     make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     budget = plugin.placement.device_budget
     budget = None if budget is None else int(budget)
@@ -450,7 +469,7 @@ def plan(
     results = MetaResults()  # every pass below computes the shapes of the first again
     try:
         with results:
-            minimum = _minimum_budget(model, plugin, make_optimizer, inputs, target, grad_accum)
+            minimum = _minimum_budget(model, plugin, make_optimizer, inputs, target, grad_accum, frozen)
     finally:
         log.setLevel(quiet)
     refusals: list[str] = []
@@ -460,7 +479,7 @@ def plan(
         try:
             with results:
                 chunked, counters = _run(
-                    model, plugin, make_optimizer, inputs, target, steps, planned_budget, grad_accum
+                    model, plugin, make_optimizer, inputs, target, steps, planned_budget, grad_accum, frozen
                 )
             break
         except HostBudgetTooSmallError as refused:

@@ -40,6 +40,7 @@ TITLES = {
     "compile_w1": "torch.compile per block at one rank",
     "compile_w2": "torch.compile per block at two ranks, against FSDP2",
     "qlora": "QLoRA: a 4-bit base on disk",
+    "dpo": "DPO: a policy and its reference under one budget",
 }
 
 NO_RESULTS = (

@@ -1,13 +1,13 @@
-"""``chunkmem-plan`` (or ``python -m chunkmem.plan``): predict a training run of a transformers model
+"""``chunkmem-plan`` (or ``python -m chunkmem.plan_command``): predict a training run of a transformers model
 without running it.
 
-    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
+    python -m chunkmem.plan_command --hf-config llama-7b --device-budget 24GiB --batch 1x2048 \\
         --world-size 8 --precision bf16 [--policy auto] [--max-prefetch 2] [--json]
-    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
+    python -m chunkmem.plan_command --hf-config llama-7b --device-budget 24GiB --host-budget 48GiB \\
         --disk-bandwidth 3GB/s      # the auto policy spills to disk what 48 GiB of RAM cannot hold
-    python -m chunkmem.plan --hf-config llama-7b --device-budget 24GiB --activations offload=LlamaDecoderLayer
-    python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --activations auto=@repeated  # found
-    python -m chunkmem.plan --hf-config gpt2-xl --device-budget 8GiB --grad-accum 8   # 8 micro-batches a step
+    python -m chunkmem.plan_command --hf-config llama-7b --device-budget 24GiB --activations offload=LlamaDecoderLayer
+    python -m chunkmem.plan_command --hf-config gpt2-xl --device-budget 8GiB --activations auto=@repeated  # found
+    python -m chunkmem.plan_command --hf-config gpt2-xl --device-budget 8GiB --grad-accum 8   # 8 micro-batches a step
 
 ``--hf-config`` is a shipped shape (``gpt2``, ``gpt2-medium``, ``gpt2-xl``, ``llama-7b``,
 ``llama-13b``, ``llama-70b``), or a path to a ``config.json`` / model directory. The model is
@@ -364,7 +364,7 @@ def _flag(fix: PlanFix) -> str:
     return "a smaller --chunk-size"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m chunkmem.plan") -> Plan:
+def main(argv: list[str] | None = None, prog: str = "python -m chunkmem.plan_command") -> Plan:
     parser = _parser(prog)
     args = parser.parse_args(argv)
     for flag, value, policies in (
