@@ -280,6 +280,12 @@ def summary_table(rows: list[dict[str, Any]], fit: dict[str, Any], chunk_bytes: 
         f"{fit['largest_plain_parameters'] / 1e6:.2f} M parameters a model, chunkmem's "
         f"{fit['largest_chunkmem_parameters'] / 1e6:.2f} M" + ("" if ratio is None else f" ({ratio:.1f}x)") + "."
     )
+    if not torch.cuda.is_available():
+        note += (
+            " On a CPU a chunk's copy to the compute device is a memcpy that runs when it is issued: prefetch "
+            "cannot overlap it with compute, so the no-prefetch rows time what the prefetch rows do; only a GPU "
+            "shows what prefetch hides."
+        )
     return {"headers": headers, "rows": body, "note": note}
 
 

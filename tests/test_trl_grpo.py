@@ -273,3 +273,15 @@ def test_grpo_trainer_retraining_an_existing_adapter_is_refused_when_built(tmp_p
     model = get_peft_model(llama(), lora)
     with pytest.raises(NotSupportedError, match=r"adapters \['default', 'ref'\].*merge_and_unload"):
         chunk_grpo_trainer()(model=model, plugin=plugin(), **grpo_parts(tmp_path, "refused", False))
+
+
+@pytest.mark.slow
+def test_resuming_with_the_adaptive_entropy_controller_is_refused(tmp_path: Path) -> None:
+    """GRPOTrainer restores its adaptive entropy controller in its own resume hook, which chunkmem's
+    resume takes the place of: resuming is refused (it restarted the controller silently)."""
+    parts = grpo_parts(tmp_path, "entropy", False, beta=0.0, use_adaptive_entropy=True)
+    trainer = chunk_grpo_trainer()(model=llama(), plugin=plugin(), **parts)
+    checkpoint = tmp_path / "entropy" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    with pytest.raises(NotSupportedError, match=r"use_adaptive_entropy=True cannot be resumed under chunkmem"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))

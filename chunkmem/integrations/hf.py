@@ -159,13 +159,26 @@ class ChunkTrainerMixin(TrainerCheckpointHooks):
         self.booster.save_optimizer(self._chunk_optimizer, optimizer_path, shard=self._sharded)
         self.booster.save_lr_scheduler(self.lr_scheduler, scheduler_path, self._chunk_optimizer)
 
+    def _refuse_a_resume_that_loses_state(self) -> None:
+        # chunkmem's hooks take the place of Trainer's resume, so a subclass's own addition to it
+        # never runs: GRPOTrainer restores its adaptive entropy controller there.
+        if getattr(self, "use_adaptive_entropy", False):
+            raise NotSupportedError(
+                f"{type(self.args).__name__}.use_adaptive_entropy=True cannot be resumed under chunkmem: the trainer "
+                "restores the entropy controller's state where chunkmem loads its own optimizer and scheduler, so a "
+                "resumed run would start the controller afresh. Train without resuming, or with "
+                "use_adaptive_entropy=False"
+            )
+
     def _chunkmem_load_model(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        self._refuse_a_resume_that_loses_state()
         model_path, _, _ = self._saved_paths(resume_from_checkpoint)
         self.booster.load_model(self.model, model_path)
 
     def _chunkmem_load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
+        self._refuse_a_resume_that_loses_state()
         _, optimizer_path, scheduler_path = self._saved_paths(checkpoint)
         if not os.path.exists(optimizer_path):  # save_only_model: weights alone, as Trainer resumes then
             return
