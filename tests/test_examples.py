@@ -40,6 +40,7 @@ def test_every_example_is_tested() -> None:
         "meta_7b.py",
         "qlora.py",
         "train_loop.py",
+        "trl_grpo.py",
         "trl_sft_lora.py",
     }, "a new example needs its test here"
 
@@ -153,6 +154,16 @@ def test_trl_sft_with_lora_trains_as_plain_sft_trainer(tmp_path: Path) -> None:
     peak = _figure(r"peak device bytes (\d+)", out)
     assert peak <= _figure(r"<= budget (\d+)", out) and _figure(r"; (\d+) evictions", out) > 0
     assert "tokenizer of" in out
+
+
+@pytest.mark.slow
+def test_trl_grpo_trains_the_policy_beside_its_reference_and_reward_model_as_plain_grpo(tmp_path: Path) -> None:
+    out = _run("trl_grpo.py", cwd=tmp_path)
+    assert "losses and rewards equal plain GRPOTrainer's: yes" in out
+    chunks = _figure(r"reward model: ([\d,]+) bytes of chunks", out)
+    budget = _figure(r"<= budget (\d+)", out)
+    assert _figure(r"peak device bytes (\d+)", out) <= budget < chunks
+    assert _figure(r"; (\d+) evictions", out) > 0
 
 
 @pytest.mark.slow
