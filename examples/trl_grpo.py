@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     texts = sentences(16)
     tokenizer = word_tokenizer(texts)
     root = tempfile.mkdtemp(prefix="chunkmem-grpo-example-")
+    try:
+        train_both(args, texts, tokenizer, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def train_both(args: argparse.Namespace, texts: list[str], tokenizer: Any, root: str) -> None:
+    """chunkmem's GRPOTrainer, then plain GRPOTrainer, from the same saved policy; the table."""
     policy_path = os.path.join(root, "policy")
     policy_model(len(tokenizer)).save_pretrained(policy_path)  # where the reference is built from
     prompts = Dataset.from_dict({"prompt": [" ".join(t.split()[:3]) for t in texts]})
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_world_process_zero():
         models = [trainer.model, *trainer.model.frozen_models]
         chunk_bytes = sum(chunk.gathered_bytes for m in models for chunk in m.chunks)
-        print(f"policy, reference and reward model: {chunk_bytes:,} bytes of chunks under one budget")
+        named = "policy, reference, reward model"
+        print(f"{len(models)} models boosted together ({named}): {chunk_bytes:,} bytes of chunks")
         print("step  plain loss, reward      ChunkGRPOTrainer loss, reward")
         for step, (loss, reward) in enumerate(ours, start=1):
             reference = f"{theirs[step - 1][0]:10.6f} {theirs[step - 1][1]:8.4f}" if theirs else "         -        -"
@@ -146,7 +155,6 @@ def main(argv: list[str] | None = None) -> None:
             f"peak device bytes {stats.peak_device_bytes} <= budget {int(plugin.placement.device_budget)}; "
             f"{stats.evictions} evictions"
         )
-    shutil.rmtree(root)
 
 
 if __name__ == "__main__":

@@ -632,7 +632,7 @@ def test_dpo_trains_the_pair_as_plain_pytorch_under_each_budget_and_fits_a_large
     for key, row in rows.items():
         assert row["state"] == "ok", key
         assert row["losses"] == plain["losses"], key
-        assert row["reference_s"] > 0 and row["step_s"] >= row["reference_s"], key
+        assert row["reference_s"] > 0, key
     # plain's figure is its resident model state, 16 B a policy parameter and 4 B a reference one. A
     # LLaMA 64x2 (one head of 64, one kv head, MLP 170 wide) over 256 tokens: embedding and head 256 x 64
     # each, a block's attention 4 x 64 x 64 and MLP 3 x 64 x 170 and two norms, the final norm.

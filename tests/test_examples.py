@@ -160,7 +160,8 @@ def test_trl_sft_with_lora_trains_as_plain_sft_trainer(tmp_path: Path) -> None:
 def test_trl_grpo_trains_the_policy_beside_its_reference_and_reward_model_as_plain_grpo(tmp_path: Path) -> None:
     out = _run("trl_grpo.py", cwd=tmp_path)
     assert "losses and rewards equal plain GRPOTrainer's: yes" in out
-    chunks = _figure(r"reward model: ([\d,]+) bytes of chunks", out)
+    assert "3 models boosted together" in out
+    chunks = _figure(r"reward model\): ([\d,]+) bytes of chunks", out)
     budget = _figure(r"<= budget (\d+)", out)
     assert _figure(r"peak device bytes (\d+)", out) <= budget < chunks
     assert _figure(r"; (\d+) evictions", out) > 0

@@ -502,9 +502,18 @@ def test_a_prediction_for_a_trained_and_a_frozen_model_equals_a_run(world_size: 
     assert predicted.fits and predicted.peak_device_bytes <= PAIR.device_budget
 
 
-def test_a_plan_refuses_a_frozen_model_with_real_weights() -> None:
+def test_a_plan_refuses_the_frozen_models_a_run_refuses() -> None:
+    """A frozen model with real weights; the trained model itself; a copy sharing its parameters
+    (the plan copies the models together, so the boost sees what a run's would)."""
+    import copy
+
     with torch.device("meta"):
         policy = llama(n_layer=2)
     ids = torch.zeros(2, 16, dtype=torch.long)
+    plugin = ChunkPlugin(placement=PAIR, chunk_size=CHUNK)
     with pytest.raises(ValueError, match=r"build frozen model 0 on the meta device"):
-        plan(policy, ChunkPlugin(placement=PAIR, chunk_size=CHUNK), {"input_ids": ids}, frozen=[llama(n_layer=1)])
+        plan(policy, plugin, {"input_ids": ids}, frozen=[llama(n_layer=1)])
+    with pytest.raises(ValueError, match=r"frozen model 0 \(LlamaForCausalLM\) is the trained model itself"):
+        plan(policy, plugin, {"input_ids": ids}, frozen=[policy])
+    with pytest.raises(ValueError, match=r"of frozen model 0 \(LlamaForCausalLM\) is also a parameter of the trained"):
+        plan(policy, plugin, {"input_ids": ids}, frozen=[copy.copy(policy)])

@@ -162,7 +162,7 @@ class ChunkTrainerMixin(TrainerCheckpointHooks):
     def _refuse_a_resume_that_loses_state(self) -> None:
         # chunkmem's hooks take the place of Trainer's resume, so a subclass's own addition to it
         # never runs: GRPOTrainer restores its adaptive entropy controller there.
-        if getattr(self, "use_adaptive_entropy", False):
+        if getattr(self.args, "use_adaptive_entropy", False):
             raise NotSupportedError(
                 f"{type(self.args).__name__}.use_adaptive_entropy=True cannot be resumed under chunkmem: the trainer "
                 "restores the entropy controller's state where chunkmem loads its own optimizer and scheduler, so a "

@@ -271,12 +271,19 @@ def _run(
     under ``no_sync``); before each micro-batch's forward, each frozen model's forward under
     ``no_grad`` on the inputs without ``labels``."""
     comm = target.communicator()
-    local = copy.deepcopy(model, QuantizedBase.deepcopy_memo(model))  # (bitsandbytes' 4-bit weights: on meta)
+    # One copy of all the models together: a model handed twice, or parameters shared between them,
+    # stay so in the copy, and the boost refuses them as it refuses a run's. (The memo: bitsandbytes'
+    # 4-bit weights on the meta device cannot be deep-copied.)
+    memo: dict[int, Any] = {}
+    for one in (model, *frozen):
+        for key, copied in QuantizedBase.deepcopy_memo(one).items():
+            memo.setdefault(key, copied)
+    local, *beside = copy.deepcopy((model, *frozen), memo)
     optimizer = make_optimizer(local.parameters())
     template = _StateTemplate(optimizer)
     optimizer.step = lambda closure=None: template.emulate_step(optimizer)  # type: ignore[method-assign]
     chunked, chunk_optimizer = _planned_plugin(plugin, comm, budget).configure(
-        local, optimizer, backing=PlanningBacking(), frozen=[copy.deepcopy(m) for m in frozen]
+        local, optimizer, backing=PlanningBacking(), frozen=beside
     )
     assert isinstance(chunk_optimizer, ChunkOptimizer), "configure returns the optimizer it was given, wrapped"
     ledger = chunked.manager.ledger
