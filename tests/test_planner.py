@@ -469,28 +469,25 @@ def test_a_prediction_for_a_trained_and_a_frozen_model_equals_a_run(world_size: 
     policy's) under one budget equal a run's, step for step, with the reference's chunks counted."""
     with torch.device("meta"):
         policy, reference = llama(n_layer=2), llama(n_layer=2, seed=1)
-    ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
-    predicted = plan(
-        policy,
-        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
-        {"input_ids": ids, "labels": ids},
-        world_size=world_size,
-        optimizer=adamw_groups,
-        device_capacity=CAPACITY,
-        steps=3,
-        frozen=[reference],
-    )
+
+    def planned(*frozen: Any) -> Plan:
+        ids = torch.zeros(4 // world_size, 16, dtype=torch.long)
+        plugin = ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK)
+        return plan(
+            policy,
+            plugin,
+            {"input_ids": ids, "labels": ids},
+            world_size=world_size,
+            optimizer=adamw_groups,
+            device_capacity=CAPACITY,
+            steps=3,
+            frozen=frozen,
+        )
+
+    predicted = planned(reference)
     for measured in run_ranks(_measured_pair, world_size):
         assert [vars(s) for s in predicted.steps] == measured
-    alone = plan(
-        policy,
-        ChunkPlugin(placement=PAIR, precision="fp32", chunk_size=CHUNK),
-        {"input_ids": ids, "labels": ids},
-        world_size=world_size,
-        optimizer=adamw_groups,
-        device_capacity=CAPACITY,
-        steps=3,
-    )
+    alone = planned()
     per_model = sum(p.numel() for p in policy.parameters())
     assert predicted.parameters == alone.parameters + per_model == 2 * per_model
     # Every step brings the reference's values (fp32 here: 4 bytes a parameter, this rank's share)
