@@ -61,9 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class TorchCausalLM(torch.nn.Module):
     """A causal language model of plain ``torch.nn`` layers: learned positions, pre-norm blocks of
-    causal self-attention and an MLP, no biases (a bias whose exact gradient is zero, as a key
-    projection's is, would let AdamW blow up the rounding where two runs sum gradients in a
-    different order). Called as a transformers model is: ``model(input_ids=..., labels=...).loss``."""
+    causal self-attention and a GELU MLP, no biases. Both choices keep gradients away from exact
+    cancellation, where AdamW blows up the rounding of two runs that sum gradients in a different
+    order: a key projection's bias has an exact gradient of zero, and ReLU's units at their kink
+    gave final weights 3.5e-4 apart from DDP's at four ranks on an AVX-512 CPU (GELU: 2.4e-7).
+    Called as a transformers model is: ``model(input_ids=..., labels=...).loss``."""
 
     def __init__(self, vocab: int, width: int, layers: int, heads: int, positions: int) -> None:
         super().__init__()
@@ -71,7 +73,7 @@ class TorchCausalLM(torch.nn.Module):
         self.position = torch.nn.Embedding(positions, width)
         self.blocks = torch.nn.ModuleList(
             torch.nn.TransformerEncoderLayer(
-                width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True, bias=False
+                width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, bias=False
             )
             for _ in range(layers)
         )

@@ -72,20 +72,20 @@ def gpt2(n_layer: int = 2, n_embd: int = 64, seed: int = 0, **overrides: Any) ->
 
 def llama(n_layer: int = 2, hidden: int = 64, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden + 8,
-        num_hidden_layers=n_layer,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden + 8,
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    config = LlamaConfig(**{**settings, **overrides})
     return LlamaForCausalLM(config)
 
 

@@ -139,7 +139,9 @@ def meta_qlora(directory: Path, seed: int = 0, compute_dtype: torch.dtype | None
             config_4bit = nf4_config(compute_dtype=compute_dtype)
             replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config_4bit)
             model.is_loaded_in_4bit = True  # what from_pretrained marks: PEFT wraps the layers in its 4-bit LoRA layer
-            return with_adapter(model, seed, draw_b=False)
+            # In eval mode, as from_pretrained returns a model: the run that loads it is the reference
+            # (on an AVX-512 BF16 CPU an eval forward computes with bitsandbytes' inference kernel).
+            return with_adapter(model.eval(), seed, draw_b=False)
     finally:
         torch.set_default_dtype(default)
 
@@ -148,21 +150,29 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
+def in_compute_dtype(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (in place) as a bf16 boost computes it: its floating buffers (rotary frequencies)
+    and its trainable parameters (the adapter) in the compute dtype."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point():
+                setattr(module, name, buffer.to(COMPUTE))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(COMPUTE)
+    return model
+
+
 def plain_qlora(
     build: Callable[[], Any], data: Sequence[torch.Tensor], world_size: int = 1
 ) -> tuple[list[list[float]], Any, dict[str, torch.Tensor]]:
     """Plain PEFT QLoRA in chunkmem's recipe (module docstring). Returns each step's per-rank
     losses, the model (its adapter in bf16) and the adapter's fp32 masters by name."""
     model = build()
-    for module in model.modules():  # chunkmem computes floating buffers (rotary frequencies) in the compute dtype
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer.is_floating_point():
-                setattr(module, name, buffer.to(COMPUTE))
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in trainable.items()}
-    with torch.no_grad():
-        for p in trainable.values():
-            p.data = p.data.to(COMPUTE)
+    in_compute_dtype(model)
     optimizer = torch.optim.AdamW(list(masters.values()), lr=1e-2, weight_decay=0.1)
     losses = []
     for ids in data:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -38,8 +39,14 @@ BUILDS: dict[str, Callable[[int], torch.nn.Module]] = {
 }
 
 
+_KILLING = threading.Lock()
+
+
 def _kill(where: str, out: Path) -> None:
-    """Kill this process, leaving a file that says where (the test checks the kill came there)."""
+    """Kill this process, leaving a file that says where (the test checks the kill came there). One
+    thread only: two disk I/O threads in the hook at once would truncate each other's file, the
+    process killed between one's truncation and its write (seen: an empty file)."""
+    _KILLING.acquire()  # never released: a second thread waits here until the process is gone
     (out / "killed").write_text(where)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -7,9 +7,11 @@ Tolerance: 1e-5 absolute on every step's loss (about 5.5, the mean over ranks) a
 weight. The arithmetic is fp32 on both sides and differs only in the order of the gradient sums:
 DDP all-reduces each gradient bucket over the four ranks, chunkmem reduce-scatters each chunk's
 flat gradient buffer and gathers the parameters back; the model (``--model torch``: a causal LM of
-``torch.nn`` layers without biases) has no parameter whose exact gradient is zero, where AdamW would
-blow that rounding up (tests/models.py, ``ZERO_GRADIENT_NOISE``). Measured on a 2-core CPU
-(2026-12-02): 4.8e-7 on the losses, 3.4e-7 on the weights.
+``torch.nn`` layers without biases, a GELU MLP) has no parameter whose exact gradient is zero and no
+unit at a kink, where AdamW would blow that rounding up (tests/models.py, ``ZERO_GRADIENT_NOISE``).
+Measured on 2-core CPUs: 4.8e-7 on the losses, 3.4e-7 on the weights (2026-12-02, ReLU MLP, a CPU
+without AVX-512); 4.8e-7 and 2.4e-7 (2026-12-02, GELU, an AMD EPYC with AVX-512, where the ReLU MLP's
+weights were 3.5e-4 apart).
 
 This is what docs/guide/several-machines.md says was run and tested, with the same command."""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..compat.bitsandbytes import defined_in_bitsandbytes
+from ..compat.bitsandbytes import defined_in_bitsandbytes, repacked_for_cpu_inference
 from ..device.moves import to_device
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Linear4bitParts",
     "adopt_attributes",
     "constants",
+    "cpu_inference_matmul",
     "dequantize",
     "describe",
     "forward_dtypes",
@@ -45,11 +46,14 @@ __all__ = [
     "scales",
     "set_statistics",
     "statistics",
+    "takes_cpu_inference_kernel",
     "version",
     "with_statistics",
 ]
 
 _PACKED_FOR_CPU = "packing_format_for_cpu"
+# The rows bitsandbytes' CPU inference layout packs together (its ``block_n``).
+_CPU_KERNEL_ROWS = 32
 
 
 def _bnb() -> Any | None:
@@ -309,6 +313,34 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, quant_state: Any, bias: torch.
     assert bnb is not None, "a Linear4bit was found, so bitsandbytes is imported"
     with torch.no_grad():
         return bnb.matmul_4bit(x, packed, quant_state=quant_state, bias=bias)
+
+
+def takes_cpu_inference_kernel(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``Linear4bit.forward`` would compute ``x`` with bitsandbytes' CPU inference kernel:
+    an eval forward (the module not training, ``x`` not requiring grad) on a CPU with AVX-512 BF16,
+    where bitsandbytes repacks the weight (in place, for good) and runs its bf16 kernel instead of
+    dequantizing. A weight bitsandbytes cannot repack (out_features not a multiple of 32, or odd
+    in_features: plain bitsandbytes fails with an ``AssertionError`` there) takes the dequantizing
+    kernel, as in training."""
+    if x.device.type != "cpu" or module.training or x.requires_grad:
+        return False
+    if not getattr(module, "support_avx512bf16_for_cpu", False):
+        return False
+    return module.out_features % _CPU_KERNEL_ROWS == 0 and module.in_features % 2 == 0
+
+
+def cpu_inference_matmul(
+    x: torch.Tensor, packed: torch.Tensor, quant_state: Any, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` as ``Linear4bit`` computes it with bitsandbytes' CPU inference kernel
+    (``takes_cpu_inference_kernel``), from a repacked copy of the weight made for this op only: the
+    stored bytes keep bitsandbytes' usual layout, on every tier. ``quant_state`` is this op's own
+    (``with_statistics``): the repacking rewrites its fields."""
+    bnb = _bnb()
+    assert bnb is not None, "a Linear4bit was found, so bitsandbytes is imported"
+    weight, state = repacked_for_cpu_inference(packed, quant_state)
+    with torch.no_grad():
+        return bnb.matmul_4bit(x, weight, quant_state=state, bias=bias)
 
 
 def dequantize(packed: torch.Tensor, quant_state: Any) -> torch.Tensor:

@@ -14,6 +14,12 @@ backward) dequantizes, as bitsandbytes does.
 the same dtype handling (its ``compute_dtype``), without what its forward writes into its
 parameters (a cast of the bias into the compute dtype, the weight repacked for CPU inference), which
 chunkmem's parameters refuse: the bias is cast for each call instead, the weight is left as stored.
+Where bitsandbytes computes an eval forward with its CPU inference kernel (an AVX-512 BF16 CPU:
+``bnb4.takes_cpu_inference_kernel``), so does the op, from a copy of the weight repacked for that op,
+so that an eval forward (a frozen reference model's, generation's) equals plain bitsandbytes' on
+every CPU. Unlike plain bitsandbytes, a layer that once ran an eval forward still trains through
+the dequantizing kernel afterwards: plain bitsandbytes keeps the repacked weight and computes every
+later forward with the inference kernel, which has no backward (the gradient to its input is lost).
 """
 
 from __future__ import annotations
@@ -55,9 +61,13 @@ class _Linear4bit(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         layer: FourBitLayer,
+        inference: bool,
         *statistics: torch.Tensor,
     ) -> torch.Tensor:
-        out = bnb4.matmul(x, weight, layer.op_state(statistics), bias)
+        state = layer.op_state(statistics)
+        # With bitsandbytes' CPU inference kernel where its own forward takes it (module docstring).
+        matmul = bnb4.cpu_inference_matmul if inference else bnb4.matmul
+        out = matmul(x, weight, state, bias)
         # The parameters themselves, not saved tensors: no version check and no saved-tensor
         # hooks (activation offload) see them, and in the backward they point wherever their
         # chunks were gathered again.
@@ -76,7 +86,7 @@ class _Linear4bit(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dequantized = bnb4.dequantize(weight, ctx.layer.op_state(statistics))
                 grad_x = torch.matmul(grad, dequantized.to(grad.dtype))
-        return (grad_x, None, grad_bias, None, *(None for _ in statistics))
+        return (grad_x, None, grad_bias, None, None, *(None for _ in statistics))
 
 
 def linear_4bit(
@@ -85,14 +95,16 @@ def linear_4bit(
     bias: torch.Tensor | None,
     layer: FourBitLayer,
     statistics: tuple[torch.Tensor, ...],
+    inference: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for the quantized weight ``layer`` describes, ``weight`` its packed bytes and
-    ``statistics`` its per-block scales. Hooked parameters among them get their hooks (the op is
-    overridable with ``__torch_function__``, as torch's own functions are)."""
+    ``statistics`` its per-block scales; ``inference``: with bitsandbytes' CPU inference kernel
+    (module docstring). Hooked parameters among them get their hooks (the op is overridable with
+    ``__torch_function__``, as torch's own functions are)."""
     tensors = (x, weight, *statistics) if bias is None else (x, weight, bias, *statistics)
     if has_torch_function(tensors):
-        return handle_torch_function(linear_4bit, tensors, x, weight, bias, layer, statistics)
-    return _Linear4bit.apply(x, weight, bias, layer, *statistics)
+        return handle_torch_function(linear_4bit, tensors, x, weight, bias, layer, statistics, inference)
+    return _Linear4bit.apply(x, weight, bias, layer, inference, *statistics)
 
 
 class QuantizedForward:
@@ -106,10 +118,11 @@ class QuantizedForward:
         layer = self._layer
         module = layer.module
         compute = bnb4.forward_dtypes(module, x)
+        inference = bnb4.takes_cpu_inference_kernel(module, x)  # decided on the input as given, as bitsandbytes does
         input_dtype = x.dtype
         if compute is not None:
             x = x.to(compute)
         bias = module.bias
         if bias is not None:
             bias = bias.to(x.dtype if compute is None else compute)
-        return linear_4bit(x, module.weight, bias, layer, layer.statistics).to(input_dtype)
+        return linear_4bit(x, module.weight, bias, layer, layer.statistics, inference).to(input_dtype)
