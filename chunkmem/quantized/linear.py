@@ -19,7 +19,7 @@ Where bitsandbytes computes an eval forward with its CPU inference kernel (an AV
 so that an eval forward (a frozen reference model's, generation's) equals plain bitsandbytes' on
 every CPU. Unlike plain bitsandbytes, a layer that once ran an eval forward still trains through
 the dequantizing kernel afterwards: plain bitsandbytes keeps the repacked weight and computes every
-later forward with the inference kernel, which has no backward (the gradient to its input is lost).
+later forward with the inference kernel, for which bitsandbytes 0.50.2 registers no backward (read, not run).
 """
 
 from __future__ import annotations
