@@ -443,14 +443,8 @@ def test_a_double_quantized_base_from_pretrained_trains_like_plain_peft_and_copi
     assert digest(quantized_entries(plain.state_dict())) == digest(quantized_entries(state))
     # The copy holds the adapter's fp32 masters and its buffers as loaded: in chunkmem's compute dtype,
     # its arithmetic is the boosted model's.
+    in_compute_dtype(plain)
     with torch.no_grad():
-        for p in plain.parameters():
-            if p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
-        for module in plain.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and buffer.is_floating_point():
-                    setattr(module, name, buffer.to(torch.bfloat16))
         ids = batches(1, seed=7)[0]
         # Both in training mode (no dropout): on an AVX-512 BF16 CPU plain bitsandbytes' eval forward
         # repacks each weight, which fails on this model's MLP (out_features not a multiple of 32).
