@@ -595,11 +595,11 @@ def test_chunk_strategy_with_compiled_blocks_equals_plain_lightning_with_the_blo
     assert run.strategy.model.stats().evictions > 0, "the budget must move chunks"
 
 
-# --- two ranks -------------------------------------------------------------------------------------
-SHARDED = {"static": StaticPlacementConfig()}
+# --- two and four ranks ------------------------------------------------------------------------
+RANK_PLACEMENTS = {"static": StaticPlacementConfig(), "offloaded": OFFLOADED}
 
 
-def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
+def _ranks(rank: int, world_size: int, placements: tuple[str, ...]) -> dict[str, Any]:
     """Each placement eager and compiled on this rank, and plain per-block compile on the whole batch."""
     try:
         data = stack_data(4)
@@ -607,7 +607,8 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         expected = train_plain(reference, data, stack_loss)
         out: dict[str, Any] = {"expected": expected, "reference": reference.state_dict()}
         del reference
-        for name, placement in SHARDED.items():
+        for name in placements:
+            placement = RANK_PLACEMENTS[name]
             torch._dynamo.reset()
             eager = _stack_run(None, placement)
             eager_losses, eager_gathers = train_counting(*eager, data, stack_loss, rank, world_size)
@@ -622,6 +623,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
                 "gathers": gathers + later,
                 "eager_gathers": eager_gathers,
                 "frames": (frames, counter.frame_count),
+                "evictions": chunked.stats().evictions,
                 "state": chunked.state_dict(),
                 "eager_state": eager[0].state_dict(),
             }
@@ -630,13 +632,13 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         torch._dynamo.reset()  # a pooled rank: no compiled code or guards left for the next test
 
 
-@pytest.mark.multirank
-def test_two_ranks_equal_eager_chunkmem_bit_for_bit_and_plain_per_block_compile_within_tolerance() -> None:
-    """Each rank computes half the batch and the reduce-scatter averages the ranks' gradients: the
-    whole-batch reference is met within the eager two-rank tests' tolerance; chunkmem's own eager run
-    on the same rank, which does the same, bit for bit."""
-    for result in run_ranks(_two_ranks, 2):
-        for name in SHARDED:
+def assert_ranks_equal_eager_and_the_reference(results: list[dict[str, Any]], placements: tuple[str, ...]) -> None:
+    """Each rank computes its slice of the batch and the reduce-scatter averages the ranks'
+    gradients: the whole-batch reference is met within the eager multi-rank tests' tolerance;
+    chunkmem's own eager run on the same rank, which does the same, bit for bit, with the same
+    chunks brought onto the device from the second step on, and one compile, none after."""
+    for result in results:
+        for name in placements:
             run = result[name]
             assert run["losses"] == run["eager_losses"], name
             assert_same_state(run["state"], run["eager_state"])
@@ -646,6 +648,23 @@ def test_two_ranks_equal_eager_chunkmem_bit_for_bit_and_plain_per_block_compile_
             assert run["losses"] == pytest.approx(result["expected"], rel=1e-5, abs=1e-6)
             for key, value in result["reference"].items():
                 torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        if "offloaded" in placements:
+            assert result["offloaded"]["evictions"] > 0, "the budget must move chunks"
+
+
+@pytest.mark.multirank
+def test_two_ranks_equal_eager_chunkmem_bit_for_bit_and_plain_per_block_compile_within_tolerance() -> None:
+    placements = ("static",)
+    assert_ranks_equal_eager_and_the_reference(run_ranks(_ranks, 2, args=(placements,)), placements)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_four_ranks_sharded_and_under_a_budget_equal_eager_chunkmem_and_plain_per_block_compile() -> None:
+    """At four ranks, a quarter of the batch each, sharded and with every chunk offloaded under a
+    device budget with prefetch: the two-rank test's assertions, and the budget moves chunks."""
+    placements = ("static", "offloaded")
+    assert_ranks_equal_eager_and_the_reference(run_ranks(_ranks, 4, args=(placements,), timeout=400), placements)
 
 
 # --- the planner -----------------------------------------------------------------------------------
