@@ -1,8 +1,8 @@
 """Every wait of the library removed alone, and what the simulated device says of each run.
 
-The waits are those the AST scan of ``tests/simulated_waits.py`` finds (every call of a wait-like
+The waits are those the AST scan of ``tests/support/simulated_waits.py`` finds (every call of a wait-like
 method in ``chunkmem`` outside the device layer, each call site apart). For each one that
-``tests/test_simulated_device.py`` says a scenario needs (``CATCHES``), the function holding it is
+``tests/system/simulated/test_simulated_device.py`` says a scenario needs (``CATCHES``), the function holding it is
 compiled again without that one call, and the scenario runs on the simulated asynchronous device
 ``--runs`` times (at one rank or two, as the scenario is). A run counts as caught only when the
 happens-before checker raised (``SimulatedDeviceError``): numbers that differ from the synchronous
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "system" / "simulated")]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from simulated import SCENARIOS, caught_on_every_rank
+    from support.simulated import SCENARIOS, caught_on_every_rank
     from test_simulated_device import CATCHES, NOT_ORDERING, sites
 
     entries: list[dict[str, Any]] = []
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         f"and the simulated scenario that needs it, run {args.runs} times: a run counts only when the "
         f"happens-before checker raised, not when numbers differed. {len(NOT_ORDERING)} more calls the scan "
         "finds order nothing a run's data needs (timing, accounting, a failure's report, no caller); "
-        "tests/test_simulated_device.py says why for each."
+        "tests/system/simulated/test_simulated_device.py says why for each."
     )
     write_json(
         "wait_removal",

@@ -53,7 +53,7 @@ from .planning.planner import Plan, StepCounters, plan
 from .plugin import ChunkPlugin
 from .usage.stats import Stats
 
-# The version in pyproject.toml, for a checkout imported without being installed (tests/test_front_door.py
+# The version in pyproject.toml, for a checkout imported without being installed (tests/unit/chunkmem/test_front_door.py
 # keeps the two equal); an installed chunkmem reports its installed metadata.
 _CHECKOUT_VERSION = "0.1.0"
 

@@ -13,8 +13,8 @@ The lines that differ from plain PyTorch are marked ``# chunkmem``. The data is 
 count up from a random start, a pattern the model learns, so the loss falls within a few steps.
 With several ranks each rank trains on its own share of every batch, and the plain comparison is
 DistributedDataParallel on the same shares. ``--json PATH`` writes both runs' losses and the
-largest difference between their final weights (tests/test_examples.py and the two-node launch of
-tests/test_several_machines.py read it).
+largest difference between their final weights (tests/integration/docs/test_examples.py and the two-node launch of
+tests/system/ranks/test_several_machines.py read it).
 """
 
 from __future__ import annotations

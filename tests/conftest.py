@@ -1,6 +1,7 @@
-"""Shared pytest configuration: the ``cuda`` marker skips without a GPU, the ``cpu_compute``
-marker skips where chunkmem computes on a GPU; ``multirank`` and ``benchmark`` tests are marked
-``slow`` unless they are chosen for the fast tier (``fast_tier``); quiet torch."""
+"""Shared pytest configuration: each test is marked with the kind its folder holds (``unit``,
+``integration``, ``system``); the ``cuda`` marker skips without a GPU, the ``cpu_compute`` marker
+skips where chunkmem computes on a GPU; ``multirank`` and ``benchmark`` tests are marked ``slow``
+unless they are chosen for the fast tier (``fast_tier``); quiet torch."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # for ``import support``
+KINDS = ("unit", "integration", "system")
+# A test module may import another's pieces by its name (``from test_peft import plain_peft``), as
+# when the tests were one folder: every test folder is on the path, for forked and spawned ranks too.
+sys.path[1:1] = sorted({str(path.parent) for kind in KINDS for path in (TESTS / kind).rglob("test_*.py")})
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Every multi-rank test agrees each placement plan across ranks: a rank-local input to a decision
 # fails the test at the op where the plans first differ.
@@ -77,11 +83,15 @@ def _selects(markexpr: str, markers: set[str]) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
-    from models import reference_device  # after the path insert above
+    from support.models import reference_device  # after the path insert above
 
     has_gpu = torch.cuda.is_available()
     computes_on_gpu = reference_device().type != "cpu"
     for item in items:
+        # The folder a test module is in says what kind of test it is: ``-m unit`` and the like.
+        kind = Path(item.path).relative_to(TESTS).parts[0]
+        if kind in KINDS:
+            item.add_marker(kind)
         if ("multirank" in item.keywords or "benchmark" in item.keywords) and "fast_tier" not in item.keywords:
             item.add_marker(pytest.mark.slow)
         if "cuda" in item.keywords and not has_gpu:
@@ -98,7 +108,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Collection imported the test modules and no test has run yet: the moment to fork this process
-    # into the fork server that ranks and scripts start from (tests/distributed.py).
-    distributed = sys.modules.get("distributed")
+    # into the fork server that ranks and scripts start from (tests/support/distributed.py).
+    distributed = sys.modules.get("support.distributed")
     if distributed is not None and session.items and not session.config.option.collectonly:
         distributed.serve_forks_from_here()

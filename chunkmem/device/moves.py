@@ -5,7 +5,7 @@ Chunk memory crosses between host and device through ``chunkmem.tiers.transfers.
 written again). What else moves (a state dict's values, a shard staged for a full gather, a
 buffer installed on the compute device, a user's inputs) goes through these two functions: a plain
 ``.to()``, which returns only once the bytes have moved (never ``non_blocking``), and the one
-place outside the layer that moves tensors, so the layer's lint (``tests/test_device_layer.py``)
+place outside the layer that moves tensors, so the layer's lint (``tests/unit/device/test_device_layer.py``)
 can forbid every other ``.to(device)``, ``.cpu()``, ``.cuda()``, ``non_blocking`` and pinning.
 """
 

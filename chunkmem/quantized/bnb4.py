@@ -1,5 +1,5 @@
 """bitsandbytes' 4-bit format (NF4 / FP4, ``Linear4bit`` modules holding ``Params4bit`` weights): the
-one module of chunkmem that names bitsandbytes or its internals (``tests/test_qlora.py`` checks).
+one module of chunkmem that names bitsandbytes or its internals (``tests/integration/peft/test_qlora.py`` checks).
 
 What chunkmem needs of it: to recognise its modules and parameters (and the formats it refuses:
 LLM.int8, 4-bit embeddings, weights packed for CPU inference, another quant storage), the tensors a
@@ -286,7 +286,7 @@ def quantize(values: torch.Tensor, fmt: Format4bit) -> tuple[torch.Tensor, torch
 def scales(values: torch.Tensor, fmt: Format4bit) -> torch.Tensor:
     """The scales ``quantize`` gives ``values`` (whole blocks of a weight, the last one possibly
     short), without quantizing them: each block's largest magnitude in fp32, the short last block's
-    at least 1e-38, as bitsandbytes' 4-bit quantization computes them (``tests/test_qlora.py``
+    at least 1e-38, as bitsandbytes' 4-bit quantization computes them (``tests/integration/peft/test_qlora.py``
     checks them against it). A sixth of the time: a weight quantized at boost is read twice, for
     its packed bytes and, in another chunk, for its scales."""
     flat = values.reshape(-1).float()
