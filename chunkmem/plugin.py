@@ -39,7 +39,7 @@ from .chunks.chunk import Chunk
 from .chunks.manager import ChunkManager
 from .chunks.search import default_search_range, search_chunk_size, trainable_chunk_range
 from .chunks.shard import MASTER_DTYPE
-from .device import bf16_supported, compute_device
+from .device import DeviceLayer, bf16_supported, compute_device
 from .device.moves import to_device
 from .device.probes import peak_allocated
 from .errors import (
@@ -371,7 +371,7 @@ class ChunkPlugin:
         for one in frozen.named:  # chunks of their own: each chunk holds one model's parameters
             manager.register(one, chunk_size)
         state = optimizer_state_size(optimizer) if optimizer is not None else StateSize(0, 0)
-        specs = [self._spec(chunk, comm.world_size, state) for chunk in manager.chunks]
+        specs = [self._spec(chunk, comm.world_size, state, comm.layer) for chunk in manager.chunks]
         policy = make_policy(self.placement, comm.agreed_capacity())
         if frozen.models and policy.needs_profile(None) and peak_allocated(device) is None:
             # Without allocator statistics the auto policy measures its first steps under saved-tensor
@@ -568,7 +568,7 @@ class ChunkPlugin:
         log.info("chunkmem: searched %s (frozen), %s (trainable)", base.describe(), adapter.describe())
         return base.chunk_size, adapter.chunk_size
 
-    def _spec(self, chunk: Chunk, world_size: int, state: StateSize) -> ChunkSpec:
+    def _spec(self, chunk: Chunk, world_size: int, state: StateSize, layer: DeviceLayer) -> ChunkSpec:
         shard = chunk.shard_numel
         kind = chunk.layout.shard_kind
         gathered = chunk.compute_dtype  # the compute dtype; a quantized chunk's own
@@ -582,6 +582,11 @@ class ChunkPlugin:
         # What leaves host memory for disk: the states, the gradient shard, and a master gathers do
         # not read.
         disk_side = states + grad + (0 if master_is_compute else master)
+        copy = shard * gathered.itemsize
+
+        def slack(nbytes: int) -> int:  # what a pinned host buffer of nbytes holds beyond them
+            return layer.host_held_bytes(nbytes) - nbytes
+
         return ChunkSpec(
             chunk_id=chunk.chunk_id,
             label=chunk.tensors[0].name,
@@ -589,10 +594,13 @@ class ChunkPlugin:
             gathered_bytes=chunk.gathered_bytes,
             grad_bytes=chunk.grad_bytes,
             optim_side_bytes=optim_side,
-            shard_copy_bytes=shard * gathered.itemsize,
+            shard_copy_bytes=copy,
             gathered_is_shard=world_size == 1,
             master_is_compute=master_is_compute,
             disk_side_bytes=disk_side,
+            master_pin_slack=slack(master),
+            grad_pin_slack=slack(grad),
+            copy_pin_slack=slack(copy),
         )
 
     @staticmethod

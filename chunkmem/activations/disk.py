@@ -214,6 +214,11 @@ class ActivationDisk:
             copy.free()
 
     # --- regions and the window ---------------------------------------------------------------
+    @property
+    def _window_bytes(self) -> int:
+        """What the two staging pieces hold: the staging pool's (pinned) blocks."""
+        return 2 * self._transfers.layer.host_held_bytes(self.room.piece)
+
     def _piece(self) -> tuple[int, torch.Tensor]:
         """The next staging piece, once the write to disk reading it is done."""
         if not self._window:
@@ -221,7 +226,7 @@ class ActivationDisk:
             # fp32 buffers, handed out as bytes: the pool poisons what it gets back (on the
             # simulated device), so a copy still reading a piece given back shows.
             self._window = [self._transfers.staging(piece // 4, torch.float32, _HOST) for _ in range(2)]
-            self._ledger.alloc(Location.HOST, MemoryKind.ACTIVATION, 2 * piece)
+            self._ledger.alloc(Location.HOST, MemoryKind.ACTIVATION, self._window_bytes)
         which = self._next
         self._next ^= 1
         busy, self._busy[which] = self._busy[which], None
@@ -269,7 +274,7 @@ class ActivationDisk:
                 self._transfers.before_host_write(stage)
                 self._transfers.give_back(stage)
             self._window = []
-            self._ledger.free(Location.HOST, MemoryKind.ACTIVATION, 2 * self.room.piece)
+            self._ledger.free(Location.HOST, MemoryKind.ACTIVATION, self._window_bytes)
 
 
 def _crc32(piece: torch.Tensor) -> int:

@@ -70,17 +70,21 @@ class _Call:
 
 
 def forecast(
-    model: torch.nn.Module, config: ActivationPlacement, forward: Callable[[], Any]
+    model: torch.nn.Module,
+    config: ActivationPlacement,
+    forward: Callable[[], Any],
+    host_held_bytes: Callable[[int], int] = int,
 ) -> tuple[BlockForecast, ...]:
     """Each call of the blocks ``config`` names while ``forward()`` runs ``model`` (with autograd
-    recording), in forward order."""
+    recording), in forward order. ``host_held_bytes``: what host memory holds for a copy of so many
+    bytes on the device planned for (``DeviceLayer.host_held_bytes``: on a GPU a pinned block)."""
     calls: list[_Call] = []
     open_calls: list[tuple[_Call, Any]] = []
     stretch: list[_Call | None] = [None]  # the stretch outside the blocks now (offload_outside)
 
     def counted(call: _Call | None, tensor: torch.Tensor) -> torch.Tensor:
         if call is not None and call.count.add(tensor) is Saved.COPY:
-            call.copied.append(tensor.untyped_storage().nbytes())
+            call.copied.append(host_held_bytes(tensor.untyped_storage().nbytes()))
         return unlinked(tensor)  # the forward's graph is dropped without a backward
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -229,13 +229,14 @@ class ActivationOffload:
         numel = nbytes // tensor.element_size()
         with torch.no_grad():
             whole = tensor.detach().as_strided((numel,), (1,), 0)  # the whole storage, flat
-            if self._disk is not None and not self._disk.take_host(nbytes):
+            held = self._transfers.layer.host_held_bytes(nbytes)  # on a GPU, a pinned block
+            if self._disk is not None and not self._disk.take_host(held):
                 return _Copy(None, numel, tensor.dtype, disk=self._disk.write(whole.view(torch.uint8), block))
             host = self._transfers.staging(numel, tensor.dtype, _HOST)
             self._transfers.copy(host, whole, Direction.TO_HOST)
         copy = _Copy(host, numel, tensor.dtype)
         if self._disk is not None:
-            copy.held = weakref.finalize(copy, self._disk.give_host, nbytes)
+            copy.held = weakref.finalize(copy, self._disk.give_host, held)
         return copy
 
     def recycle(self) -> None:

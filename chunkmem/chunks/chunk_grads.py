@@ -174,7 +174,7 @@ class ChunkGrads:
         host = self._host
         if host is None:
             host = transfers.staging(self._layout.capacity, MASTER_DTYPE, self._comm.host_device)
-            self._ledger.alloc(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+            self._ledger.alloc(Location.HOST, MemoryKind.GRAD_BUFFER, self._host_bytes)
             self._host = host
         # No wait for the copy that loaded the last device buffer from ``host``: it ran on the
         # compute stream, which the copy stream waits for before this copy writes (``copy``'s rule).
@@ -189,11 +189,16 @@ class ChunkGrads:
         self._transfers.before_host_read(host)  # the copy of the last move may still be writing it
         self._transfers.copy(buffer, host, Direction.TO_DEVICE)
 
+    @property
+    def _host_bytes(self) -> int:
+        """What the host buffer holds: the staging pool's (pinned) block."""
+        return self._transfers.layer.host_held_bytes(self._layout.grad_bytes)
+
     def _drop_host(self) -> None:
         if self._host is not None:
             self._transfers.before_host_write(self._host)  # a copy out of it may still be reading it
             self._transfers.give_back(self._host)
-            self._ledger.free(Location.HOST, MemoryKind.GRAD_BUFFER, self._layout.grad_bytes)
+            self._ledger.free(Location.HOST, MemoryKind.GRAD_BUFFER, self._host_bytes)
         self._host = None
 
     def start_reduce(self, onto_reduced: bool = False) -> None:

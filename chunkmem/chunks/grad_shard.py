@@ -59,7 +59,8 @@ class GradShard:
         )
         self._grad: torch.Tensor | None = None
         self._pending_adds: list[torch.Tensor] = []  # staged gradients to add to the shard when read
-        ledger.alloc(Location.DISK if self._disk else location, MemoryKind.GRAD_SHARD, self._nbytes)
+        where = Location.DISK if self._disk else location
+        ledger.alloc(where, MemoryKind.GRAD_SHARD, self._nbytes if self._disk else self._buffers.held_bytes(where))
 
     @property
     def values(self) -> torch.Tensor:

@@ -50,6 +50,15 @@ class MasterSideBuffer:
     def nbytes(self) -> int:
         return self._numel * self._dtype.itemsize
 
+    @property
+    def host_bytes(self) -> int:
+        """What its host buffer holds: a pinned one its allocator's whole block."""
+        return self._layer.host_held_bytes(self.nbytes, self._pin)
+
+    def held_bytes(self, location: Location) -> int:
+        """What the buffer taken at ``location`` holds there (what the ledger charges)."""
+        return self.host_bytes if location is Location.HOST else self.nbytes
+
     def take(self, location: Location) -> torch.Tensor:
         """An uninitialized buffer at ``location`` (the kept pinned one on the host, with CUDA)."""
         if location is Location.DEVICE:
@@ -59,7 +68,7 @@ class MasterSideBuffer:
         if self._host is not None:
             return self._host
         if self._ledger is not None:
-            self._ledger.alloc(Location.HOST, self._kind, self.nbytes)
+            self._ledger.alloc(Location.HOST, self._kind, self.host_bytes)
         host = self._layer.host_empty(self._numel, self._dtype, self._host_device, pinned=self._pin)
         if self._pin:
             self._host = host
@@ -68,4 +77,4 @@ class MasterSideBuffer:
     def give_back(self, location: Location) -> None:
         """The buffer taken at ``location`` is no longer used (a pinned host one stays allocated)."""
         if self._ledger is not None and (location is Location.DEVICE or self._host is None):
-            self._ledger.free(location, self._kind, self.nbytes)
+            self._ledger.free(location, self._kind, self.held_bytes(location))

@@ -81,7 +81,7 @@ def read_for_gather(
         _read_or_note(read, slot, failures, label)
         return
     staged = transfers.staging(slot.numel(), slot.dtype, host_device)
-    nbytes = staged.numel() * staged.element_size()
+    nbytes = transfers.layer.host_held_bytes(staged.numel() * staged.element_size())
     ledger.alloc(Location.HOST, MemoryKind.STAGING, nbytes)
     try:
         _read_or_note(read, staged, failures, label)
@@ -144,6 +144,11 @@ class ParamOnDisk:
         return self._numel * self._dtype.itemsize
 
     @property
+    def _host_bytes(self) -> int:
+        """What its (pinned) host buffer holds: the staging pool's block."""
+        return self._transfers.layer.host_held_bytes(self.nbytes)
+
+    @property
     def state(self) -> ParamOnDiskState:
         """As of the last ``settle`` (a write in flight that will fail still reads ``ON_DISK``)."""
         return self._machine.state
@@ -155,18 +160,18 @@ class ParamOnDisk:
         self._machine.require("write")
         transfers, ledger = self._transfers, self._ledger
         cast = transfers.staging(self._numel, self._dtype, self._host_device)  # no copy reads it
-        ledger.alloc(Location.HOST, MemoryKind.STAGING, self.nbytes)
+        ledger.alloc(Location.HOST, MemoryKind.STAGING, self._host_bytes)
         try:
             cast.copy_(master)
             write = self._file.write(cast, self._offset, param=True)
         except BaseException:
             transfers.give_back(cast)
-            ledger.free(Location.HOST, MemoryKind.STAGING, self.nbytes)
+            ledger.free(Location.HOST, MemoryKind.STAGING, self._host_bytes)
             raise  # the kept values (or those on disk) are still the shard's: gathers read them
         if self._kept is not None:  # superseded by the write now queued
             transfers.before_host_write(self._kept)  # a gather's copy may still read it
             transfers.give_back(self._kept)
-            self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
+            self._ledger.free(Location.HOST, MemoryKind.SHARD_COPY, self._host_bytes)
             self._kept = None
 
         def written(future: Future[None]) -> None:  # on the I/O thread, or here if already done
@@ -185,11 +190,11 @@ class ParamOnDisk:
         writes, self._writes = self._writes, []
         for future, source in writes:
             failed = future.exception() is not None
-            self._ledger.free(Location.HOST, MemoryKind.STAGING, self.nbytes)
+            self._ledger.free(Location.HOST, MemoryKind.STAGING, self._host_bytes)
             if failed:
                 assert self._kept is None, "a write settles the one before it, whose kept values it supersedes"
                 self._kept = source
-                self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self.nbytes)
+                self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._host_bytes)
                 self._machine.move("keep after a failed write")
 
     def copy_into(self, slot: torch.Tensor) -> None:

@@ -129,7 +129,7 @@ class ShardStore:
         self._host_cast_version = -1
         if master is Location.HOST and self._needs_host_cast and shard is not Location.DISK:
             self._host_cast = self._host_empty(compute_dtype)
-            self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, self._copy_bytes)
+            self._ledger.alloc(Location.HOST, MemoryKind.SHARD_COPY, transfers.layer.host_held_bytes(self._copy_bytes))
         self._shard_location = shard
         self._device_copy: torch.Tensor | None = None
         self._device_copy_version = -1

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["AcceleratorLayer", "CollectiveWaits", "DeviceLayer", "generic_streams", "is_accelerator"]
+__all__ = [
+    "AcceleratorLayer",
+    "CollectiveWaits",
+    "DeviceLayer",
+    "generic_streams",
+    "is_accelerator",
+    "pinned_block_bytes",
+]
 
 _CUDA = "cuda"
 _HOST_TYPES = ("cpu", "meta")
@@ -41,6 +48,13 @@ class CollectiveWaits(enum.Enum):
     """The calling thread blocks until the collective is done (gloo, on host memory)."""
     STREAM = "stream"
     """The current stream waits for the collective's own stream; the host goes on (NCCL)."""
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The block of pinned host memory a request of ``nbytes`` takes: PyTorch's caching host
+    allocator (CUDA's, and the other accelerators' built on it) rounds every request up to the next
+    power of two and holds that block while the tensor lives (cached for reuse after)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -123,6 +137,12 @@ class DeviceLayer:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is host memory a copy can read or write asynchronously."""
         return False
+
+    def host_held_bytes(self, nbytes: int, pinned: bool = True) -> int:
+        """The host memory a buffer of ``nbytes`` from ``host_empty`` holds (``pinned`` as passed
+        there), what the ledger charges for it: where the device pins, the pinned allocator's
+        whole block (``pinned_block_bytes``, up to twice the bytes); else exactly ``nbytes``."""
+        return pinned_block_bytes(nbytes) if pinned and self.pins else nbytes
 
     def host_buffer_free(self, buffer: torch.Tensor) -> None:
         """A host buffer goes back to a pool: nobody may read what it holds any more."""

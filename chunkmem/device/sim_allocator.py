@@ -27,6 +27,8 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .layer import pinned_block_bytes
+
 __all__ = ["Block", "CachingAllocator", "MemoryFigures", "PinnedAllocator", "cuda_block_size", "pinned_block_size"]
 
 _MIN_BLOCK = 512
@@ -42,7 +44,7 @@ def cuda_block_size(nbytes: int) -> int:
 
 def pinned_block_size(nbytes: int) -> int:
     """The block the pinned host allocator gives a request of ``nbytes`` (the next power of two)."""
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+    return pinned_block_bytes(nbytes)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 and which go on to the disk tier, one rule for the runtime (``chunkmem.activations.offload``) and
 the planner (``chunkmem.activations.forecast``), so that a plan's disk figures are a run's.
 
-The budget holds two things: the host copies of whole storages, and the disk tier's staging window,
+The budget holds two things: the host copies of whole storages (each at what host memory holds for
+it: on a GPU a pinned block, up to twice its bytes), and the disk tier's staging window,
 two pieces through which what goes to disk is written in the forward and read back before the
 backward (one piece is filled while the other is on its way: a copy overlaps a disk transfer). A
 storage is copied to host memory when its copy fits under the budget less the window, next to the
@@ -32,8 +33,9 @@ class HostRoom:
         if budget < MIN_HOST_BUDGET:
             raise ValueError(f"a host budget of {budget} bytes is below the minimum of {MIN_HOST_BUDGET}")
         self.budget = budget
-        self.piece = min(budget // 8, _MAX_PIECE) // 8 * 8
-        """Bytes of one staging piece (the window is two), a multiple of 8."""
+        self.piece = 1 << (min(budget // 8, _MAX_PIECE).bit_length() - 1)
+        """Bytes of one staging piece (the window is two): a power of two, so that a pinned piece
+        holds no more than its bytes (``chunkmem.device.layer.pinned_block_bytes``)."""
         self.held = 0
         """Bytes of the host copies held now."""
 

@@ -145,7 +145,9 @@ class ActivationPlacement(BaseModel):
     """Cap on the host memory the ``offload`` blocks' copies take, in bytes or a string such as
     ``"8GiB"`` (at least 4 KiB). Within a training forward, in the order they are saved, storages
     are copied to host memory while their copies fit under the cap less the disk tier's staging
-    window (``placement.HostRoom``: two pieces of an eighth of the cap each, at most 32 MiB each);
+    window (``placement.HostRoom``: two pieces, each the largest power of two at most an eighth of
+    the cap, at most 32 MiB); on a GPU each copy counts as the pinned block it takes (the next power
+    of two of its bytes);
     the others are written to the disk tier's scratch directory (``ChunkPlugin(disk_dir=...)``,
     required) through that window and read back through it before the block's backward. The host
     copies and the window are accounted in the ledger (``Stats.peak_host_bytes``), the disk

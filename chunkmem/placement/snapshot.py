@@ -60,6 +60,14 @@ class ChunkSpec:
     """Bytes of the optimizer side that leave host memory when it goes to disk: the optimizer
     states, the gradient shard and, when the master is not the compute data (16-bit compute), the
     fp32 master."""
+    master_pin_slack: int = 0
+    """What a pinned host master holds beyond its bytes: on a GPU the pinned allocator's block is
+    the next power of two (``chunkmem.device.layer.pinned_block_bytes``); 0 where nothing is pinned."""
+    grad_pin_slack: int = 0
+    """The same for the pinned host gradient shard."""
+    copy_pin_slack: int = 0
+    """The same for a pinned host buffer of ``shard_copy_bytes`` (the 16-bit copy gathers read, and
+    the staging buffer a parameter shard on disk is read into or written from)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +135,16 @@ class ChunkPlacement:
         # What gathers read: the 16-bit copy, or with fp32 compute the master (in the optimizer
         # side), unless it is on disk.
         total += 0 if spec.master_is_compute else spec.shard_copy_bytes
-        return total - (spec.shard_copy_bytes if self.param_on_disk else 0)
+        return total - (spec.shard_copy_bytes if self.param_on_disk else 0) + self._pin_slack(spec)
+
+    def _pin_slack(self, spec: ChunkSpec) -> int:
+        """What the pinned ones of its host buffers hold beyond their bytes: the master and the
+        gradient shard in host memory, and the 16-bit copy gathers read; a master bound for disk is
+        not pinned (gathers read its copy, or with its parameter shard on disk, the file)."""
+        copy = 0 if spec.master_is_compute or self.param_on_disk else spec.copy_pin_slack
+        if not self.optim_on_disk:
+            return spec.master_pin_slack + spec.grad_pin_slack + copy
+        return spec.master_pin_slack if spec.master_is_compute and not self.param_on_disk else copy
 
     def disk_bytes(self, spec: ChunkSpec) -> int:
         """Bytes this chunk keeps on disk."""
@@ -175,14 +192,26 @@ class Layout:
 
     def disk_window_bytes(self, specs: tuple[ChunkSpec, ...], window: int) -> int:
         """Host bytes the disk tier steps in: ``window`` of the largest chunks on disk at once."""
-        sizes = sorted((p.disk_bytes(s) for p, s in zip(self.placements, specs, strict=True)), reverse=True)
+        # A parameter shard on disk is written from a pinned staging buffer: its whole block.
+        sizes = sorted(
+            (
+                p.disk_bytes(s) + (s.copy_pin_slack if p.param_on_disk else 0)
+                for p, s in zip(self.placements, specs, strict=True)
+            ),
+            reverse=True,
+        )
         return sum(sizes[:window])
 
     def param_read_bytes(self, specs: tuple[ChunkSpec, ...]) -> int:
         """Host bytes a gather of a parameter shard on disk reads it into: the largest one (gathers
         read one at a time)."""
         return max(
-            (s.shard_copy_bytes for p, s in zip(self.placements, specs, strict=True) if p.param_on_disk), default=0
+            (
+                s.shard_copy_bytes + s.copy_pin_slack
+                for p, s in zip(self.placements, specs, strict=True)
+                if p.param_on_disk
+            ),
+            default=0,
         )
 
 

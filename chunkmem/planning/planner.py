@@ -88,6 +88,13 @@ class PlannedAccelerator(DeviceLayer):
     def new_stream(self) -> Stream:
         return self._stream
 
+    @property
+    def pins(self) -> bool:
+        return True  # as on a GPU: host buffers that cross to the device are pinned, and kept
+
+    def host_empty(self, numel: int, dtype: torch.dtype, host: torch.device, pinned: bool = True) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=host)  # on the meta device: pinned in name only
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return True  # a run's host buffers that cross to the device are pinned
 
@@ -355,16 +362,17 @@ def _minimum_budget(
 
 
 def _activation_calls(
-    model: torch.nn.Module, plugin: ChunkPlugin, inputs: Mapping[str, Any]
+    model: torch.nn.Module, plugin: ChunkPlugin, inputs: Mapping[str, Any], layer: DeviceLayer
 ) -> tuple[tuple[BlockForecast, ...], RepeatedBlock | None]:
     """The named blocks' calls in one forward of a meta copy of ``model`` in the compute dtype (the
-    dtype its parameters have when a run computes), and the class a ``RepeatedBlocks()`` found."""
+    dtype its parameters have when a run computes), with their host copies as ``layer`` (the device
+    planned for) holds them, and the class a ``RepeatedBlocks()`` found."""
     if plugin.activations is None:
         return (), None
     local = copy.deepcopy(model).to(plugin.compute_dtype)
     config, found = resolve_blocks(local, plugin.activations)
     with torch.enable_grad():
-        return forecast(local, config, lambda: local(**inputs)), found
+        return forecast(local, config, lambda: local(**inputs), layer.host_held_bytes), found
 
 
 def _capacity_fixes(
@@ -513,7 +521,7 @@ def plan(
             f"chunk data peaks at {format_bytes(peak)} and activations at {format_bytes(non_model)}, more than the "
             f"{format_bytes(capacity)} device capacity. {describe_all(tuple(fixes))}"
         )
-    calls, repeated = _activation_calls(model, plugin, inputs)
+    calls, repeated = _activation_calls(model, plugin, inputs, target.communicator().layer)
     model_need = policy.placement_need().minimum
     auto_minimum = _auto_minimum(calls, model_need)
     if not why_not and auto_minimum is not None and budget is not None and budget < auto_minimum:

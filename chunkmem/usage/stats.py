@@ -33,7 +33,8 @@ class Stats:
     device_bytes: int = 0
     """Bytes on the compute device that ``device_budget`` governs now (as ``peak_device_bytes``)."""
     host_bytes: int = 0
-    """Accounted chunk bytes in host memory now."""
+    """Accounted chunk bytes in host memory now (on a GPU, a pinned buffer at its allocator's
+    block: the next power of two of its bytes)."""
     peak_host_bytes: int = 0
     """Highest accounted chunk bytes in host memory (never above ``host_budget``)."""
     disk_bytes: int = 0

@@ -30,7 +30,7 @@ from support.simulated import (
 )
 from support.simulated_waits import wait_sites
 
-from chunkmem import Booster, ChunkPlugin
+from chunkmem import Booster, ChunkPlugin, HostBudgetTooSmallError
 from chunkmem.device import CollectiveWaits, bf16_supported, compute_device, device_layer
 from chunkmem.device.sim_allocator import cuda_block_size, pinned_block_size
 from chunkmem.device.simulated import (
@@ -382,6 +382,42 @@ def test_the_allocator_holds_the_budget_and_what_a_step_needs_beyond_it(case: st
     assert ledger <= budget
     assert memory.peak_allocated <= budget + 2 * non_model, (memory, budget, non_model)
     assert memory.peak_reserved <= 2 * (budget + non_model), (memory, budget, non_model)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_host_ledger_charges_the_blocks_the_pinned_allocator_holds(precision: str) -> None:
+    """Every chunk offloaded to host memory and plain SGD (no optimizer state: every host byte
+    chunkmem keeps between steps is pinned, and no staging buffer is used): after two steps the
+    host ledger is what the pinned allocator holds, each buffer's power-of-two block, and what those
+    blocks add up to per chunk: the fp32 master and gradient shard, and with 16-bit compute the copy
+    gathers read. The shards' bytes are not powers of two, so the blocks hold more than them."""
+    with simulated_device() as simulator:
+        chunked, optimizer, booster = boost(
+            gpt2(),
+            lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+            process_group=Communicator(None, torch.device("cpu")),
+            precision=precision,
+            chunk_size=6_000,
+            placement=StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0),
+        )
+        train_chunked(chunked, optimizer, booster, batches(2))
+        pinned = simulator.pinned_memory()
+    copy = 2 if precision == "bf16" else 0  # bytes an element of the 16-bit copy takes
+    shards = [chunk.shard_numel for chunk in chunked.manager.chunks]
+    blocks = sum(2 * pinned_block_size(4 * n) + pinned_block_size(copy * n) for n in shards)
+    assert chunked.stats().host_bytes == pinned.allocated == blocks
+    assert blocks > sum((8 + copy) * n for n in shards)
+    # A host budget is held against the blocks: one byte less is refused before training, naming them.
+    with simulated_device(), pytest.raises(HostBudgetTooSmallError) as refused:
+        boost(
+            gpt2(),
+            lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+            process_group=Communicator(None, torch.device("cpu")),
+            precision=precision,
+            chunk_size=6_000,
+            placement=StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, host_budget=blocks - 1),
+        )
+    assert refused.value.minimum == blocks
 
 
 # --- events -----------------------------------------------------------------------------------
