@@ -21,6 +21,7 @@ from chunkmem.placement import (
     ChunkPlacement,
     ChunkSpec,
     Layout,
+    Location,
     StaticPlacementConfig,
     WorkingSet,
     load_placement_config,
@@ -409,7 +410,7 @@ class ChunkPlugin:
         layout = self._fit_to_device(layout, specs, comm)
         policy.adopt_layout(layout)
         # Frozen chunks on disk whose values lie as they are in the weights files: read there, not copied.
-        in_place = manager.choose_in_place([p.param_on_disk and p.optim_on_disk for p in layout.placements])
+        in_place = manager.choose_in_place([p.shard is Location.DISK for p in layout.placements])
         disk = self._open_disk(layout, specs, comm, stats, backing, set(in_place))
 
         places = SidePlaces(layout, disk)  # where each chunk's optimizer side lives, decided once
@@ -475,9 +476,11 @@ class ChunkPlugin:
         if nbytes == 0:
             return None
         nbytes -= sum(specs[i].shard_copy_bytes for i in in_place)
-        chunks = sum(1 for p in layout.placements if p.optim_on_disk)
-        trained = sum(1 for p, s in zip(layout.placements, specs, strict=True) if p.optim_on_disk and s.trainable)
-        params = sum(1 for p in layout.placements if p.param_on_disk)
+        chunks = sum(1 for p in layout.placements if p.optim is Location.DISK)
+        trained = sum(
+            1 for p, s in zip(layout.placements, specs, strict=True) if p.optim is Location.DISK and s.trainable
+        )
+        params = sum(1 for p in layout.placements if p.shard is Location.DISK)
         # Each chunk's master (a frozen chunk's values), gradient, states and 16-bit parameter shard
         # get a region of their own, each rounded up to a block; a frozen chunk has only the first,
         # none when read in place.
@@ -499,7 +502,7 @@ class ChunkPlugin:
                 free -= need
         agreed = torch.tensor(fits, dtype=torch.int64, device=comm.tensor_device)
         comm.all_reduce(agreed, dist.ReduceOp.MIN)
-        host = ChunkPlacement(keep_gathered=False, optim_on_device=False, shard_on_device=False)
+        host = ChunkPlacement(Location.HOST, Location.HOST)
         placements = []
         for place, spec, ok in zip(layout.placements, specs, agreed.tolist(), strict=True):
             if not ok:

@@ -27,7 +27,7 @@ import torch
 from ..ranks.comm import Communicator, PendingGather
 from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
-from ..usage.accounting import Location, MemoryLedger
+from ..usage.accounting import MemoryLedger
 from ..usage.stats import Stats
 from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkLayout, ShardPiece
@@ -37,6 +37,7 @@ from .shard import ShardStore
 from .tensor_state import TensorInfo, TensorState
 
 if TYPE_CHECKING:
+    from ..placement import ChunkPlacement
     from ..tiers.disk import SidesFile
     from .values_in_place import InPlaceShard
 
@@ -149,14 +150,14 @@ class Chunk:
 
     def close(
         self,
-        master: Location,
-        shard: Location,
+        placement: ChunkPlacement,
         values: ParamValues | None = None,
         disk: SidesFile | None = None,
         in_place: InPlaceShard | None = None,
     ) -> None:
-        """Copy this rank's slice of every parameter into a master shard placed at ``master`` and
-        point the parameters at placeholders: their original storage can be freed. The slices are
+        """Copy this rank's slice of every parameter into a master shard placed as ``placement``
+        says (``disk``: the disk tier's file, for a placement on disk) and point the parameters at
+        placeholders: their original storage can be freed. The slices are
         read from ``values`` (default: the parameters' own data, on any device), one parameter at
         a time; parameters with no element in this rank's shard are not read at all. A shard read
         ``in_place`` from the weights files copies nothing."""
@@ -169,8 +170,7 @@ class Chunk:
             self._comm.device,
             self._ledger,
             self._transfers,
-            master,
-            shard,
+            placement,
             self.layout.shard_kind,
             host_device=self._comm.host_device,
             disk=disk,

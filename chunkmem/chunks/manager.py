@@ -17,7 +17,7 @@ from ..ranks.agreement import agree
 from ..ranks.comm import Communicator
 from ..ranks.local_failures import LocalFailures
 from ..tiers.transfers import HostTransfers
-from ..usage.accounting import Location, MemoryLedger
+from ..usage.accounting import MemoryLedger
 from ..usage.memory import return_freed_host_memory
 from ..usage.stats import Stats
 from .chunk import Chunk
@@ -27,6 +27,7 @@ from .tensor_state import TensorInfo
 from .values_in_place import WeightFiles, choose_in_place
 
 if TYPE_CHECKING:
+    from ..placement import ChunkPlacement
     from ..tiers.disk import SidesFile
     from .values_in_place import InPlaceShard
 
@@ -251,7 +252,7 @@ class ChunkManager:
 
     def close_all(
         self,
-        placement: Callable[[Chunk], tuple[Location, Location]],
+        placement: Callable[[Chunk], ChunkPlacement],
         disk: Callable[[Chunk], SidesFile | None] | None = None,
         in_place: Callable[[int], InPlaceShard | None] | None = None,
     ) -> None:
@@ -260,9 +261,8 @@ class ChunkManager:
         gives (if any), its values read from ``values`` (or, ``in_place``, left in the weights
         files)."""
         for chunk in self._chunks:
-            master, shard = placement(chunk)
             sides = disk(chunk) if disk is not None else None
-            chunk.close(master, shard, self._values, sides, in_place(chunk.chunk_id) if in_place else None)
+            chunk.close(placement(chunk), self._values, sides, in_place(chunk.chunk_id) if in_place else None)
             if sides is not None:
                 return_freed_host_memory()  # what was just written to disk and freed
         self._values.release()

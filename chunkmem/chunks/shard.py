@@ -43,6 +43,7 @@ from .param_on_disk import ParamOnDisk, read_for_gather
 from .shard_kind import ShardKind, SourceKind
 
 if TYPE_CHECKING:
+    from ..placement import ChunkPlacement
     from ..ranks.local_failures import LocalFailures
     from ..tiers.disk import SidesFile
     from .chunk_layout import ShardPiece
@@ -64,23 +65,26 @@ class ShardStore:
         device: torch.device,
         ledger: MemoryLedger,
         transfers: HostTransfers,
-        master: Location,
-        shard: Location,
+        placement: ChunkPlacement,
         kind: ShardKind,
         host_device: torch.device = _CPU,
         disk: SidesFile | None = None,
         in_place: InPlaceShard | None = None,
         failures: LocalFailures | None = None,
     ) -> None:
-        if in_place is not None and (not kind.values_only or shard is not Location.DISK or disk is None):
+        # In memory the master lives with its optimizer side, on the device or the host; one whose
+        # side is on disk may go there too (``move_master_to_disk``, by ``placement.master_place``).
+        master = Location.DEVICE if placement.optim is Location.DEVICE else Location.HOST
+        shard = placement.shard
+        if (disk is not None) != (placement.optim is Location.DISK):
+            raise ValueError(
+                f"{label}: the disk tier's file is for an optimizer side placed on disk, and only for one "
+                f"(placed: {placement})"
+            )
+        if in_place is not None and (not kind.values_only or shard is not Location.DISK):
             raise ValueError(f"{label}: only a frozen chunk of values alone, its shard on disk, reads them in place")
         self._kind = kind
         self._in_place = in_place
-        if master is Location.DEVICE and shard is Location.HOST:
-            raise ValueError(
-                f"{label}: a master shard on the device is the parameter shard, so the parameter shard "
-                "cannot be on the host; offload the master (optimizer side) too"
-            )
         self._label = label
         self._numel = numel
         self._values_dtype = kind.values_dtype(compute_dtype)
@@ -93,14 +97,9 @@ class ShardStore:
         self._master_location = master
         self._host_device = host_device
         self._failures = failures
-        if disk is not None and master is not Location.HOST:
-            raise ValueError(f"{label}: only an optimizer side on the host goes on to disk")
-        if shard is Location.DISK and disk is None:
-            raise ValueError(f"{label}: a parameter shard on disk needs its optimizer side on disk too")
-        # The master goes to disk when gathers read its 16-bit copy; a master in the compute dtype
-        # (fp32 compute, or a frozen chunk's values) is what gathers read, so it stays, unless the
-        # parameter shard goes to disk too. The gradient shard goes in both cases.
-        self._disk = disk if self._needs_host_cast or shard is Location.DISK else None
+        # Where the master lives between steps is the placement's answer (``master_place``); the
+        # gradient shard of a side on disk goes there in every case.
+        self._disk = disk if placement.master_place(not self._needs_host_cast) is Location.DISK else None
         self._param_disk = (
             ParamOnDisk(label, numel, compute_dtype, disk, ledger, transfers, host_device, failures)
             if disk is not None and shard is Location.DISK and self._needs_host_cast

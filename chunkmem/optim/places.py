@@ -4,7 +4,7 @@ A chunk's optimizer side is its fp32 master shard, its gradient shard and its op
 The placement's layout puts them on the device, on the host, or (a host side under the disk tier)
 partly on disk: there the states and the gradient shard live on disk between steps, and with 16-bit
 compute the master too (``ShardStore`` moves that one; what gathers read stays in host memory
-unless the layout puts the parameter shard on disk as well, ``param_on_disk``).
+unless the layout puts the parameter shard on disk as well, ``Location.DISK``).
 
 The plugin builds this once from the layout; the chunk manager places each chunk's master and
 parameter shard by it (``placement``, ``disk_file``), and the optimizer, its state dict, its
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from chunkmem.placement import Layout
+from chunkmem.placement import ChunkPlacement, Layout
 
 from ..usage.accounting import Location
 
@@ -33,22 +33,20 @@ class SidePlaces:
 
     def __init__(self, layout: Layout, file: SidesFile | None) -> None:
         places = layout.placements
-        self._master = tuple(Location.DEVICE if p.optim_on_device else Location.HOST for p in places)
-        self._shard = tuple(
-            Location.DEVICE
-            if p.shard_on_device
-            else Location.DISK
-            if p.param_on_disk and file is not None
-            else Location.HOST
+        # No file: the sides placed on disk have no bytes to put there (frozen chunks whose values
+        # gathers read in memory), so they stay in host memory.
+        self._placements = tuple(
+            p if file is not None or p.optim is not Location.DISK else ChunkPlacement(Location.HOST, Location.HOST)
             for p in places
         )
-        self._disk = frozenset(i for i, p in enumerate(places) if p.optim_on_disk) if file is not None else frozenset()
+        self._master = tuple(Location.DEVICE if p.optim is Location.DEVICE else Location.HOST for p in self._placements)
+        self._disk = frozenset(i for i, p in enumerate(self._placements) if p.optim is Location.DISK)
         self._file = file
 
     # --- what the chunk manager places by -----------------------------------------------------
-    def placement(self, chunk: Chunk) -> tuple[Location, Location]:
-        """Where ``chunk``'s master (in memory) and its compute-dtype parameter shard live."""
-        return self._master[chunk.chunk_id], self._shard[chunk.chunk_id]
+    def placement(self, chunk: Chunk) -> ChunkPlacement:
+        """Where ``chunk``'s optimizer side and its compute-dtype parameter shard live."""
+        return self._placements[chunk.chunk_id]
 
     def disk_file(self, chunk: Chunk) -> SidesFile | None:
         """The file ``chunk``'s side goes to between steps (``None``: it stays in memory)."""

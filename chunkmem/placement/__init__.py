@@ -11,6 +11,7 @@ from .auto import AutoPolicy
 from .config import AutoPlacementConfig, PlacementConfig, StaticPlacementConfig, load_placement_config
 from .factory import make_policy
 from .gradients import GradBuffer
+from .places import PLACES, Location
 from .policy import DISK_WINDOW, BudgetNeed, BudgetTooSmallError, HostBudgetTooSmallError, PlacementPolicy
 from .repeated_blocks import RepeatedBlocks
 from .residency import DeviceResidency, Held, NoRoomError, PlanObserver
@@ -33,6 +34,7 @@ from .trace import ComputeTrace, CursorMode, Divergence, Phase, TraceCursor, Tra
 
 __all__ = [
     "DISK_WINDOW",
+    "PLACES",
     "Action",
     "ActivationChoice",
     "ActivationPlacement",
@@ -58,6 +60,7 @@ __all__ = [
     "HostBudgetTooSmallError",
     "HostRoom",
     "Layout",
+    "Location",
     "NoRoomError",
     "OpSnapshot",
     "Phase",

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Sequence
 
 from .config import AutoPlacementConfig
+from .places import Location
 from .policy import PlacementPolicy, format_bytes
 from .snapshot import ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace
@@ -141,13 +142,13 @@ class AutoPolicy(PlacementPolicy):
         for spec in order:
             place = placements[spec.chunk_id]
             if sides:
-                if place.optim_on_device or place.optim_on_disk or spec.disk_side_bytes == 0:
+                if place.optim is not Location.HOST or spec.disk_side_bytes == 0:
                     continue
-                moved = dataclasses.replace(place, optim_on_disk=True)
+                moved = dataclasses.replace(place, optim=Location.DISK)
             else:
-                if not place.optim_on_disk or place.shard_on_device or place.param_on_disk:
+                if place.optim is not Location.DISK or place.shard is not Location.HOST:
                     continue
-                moved = dataclasses.replace(place, param_on_disk=True)
+                moved = dataclasses.replace(place, shard=Location.DISK)
             placements[spec.chunk_id] = moved
             if self.host_need(Layout(tuple(placements))) <= budget:
                 return True
@@ -160,8 +161,8 @@ class AutoPolicy(PlacementPolicy):
         Chunks not decided yet count as on the host, the costlier case for working sets, so each
         check is an upper bound of the final need."""
         specs = self._specs
-        host = ChunkPlacement(keep_gathered=False, optim_on_device=False, shard_on_device=False)
-        device = ChunkPlacement(keep_gathered=False, optim_on_device=True, shard_on_device=True)
+        host = ChunkPlacement(Location.HOST, Location.HOST)
+        device = ChunkPlacement(Location.DEVICE, Location.DEVICE)
         everything = Layout(tuple(device for _ in specs))
         # Prefetch needs room for what a gather allocates: nothing when every chunk's device master
         # is the gathered chunk itself (world size 1, fp32).

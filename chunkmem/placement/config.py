@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .places import PLACES, Location
+
 __all__ = [
     "AutoPlacementConfig",
     "PlacementConfig",
@@ -158,6 +160,8 @@ class StaticPlacementConfig(_Config):
     offloaded from it: where nothing is and no ``device_budget`` is given, it is refused (see the
     README)."""
 
+    # The fractions choose each chunk's (optimizer side, parameter shard) pair; the checks below
+    # refuse the fractions that would choose a pair ``places.PLACES`` rules out, with its reason.
     @model_validator(mode="after")
     def _disk_needs_offload(self) -> StaticPlacementConfig:
         if self.offload_disk_frac > self.offload_optim_frac:
@@ -176,7 +180,8 @@ class StaticPlacementConfig(_Config):
                 raise ValueError(
                     f"offload_param_disk_frac={self.offload_param_disk_frac} is above {field}={limit}: a parameter "
                     "shard goes to disk only for a chunk whose optimizer side is on disk (offload_disk_frac) and whose "
-                    f"parameter shard is offloaded (offload_param_frac); raise {field} or lower offload_param_disk_frac"
+                    f"parameter shard is offloaded (offload_param_frac), since {PLACES[Location.HOST, Location.DISK]}; "
+                    f"raise {field} or lower offload_param_disk_frac"
                 )
         return self
 
@@ -185,9 +190,8 @@ class StaticPlacementConfig(_Config):
         if self.offload_param_frac > 0 and (self.shard_param_frac < 1 or self.offload_optim_frac < 1):
             raise ValueError(
                 f"offload_param_frac={self.offload_param_frac} needs shard_param_frac=1.0 and "
-                f"offload_optim_frac=1.0 (got {self.shard_param_frac} and {self.offload_optim_frac}): a "
-                "parameter shard can only live on the host when its master copy and optimizer state "
-                "are there too; set offload_param_frac=0 or offload the optimizer fully"
+                f"offload_optim_frac=1.0 (got {self.shard_param_frac} and {self.offload_optim_frac}): "
+                f"{PLACES[Location.DEVICE, Location.HOST]}; set offload_param_frac=0 or offload the optimizer fully"
             )
         return self
 

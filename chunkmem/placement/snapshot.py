@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .places import Location, why_not_placed
 from .trace import ComputeTrace, Phase
 
 __all__ = [
@@ -72,56 +73,49 @@ class ChunkSpec:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlacement:
-    """Where one chunk's data lives between uses; decided once, before training."""
+    """Where one chunk's data lives between uses, decided once, before training: its optimizer
+    side and its parameter shard each at a ``Location``, as ``places.PLACES`` allows."""
 
-    keep_gathered: bool
+    optim: Location
+    """Where the fp32 master shard, the gradient shard and the optimizer states live between steps:
+    the device; the host (stepped there); or disk, their ``disk_side_bytes`` in the disk tier's
+    files between steps (stepped on the host)."""
+    shard: Location
+    """Where the compute-dtype parameter shard gathers read lives: the device (the master itself,
+    cast on the fly when gathered, when the master is on the device; else a copy); the host (the
+    16-bit copy, or with fp32 compute the master); or disk, ``shard_copy_bytes`` of it read for each
+    gather and written when the optimizer step changed it."""
+    keep_gathered: bool = False
     """The full compute buffer stays on the device between uses (ZeRO-2 style)."""
-    optim_on_device: bool
-    """The fp32 master shard, gradient shard and optimizer states live on the device."""
-    shard_on_device: bool
-    """The compute-dtype parameter shard lives on the device (a copy when the master is on the
-    host; the master itself, cast on the fly when gathered, when the master is on the device)."""
-    optim_on_disk: bool = False
-    """The optimizer side is on the host, and its ``disk_side_bytes`` live on disk between steps."""
-    param_on_disk: bool = False
-    """The compute-dtype parameter shard (what gathers read: the 16-bit copy, or with fp32 compute
-    the master) lives on disk too, ``shard_copy_bytes`` of it, read for each gather and written
-    when the optimizer step changed it. Needs ``optim_on_disk`` (and so the shard off the device)."""
 
     def __post_init__(self) -> None:
-        if self.param_on_disk and not self.optim_on_disk:
+        why = why_not_placed(self.optim, self.shard, self.keep_gathered)
+        if why is not None:
             raise ValueError(
-                "ChunkPlacement: a parameter shard on disk is written by its chunk's step from disk; set "
-                "optim_on_disk=True"
+                f"ChunkPlacement(optim={self.optim.value}, shard={self.shard.value}, "
+                f"keep_gathered={self.keep_gathered}): {why}"
             )
-        if self.param_on_disk and self.shard_on_device:
-            raise ValueError("ChunkPlacement: a parameter shard on disk is off the device; set shard_on_device=False")
-        if self.optim_on_disk and self.optim_on_device:
-            raise ValueError(
-                "ChunkPlacement: an optimizer side on disk is stepped on the host; set optim_on_device=False"
-            )
-        if self.optim_on_device and not self.shard_on_device:
-            raise ValueError(
-                "ChunkPlacement: a master shard on the device serves as the parameter shard, so "
-                "shard_on_device must be True when optim_on_device is True"
-            )
-        if self.keep_gathered and not self.optim_on_device:
-            raise ValueError(
-                "ChunkPlacement: a chunk kept gathered keeps its optimizer side on the device "
-                "(as in Gemini); set optim_on_device=True"
-            )
+
+    def master_place(self, master_is_compute: bool) -> Location:
+        """Where the master lives between steps: with its optimizer side, except that on disk a
+        master in the compute dtype stays in host memory while gathers read it there (fp32
+        compute, or a frozen chunk's values), since it is the parameter shard."""
+        if self.optim is Location.DISK and master_is_compute and self.shard is not Location.DISK:
+            return Location.HOST
+        return self.optim
 
     def resident_shard_is_compute(self, spec: ChunkSpec) -> bool:
         """Whether compute-dtype shard data sits on the device between uses."""
-        if self.optim_on_device:
+        if self.optim is Location.DEVICE:
             return spec.master_is_compute
-        return self.shard_on_device
+        return self.shard is Location.DEVICE
 
     def at_rest_bytes(self, spec: ChunkSpec) -> int:
         """Device bytes this chunk holds between uses."""
-        total = spec.optim_side_bytes if self.optim_on_device else 0
-        if self.shard_on_device and not self.optim_on_device:
-            total += spec.shard_copy_bytes
+        if self.optim is Location.DEVICE:
+            total = spec.optim_side_bytes
+        else:
+            total = spec.shard_copy_bytes if self.shard is Location.DEVICE else 0
         if self.keep_gathered:
             total += self.fetch_bytes(spec, ignore_keep=True)
         return total
@@ -129,33 +123,33 @@ class ChunkPlacement:
     def host_bytes(self, spec: ChunkSpec) -> int:
         """Host bytes this chunk holds between uses: its optimizer side (less what is on disk)
         and, with 16-bit compute, the pinned 16-bit copy gathers read."""
-        if self.optim_on_device:
+        if self.optim is Location.DEVICE:
             return 0
-        total = spec.optim_side_bytes - (spec.disk_side_bytes if self.optim_on_disk else 0)
+        total = spec.optim_side_bytes - (spec.disk_side_bytes if self.optim is Location.DISK else 0)
         # What gathers read: the 16-bit copy, or with fp32 compute the master (in the optimizer
         # side), unless it is on disk.
         total += 0 if spec.master_is_compute else spec.shard_copy_bytes
-        return total - (spec.shard_copy_bytes if self.param_on_disk else 0) + self._pin_slack(spec)
+        return total - (spec.shard_copy_bytes if self.shard is Location.DISK else 0) + self._pin_slack(spec)
 
     def _pin_slack(self, spec: ChunkSpec) -> int:
         """What the pinned ones of its host buffers hold beyond their bytes: the master and the
         gradient shard in host memory, and the 16-bit copy gathers read; a master bound for disk is
         not pinned (gathers read its copy, or with its parameter shard on disk, the file)."""
-        copy = 0 if spec.master_is_compute or self.param_on_disk else spec.copy_pin_slack
-        if not self.optim_on_disk:
+        copy = 0 if spec.master_is_compute or self.shard is Location.DISK else spec.copy_pin_slack
+        if self.optim is not Location.DISK:
             return spec.master_pin_slack + spec.grad_pin_slack + copy
-        return spec.master_pin_slack if spec.master_is_compute and not self.param_on_disk else copy
+        return spec.master_pin_slack if self.master_place(spec.master_is_compute) is Location.HOST else copy
 
     def disk_bytes(self, spec: ChunkSpec) -> int:
         """Bytes this chunk keeps on disk."""
-        if not self.optim_on_disk:
+        if self.optim is not Location.DISK:
             return 0
-        return spec.disk_side_bytes + (spec.shard_copy_bytes if self.param_on_disk else 0)
+        return spec.disk_side_bytes + (spec.shard_copy_bytes if self.shard is Location.DISK else 0)
 
     def grad_buffer_bytes(self, spec: ChunkSpec) -> int:
         """Device bytes of the gradient buffer during backward (0 at world size 1 with the
         optimizer side on the device: gradients accumulate straight into the gradient shard)."""
-        if spec.gathered_is_shard and self.optim_on_device:
+        if spec.gathered_is_shard and self.optim is Location.DEVICE:
             return 0
         return spec.grad_bytes
 
@@ -195,7 +189,7 @@ class Layout:
         # A parameter shard on disk is written from a pinned staging buffer: its whole block.
         sizes = sorted(
             (
-                p.disk_bytes(s) + (s.copy_pin_slack if p.param_on_disk else 0)
+                p.disk_bytes(s) + (s.copy_pin_slack if p.shard is Location.DISK else 0)
                 for p, s in zip(self.placements, specs, strict=True)
             ),
             reverse=True,
@@ -209,7 +203,7 @@ class Layout:
             (
                 s.shard_copy_bytes + s.copy_pin_slack
                 for p, s in zip(self.placements, specs, strict=True)
-                if p.param_on_disk
+                if p.shard is Location.DISK
             ),
             default=0,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .config import StaticPlacementConfig
+from .places import Location
 from .policy import PlacementPolicy, format_bytes
 from .snapshot import BufferKind, ChunkPlacement, ChunkSpec, Layout, ReleaseSnapshot, WorkingSet
 from .trace import ComputeTrace, Phase
@@ -79,16 +80,16 @@ class StaticPolicy(PlacementPolicy):
         param_disk = self._param_disk(eligible, fraction)
         placements = []
         for spec in specs:
-            optim_on_device = spec.chunk_id not in offload_optim
-            placements.append(
-                ChunkPlacement(
-                    keep_gathered=spec.chunk_id in keep,
-                    optim_on_device=optim_on_device,
-                    shard_on_device=optim_on_device or spec.chunk_id not in offload_param,
-                    optim_on_disk=spec.chunk_id in on_disk,
-                    param_on_disk=spec.chunk_id in param_disk,
-                )
-            )
+            chunk = spec.chunk_id
+            if chunk not in offload_optim:
+                optim = Location.DEVICE
+            else:
+                optim = Location.DISK if chunk in on_disk else Location.HOST
+            if optim is Location.DEVICE or chunk not in offload_param:
+                shard = Location.DEVICE
+            else:
+                shard = Location.DISK if chunk in param_disk else Location.HOST
+            placements.append(ChunkPlacement(optim, shard, keep_gathered=chunk in keep))
         return Layout(tuple(placements))
 
     def _param_disk(self, eligible: Sequence[ChunkSpec], fraction: float) -> set[int]:

@@ -12,18 +12,9 @@ from __future__ import annotations
 import enum
 from collections import Counter
 
+from ..placement.places import Location
+
 __all__ = ["Location", "MemoryKind", "MemoryLedger"]
-
-
-class Location(enum.Enum):
-    """Where a buffer lives. On a machine without a GPU the compute device is the CPU, and
-    "device" and "host" are still kept apart so that every path runs and is accounted."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    """Files under ``ChunkPlugin(disk_dir=...)``: optimizer sides between steps (the disk tier), and
-    offloaded activations beyond ``ActivationPlacement.host_budget``."""
 
 
 class MemoryKind(enum.Enum):

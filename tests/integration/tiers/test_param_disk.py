@@ -262,7 +262,7 @@ def test_the_static_fraction_is_validated_naming_the_field_and_takes_frozen_chun
         offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=0.5
     )
     layout = StaticPolicy(config).layout(specs, [])
-    assert [p.param_on_disk for p in layout.placements] == [False, True] * 4  # the frozen half
+    assert [p.shard is Location.DISK for p in layout.placements] == [False, True] * 4  # the frozen half
     assert layout.disk_bytes(tuple(specs)) == 8 * 400 + 4 * 200
     # A host budget the sides on disk alone do not meet (8 copies of 200 bytes stay, and 3 x 400 stream
     # through the step): the refusal names a parameter fraction that does, and that fraction fits.

@@ -538,7 +538,7 @@ def test_masters_fall_back_to_the_host_when_the_device_has_no_room(
     chunks = chunked.manager.chunks
     assert all(c.store.master_location is Location.HOST for c in chunks)
     assert sum("no room on the device" in r.message for r in caplog.records) == len(chunks)
-    assert all(not p.optim_on_device for p in chunked.runtime.policy.layout_decided.placements)
+    assert all(p.optim is not Location.DEVICE for p in chunked.runtime.policy.layout_decided.placements)
     losses = train_chunked(chunked, optimizer, booster, data)
     assert losses == tolerance(chunked, rtol=1e-5, atol=1e-6).approx(expected)
     assert_state_close(chunked.state_dict(), ref.state_dict(), *tolerance(chunked, rtol=1e-4, atol=1e-5))

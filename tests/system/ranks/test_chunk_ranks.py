@@ -25,6 +25,7 @@ from support.distributed import run_ranks
 from chunkmem import IllegalTransition, Stats
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.tensor_state import TensorState
+from chunkmem.placement import ChunkPlacement
 from chunkmem.ranks.comm import Communicator, PendingGather
 from chunkmem.usage.accounting import MemoryKind, MemoryLedger
 
@@ -48,7 +49,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     reference = flat_padded(originals, capacity)
     chunk, infos, ledger, stats = build(comm, capacity, params)
     assert chunk.shard_numel == shard and chunk.shard_range == (begin, end)
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     assert_placeholders(params)
     torch.testing.assert_close(chunk.store.master, reference[begin:end], rtol=0, atol=0)
     out["master_shard"] = chunk.store.master.tolist()  # plain lists: tensors do not outlive the rank
@@ -106,7 +107,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     # reduced into the host shard.
     host_params = make_params()
     host, host_infos, host_ledger, _ = build(comm, capacity, host_params, chunk_id=5)
-    host.close(HOST, HOST)
+    host.close(ChunkPlacement(HOST, HOST))
     assert host_ledger.bytes(DEV, MemoryKind.MASTER) == 0
     assert host_ledger.bytes(HOST, MemoryKind.MASTER) == shard * 4
     assert host_ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
@@ -128,7 +129,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     bf_params = make_params(seed=1)
     bf_originals = [p.detach().clone() for p in bf_params]
     bf, _, bf_ledger, _ = build(comm, capacity, bf_params, dtype=torch.bfloat16)
-    bf.close(DEV, DEV)
+    bf.close(ChunkPlacement(DEV, DEV))
     torch.testing.assert_close(bf.store.master, flat_padded(bf_originals, capacity)[begin:end], rtol=0, atol=0)
     bf.gather(async_op=False)
     assert_values(bf_params, bf_originals, torch.bfloat16)
@@ -140,7 +141,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     for shard_at, chunk_id in ((HOST, 6), (DEV, 7)):
         placed_params = make_params(seed=1)
         placed, _, placed_ledger, _ = build(comm, capacity, placed_params, dtype=torch.bfloat16, chunk_id=chunk_id)
-        placed.close(HOST, shard_at)
+        placed.close(ChunkPlacement(HOST, shard_at))
         assert placed_ledger.bytes(DEV, MemoryKind.SHARD_COPY) == (shard * 2 if shard_at is DEV else 0)
         placed.gather(async_op=True)
         placed.wait()
@@ -152,7 +153,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     # A frozen chunk refuses gradients, naming the chunk, parameter and rank.
     frozen_params = make_params(trainable=False, seed=2)
     frozen, frozen_infos, frozen_ledger, _ = build(comm, capacity, frozen_params, trainable=False, chunk_id=4)
-    frozen.close(DEV, DEV)
+    frozen.close(ChunkPlacement(DEV, DEV))
     assert frozen_ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
     frozen.gather(async_op=False)
     with pytest.raises(RuntimeError, match=rf"chunk 4 \(rank {rank}\): cannot accumulate 'p0'; .*do not require grad"):

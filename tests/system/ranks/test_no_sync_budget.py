@@ -114,7 +114,7 @@ def _room_for_every_buffer() -> int:
         gpt2(), adamw_two_groups, precision="fp32", chunk_size=CHUNK, placement=PLACEMENTS["auto"](None)
     )
     policy = chunked.runtime.policy
-    host = ChunkPlacement(keep_gathered=False, optim_on_device=False, shard_on_device=False)
+    host = ChunkPlacement(Location.HOST, Location.HOST)
     layout = Layout(tuple(host for _ in policy.layout_decided.placements))
     return policy.minimum_budget(layout, policy.working_sets, accumulate=True).minimum
 

@@ -25,6 +25,7 @@ from support.chunk_helpers import (
 from chunkmem import IllegalTransition, Stats
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.tensor_state import TensorInfo, TensorState
+from chunkmem.placement import ChunkPlacement
 from chunkmem.ranks.comm import Communicator, PendingGather
 from chunkmem.usage.accounting import Location, MemoryKind, MemoryLedger
 
@@ -85,7 +86,7 @@ def test_append_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match=r"'b' \(5 elements\) does not fit in the 4 elements left"):
         chunk.append(TensorInfo("b", b, 4, 1, 6, 5, b.shape, True))
     assert chunk.used == 6 and len(chunk.tensors) == 1
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     c = torch.nn.Parameter(torch.zeros(1))
     with pytest.raises(RuntimeError, match=r"chunk 4 \(rank 0\): cannot append parameter 'c'; the chunk is closed"):
         chunk.append(TensorInfo("c", c, 4, 1, 6, 1, c.shape, True))
@@ -107,7 +108,7 @@ def test_close_gather_release_w1(dtype: torch.dtype, placement: tuple[Location, 
     originals = [p.detach().clone() for p in params]
     chunk, _, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=dtype)
     assert chunk.used == USED and chunk.shard_numel == capacity and chunk.shard_range == (0, capacity)
-    chunk.close(*placement)
+    chunk.close(ChunkPlacement(*placement))
     assert chunk.closed
     assert_placeholders(params)
     # The fp32 master holds the originals exactly (the compute dtype does not touch the master).
@@ -141,7 +142,7 @@ def test_gathered_views_write_through_and_share_storage_w1() -> None:
     """Parameters are views into one flat buffer, back to back."""
     params = make_params()
     chunk, *_ = build(Communicator(None, CPU), 25, params, dtype=torch.bfloat16)
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     chunk.gather(async_op=False)
     base = params[0].data.data_ptr()
     offsets = [0, 6, 17]
@@ -155,7 +156,7 @@ def test_a_host_master_gathers_its_16_bit_copy_w1() -> None:
     originals = [p.detach().clone() for p in params]
     capacity = 25
     chunk, _, ledger, stats = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
-    chunk.close(HOST, HOST)
+    chunk.close(ChunkPlacement(HOST, HOST))
     assert ledger.bytes(DEV) == 0
     # A pinned-style host cast of the master in compute dtype.
     assert ledger.bytes(HOST, MemoryKind.SHARD_COPY) == capacity * 2
@@ -168,7 +169,7 @@ def test_a_host_master_gathers_its_16_bit_copy_w1() -> None:
 def test_placement_master_on_device_shard_on_host_is_rejected() -> None:
     chunk, *_ = build(Communicator(None, CPU), 25, make_params())
     with pytest.raises(ValueError, match="cannot be on the host"):
-        chunk.close(DEV, HOST)
+        chunk.close(ChunkPlacement(DEV, HOST))
 
 
 @pytest.mark.parametrize("master", [DEV, HOST], ids=["device-master", "host-master"])
@@ -176,7 +177,7 @@ def test_gradients_accumulate_and_reduce_w1(master: Location) -> None:
     capacity = 25
     params = make_params()
     chunk, infos, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
-    chunk.close(master, master)
+    chunk.close(ChunkPlacement(master, master))
     chunk.gather(async_op=False)
     g1, g2 = grads_for(0), grads_for(1)
     buffer_bytes = 0 if master is DEV else capacity * 4  # device master: the shard is the buffer
@@ -221,7 +222,7 @@ def test_gradients_accumulate_and_reduce_w1(master: Location) -> None:
 def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
     params = make_params()
     chunk, infos, _, _ = build(Communicator(None, CPU), 25, params, chunk_id=3)
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     # Whether it is gathered is the device residency's to check (test_residency.py); the chunk
     # refuses what its tensors cannot do.
     with pytest.raises(RuntimeError, match=r"chunk 3 \(rank 0\): has no gather in flight"):
@@ -265,7 +266,7 @@ def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
 def test_frozen_chunk_has_no_gradients_w1() -> None:
     params = make_params(trainable=False)
     chunk, infos, ledger, _ = build(Communicator(None, CPU), 25, params, trainable=False, chunk_id=5)
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
     assert chunk.grad_bytes == 0
     chunk.gather(async_op=False)
@@ -283,7 +284,7 @@ def test_scalar_parameter_w1() -> None:
     scalar = torch.nn.Parameter(torch.tensor(2.5))
     vector = torch.nn.Parameter(torch.arange(3.0))
     chunk, *_ = build(Communicator(None, CPU), 5, [scalar, vector])
-    chunk.close(DEV, DEV)
+    chunk.close(ChunkPlacement(DEV, DEV))
     assert scalar.shape == torch.Size([]) and torch.isnan(scalar.data)
     chunk.gather(async_op=False)
     assert scalar.item() == 2.5

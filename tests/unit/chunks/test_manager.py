@@ -18,6 +18,7 @@ from support.tier import examples
 from chunkmem import Stats, UnmanageableParameter
 from chunkmem.chunks.manager import ChunkManager
 from chunkmem.chunks.search import search_chunk_size
+from chunkmem.placement import ChunkPlacement
 from chunkmem.ranks.comm import Communicator
 from chunkmem.usage.accounting import Location, MemoryKind
 
@@ -71,7 +72,7 @@ def reference_pack(
 
 
 def close_all(m: ChunkManager, master: Location = DEV, shard: Location = DEV) -> None:
-    m.close_all(lambda chunk: (master, shard))
+    m.close_all(lambda chunk: ChunkPlacement(master, shard))
 
 
 # --- grouping and layout -------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_bytes_after_close_all_on_host(dtype: torch.dtype) -> None:
 def test_close_all_places_each_chunk_as_asked() -> None:
     world = 2
     m, capacities, _ = build_model(world, torch.float32)
-    m.close_all(lambda chunk: (DEV, DEV) if chunk.chunk_id < 2 else (HOST, HOST))
+    m.close_all(lambda chunk: ChunkPlacement(DEV, DEV) if chunk.chunk_id < 2 else ChunkPlacement(HOST, HOST))
     for chunk in m.chunks:
         assert chunk.store.master_location is (DEV if chunk.chunk_id < 2 else HOST)
     host = sum(c // world * 4 for c in capacities[2:])

@@ -40,6 +40,7 @@ from chunkmem.placement import (
     ComputeTrace,
     FetchPlan,
     Layout,
+    Location,
     OpSnapshot,
     PlacementPolicy,
     ReleaseSnapshot,
@@ -213,9 +214,7 @@ def static_layout(specs: Sequence[ChunkSpec], **kwargs: Any) -> Layout:
 
 def test_static_default_is_zero3() -> None:
     layout = static_layout(catalog(4))
-    assert all(
-        p == ChunkPlacement(keep_gathered=False, optim_on_device=True, shard_on_device=True) for p in layout.placements
-    )
+    assert all(p == ChunkPlacement(Location.DEVICE, Location.DEVICE) for p in layout.placements)
     assert layout.at_rest_bytes(catalog(4)) == 4 * OPTIM
 
 
@@ -223,7 +222,7 @@ def test_static_shard_half_keeps_first_half_gathered() -> None:
     specs = catalog(4)
     layout = static_layout(specs, shard_param_frac=0.5)
     assert [p.keep_gathered for p in layout.placements] == [True, True, False, False]
-    assert all(p.optim_on_device and p.shard_on_device for p in layout.placements)
+    assert all(p.optim is Location.DEVICE and p.shard is Location.DEVICE for p in layout.placements)
     assert layout.at_rest_bytes(specs) == 4 * OPTIM + 2 * S
 
 
@@ -248,8 +247,8 @@ def test_static_offload_optim_all() -> None:
     specs = catalog(4)
     layout = static_layout(specs, offload_optim_frac=1.0)
     for p in layout.placements:
-        assert not p.optim_on_device
-        assert p.shard_on_device  # parameter shard copy stays on the device
+        assert p.optim is not Location.DEVICE
+        assert p.shard is Location.DEVICE  # parameter shard copy stays on the device
         assert not p.keep_gathered
     assert layout.at_rest_bytes(specs) == 4 * SHARD
 
@@ -257,31 +256,31 @@ def test_static_offload_optim_all() -> None:
 def test_static_offload_optim_and_params_all() -> None:
     specs = catalog(4)
     layout = static_layout(specs, offload_optim_frac=1.0, offload_param_frac=1.0)
-    assert all(p == ChunkPlacement(False, False, False) for p in layout.placements)
+    assert all(p == ChunkPlacement(Location.HOST, Location.HOST) for p in layout.placements)
     assert layout.at_rest_bytes(specs) == 0
 
 
 def test_static_offload_params_half() -> None:
     layout = static_layout(catalog(4), offload_optim_frac=1.0, offload_param_frac=0.5)
-    assert [p.shard_on_device for p in layout.placements] == [False, False, True, True]
-    assert not any(p.optim_on_device for p in layout.placements)
+    assert [p.shard is Location.DEVICE for p in layout.placements] == [False, False, True, True]
+    assert not any(p.optim is Location.DEVICE for p in layout.placements)
 
 
 def test_static_offload_optim_half() -> None:
     layout = static_layout(catalog(4), offload_optim_frac=0.5)
-    assert [p.optim_on_device for p in layout.placements] == [False, False, True, True]
+    assert [p.optim is Location.DEVICE for p in layout.placements] == [False, False, True, True]
 
 
 def test_static_kept_chunks_are_never_offloaded() -> None:
     layout = static_layout(catalog(4), shard_param_frac=0.5, offload_optim_frac=1.0)
     assert [p.keep_gathered for p in layout.placements] == [True, True, False, False]
-    assert [p.optim_on_device for p in layout.placements] == [True, True, False, False]
+    assert [p.optim is Location.DEVICE for p in layout.placements] == [True, True, False, False]
 
 
 def test_static_optim_fraction_is_of_all_chunk_memory() -> None:
     # Half the memory is kept gathered; a quarter of all memory is one of the two sharded chunks.
     layout = static_layout(catalog(4), shard_param_frac=0.5, offload_optim_frac=0.25)
-    assert [p.optim_on_device for p in layout.placements] == [True, True, False, True]
+    assert [p.optim is Location.DEVICE for p in layout.placements] == [True, True, False, True]
 
 
 @pytest.mark.parametrize(
@@ -318,8 +317,8 @@ def test_adopt_layout_checks_length() -> None:
     policy = static(None)
     policy.layout(catalog(2), [])
     with pytest.raises(ValueError, match="2 chunks"):
-        policy.adopt_layout(Layout((ChunkPlacement(False, True, True),)))
-    host = Layout((ChunkPlacement(False, False, False),) * 2)
+        policy.adopt_layout(Layout((ChunkPlacement(Location.DEVICE, Location.DEVICE),)))
+    host = Layout((ChunkPlacement(Location.HOST, Location.HOST),) * 2)
     policy.adopt_layout(host)
     assert policy.layout_decided == host
 
@@ -401,8 +400,10 @@ def test_auto_layout_puts_optimizer_sides_on_device_while_they_fit(
     specs = catalog(4, optim=300, grad=grad)
     policy = auto(budget, max_prefetch, capacity=11600, warmup_non_model_data_ratio=0.75)
     layout = policy.layout(specs, [WorkingSet(s.label, (s.chunk_id,)) for s in specs])
-    assert [p.optim_on_device for p in layout.placements] == [i < on_device for i in range(4)]
-    assert all(p.shard_on_device == p.optim_on_device and not p.keep_gathered for p in layout.placements)
+    assert [p.optim is Location.DEVICE for p in layout.placements] == [i < on_device for i in range(4)]
+    assert all(
+        (p.shard is Location.DEVICE) == (p.optim is Location.DEVICE) and not p.keep_gathered for p in layout.placements
+    )
     assert layout.at_rest_bytes(specs) == 300 * on_device
 
 

@@ -37,6 +37,7 @@ from chunkmem.placement import (
     ChunkSpec,
     ComputeTrace,
     FetchPlan,
+    Location,
     OpSnapshot,
     Phase,
     PlacementPolicy,
@@ -134,7 +135,7 @@ def check_layout(policy: PlacementPolicy, specs: Sequence[ChunkSpec], layout: st
     on_device = layout == "optim-on-device"
     for placement in decided.placements:
         assert not placement.keep_gathered
-        assert placement.optim_on_device is on_device
+        assert (placement.optim is Location.DEVICE) is on_device
     assert decided.at_rest_bytes(tuple(specs)) == at_rest
 
 
