@@ -1,9 +1,9 @@
 """Every wait of the library removed alone, and what the simulated device says of each run.
 
-The waits are those the AST scan of ``tests/support/simulated_waits.py`` finds (every call of a wait-like
-method in ``chunkmem`` outside the device layer, each call site apart). For each one that
-``tests/system/simulated/test_simulated_device.py`` says a scenario needs (``CATCHES``), the function holding it is
-compiled again without that one call, and the scenario runs on the simulated asynchronous device
+The waits are those the AST scan of ``tests/support/simulated_waits.py`` finds (every call of a
+wait-like method in ``chunkmem`` outside the device layer, each call site apart). For each one that
+``tests/support/simulated_device_helpers.py`` says a scenario needs (``CATCHES``), the function
+holding it is compiled again without that one call, and the scenario runs on the simulated asynchronous device
 ``--runs`` times (at one rank or two, as the scenario is). A run counts as caught only when the
 happens-before checker raised (``SimulatedDeviceError``): numbers that differ from the synchronous
 run's, or another exception, are not the checker's verdict and count as missed. The waits the scan
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "system" / "simulated")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("CHUNKMEM_CHECK_PLANS", "1")
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from support.simulated import SCENARIOS, caught_on_every_rank
-    from test_simulated_device import CATCHES, NOT_ORDERING, sites
+    from support.simulated_device_helpers import CATCHES, NOT_ORDERING, sites
 
     entries: list[dict[str, Any]] = []
     rows: list[list[Any]] = []
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         f"and the simulated scenario that needs it, run {args.runs} times: a run counts only when the "
         f"happens-before checker raised, not when numbers differed. {len(NOT_ORDERING)} more calls the scan "
         "finds order nothing a run's data needs (timing, accounting, a failure's report, no caller); "
-        "tests/system/simulated/test_simulated_device.py says why for each."
+        "tests/support/simulated_device_helpers.py says why for each."
     )
     write_json(
         "wait_removal",

@@ -19,9 +19,6 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # for ``import support``
 KINDS = ("unit", "integration", "system")
-# A test module may import another's pieces by its name (``from test_peft import plain_peft``), as
-# when the tests were one folder: every test folder is on the path, for forked and spawned ranks too.
-sys.path[1:1] = sorted({str(path.parent) for kind in KINDS for path in (TESTS / kind).rglob("test_*.py")})
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Every multi-rank test agrees each placement plan across ranks: a rank-local input to a decision
 # fails the test at the op where the plans first differ.

@@ -623,6 +623,12 @@ class Simulator:
                 fresh.allocated_on = HOST
                 if pinned:
                     fresh.block = self.pinned.allocate(after, self._passed)
+                # The memory is the allocating thread's from now on: a thread still using the
+                # buffer from before the free (a write to disk nobody waited for) touches memory
+                # handed out again, whether it ran before the free, between, or after this.
+                actor = self.host_actor()
+                self._issue(actor)
+                self._made(fresh, actor, "resize_ (allocates it again)")
             else:
                 fresh.allocated_on = self.current()
                 fresh.block = self.allocator.allocate(after, fresh.allocated_on, self._passed)
@@ -720,6 +726,24 @@ class Simulator:
         else:
             entry.reads[actor] = use
 
+    def _refuse_views_of_freed(self, name: str, args: tuple[Any, ...]) -> None:
+        """A view of memory freed by ``resize_(0)`` is where a use after free starts, though a view
+        touches no memory: PyTorch refuses to make one (the storage has no bytes), and on a thread
+        whose future nobody reads that refusal would pass unseen."""
+        touched: list[tuple[torch.Tensor, bool]] = []
+        for value in args:
+            _tensors(value, False, touched)
+        with self._lock:
+            for tensor, _ in touched:
+                key = _key(tensor)
+                entry = self._storages.get(key) if key is not None and tensor.numel() else None
+                if entry is not None and not entry.ref.expired() and entry.freed_by is not None:
+                    self._fail(
+                        f"simulated device: {name} (a view) on the {self.host_actor()} uses a buffer whose memory "
+                        f"the {entry.freed_by} freed (untyped_storage().resize_(0)) and did not allocate again: a "
+                        "use after free"
+                    )
+
     def host_read(self, tensor: torch.Tensor, op: str) -> None:
         """The host reads ``tensor``'s values without an op the mode sees (``tolist()``,
         ``numpy()``): a read by the host (a host buffer, or on a pool task), else, as the blocking
@@ -735,6 +759,7 @@ class Simulator:
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = _op_info(func)
         if info.view:
+            self._refuse_views_of_freed(info.name, args)
             return func(*args, **kwargs)
         if info.collective is not None:
             return self._collective(func, info.collective, args, kwargs)

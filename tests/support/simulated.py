@@ -404,9 +404,8 @@ def _activation_auto(rank: int, world_size: int) -> dict[str, Any]:
 def _values_in_place(rank: int, world_size: int) -> dict[str, Any]:
     """A frozen bf16 base read in place from its safetensors file by the disk tier's threads for
     every gather, adapters trained; the full state read at the end reads the base in place too."""
-    from test_values_in_place import BASE, CHUNK, tiny, write_weights
-
     from chunkmem.placement import StaticPlacementConfig as Static
+    from support.values_in_place_helpers import BASE, CHUNK, tiny, write_weights
 
     with tempfile.TemporaryDirectory() as scratch:
         weights = write_weights(Path(scratch), torch.bfloat16)

@@ -18,9 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.distributed import run_ranks
-from support.models import adamw_two_groups, as_reference, boost, device_of
-from test_activation_budget import (
+from support.activation_budget_helpers import (
     BATCH,
     BLOCKS,
     PER_BLOCK,
@@ -33,8 +31,10 @@ from test_activation_budget import (
     _plain,
     _recomputed,
 )
-from test_activation_disk import _to_disk
-from test_activations import _assert_identical, saved_storages
+from support.activation_disk_helpers import _to_disk
+from support.activations_helpers import _assert_identical, saved_storages
+from support.distributed import run_ranks
+from support.models import adamw_two_groups, as_reference, boost, device_of
 
 from chunkmem import BudgetTooSmallError, ChunkPlugin, Plan, plan
 from chunkmem.placement import ActivationChoice, ActivationPlacement, CopyRates, StaticPlacementConfig
@@ -194,7 +194,7 @@ def test_the_small_storages_of_offloaded_calls_are_in_the_choice_and_its_plan_tr
     leave it there are not planned into room for one block and two of them; the plan trains
     within the budget, bit for bit as plain PyTorch (with the calls it recomputes checkpointed), and
     the planner makes the same plan."""
-    from test_activation_budget import _recomputed, _train
+    from support.activation_budget_helpers import _recomputed, _train
 
     small = BATCH * WIDTH * 4  # a call's input, fp32 (a saved-tensor hooks count: PER_BLOCK's x)
     budget = _model_minimum() + PER_BLOCK + 2 * small
@@ -214,7 +214,7 @@ def test_the_measuring_steps_fetches_find_room_at_model_data_and_one_call() -> N
     filled by them. Model data's least budget and one call's saved bytes (a saved-tensor hooks
     count) train from the first step, within the budget, bit for bit as plain PyTorch (with the
     calls the plan recomputes checkpointed)."""
-    from test_activation_budget import _recomputed, _train
+    from support.activation_budget_helpers import _recomputed, _train
 
     budget = _model_minimum(optim_on_host=True) + PER_BLOCK
     run = _train(budget, ActivationPlacement(auto=["Block"]), optim_on_host=True)
@@ -229,7 +229,7 @@ def test_a_measured_fetch_without_room_for_the_small_tensors_beside_it_is_refuse
     budget that holds model data and one call (the plan's least, not refused by the forward) but not
     those is refused when that fetch finds no room, naming model data, one call and the three
     inputs; that budget trains, one byte less is refused with it."""
-    from test_activation_budget import _boosted, _train
+    from support.activation_budget_helpers import _boosted, _train
 
     small = BATCH * WIDTH * 4  # a call's input, fp32 (a saved-tensor hooks count: PER_BLOCK's x)
     placement = ActivationPlacement(auto=["Block"], min_offload_bytes=small + 1)
@@ -284,7 +284,7 @@ def test_auto_offloaded_calls_beyond_the_host_budget_go_to_disk_bit_for_bit(tmp_
 
 def _two_ranks(rank: int, world_size: int, disk: str) -> None:
     """Each rank's half of the batch saves what the whole batch does at one rank."""
-    from test_activation_budget import _train
+    from support.activation_budget_helpers import _train
 
     run = _prefetching(rank, world_size, HOST, disk)
     assert (run["plan"].choices, run["plan"].prefetch) == ((OFF, OFF, OFF, KEEP), 1)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.activations_helpers import _assert_identical
 from support.models import adamw_two_groups, as_reference, batches, boost, device_of, enable_checkpointing, gpt2
 from support.tier import slow_cases
-from test_activations import _assert_identical
 from transformers import DynamicCache
 
 from chunkmem import ChunkedModel, NotSupportedError

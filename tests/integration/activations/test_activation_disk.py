@@ -16,26 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
+from support.activation_disk_helpers import _to_disk
+from support.activations_helpers import (
+    STEPS,
+    Block,
+    Stack,
+    _assert_identical,
+    _data,
+    _loss,
+    _plain,
+    _trained,
+    saved_storages,
+)
 from support.distributed import run_ranks
 from support.models import adamw_two_groups, as_reference, batches, boost, gpt2, lm_loss, train_accumulating
-from test_activations import STEPS, Block, Stack, _assert_identical, _data, _loss, _plain, _trained, saved_storages
 
 from chunkmem import ChunkPlugin, DiskTierError, plan
 from chunkmem.placement import ActivationPlacement
-
-
-def _to_disk(sizes: list[int], budget: int) -> int:
-    """The README's rule: in the order saved, a storage is copied to host memory while the copies
-    fit the budget less the staging window (two pieces of an eighth of it, rounded down to 8
-    bytes); the others go to disk."""
-    window = 2 * (budget // 8 // 8 * 8)
-    held = disk = 0
-    for nbytes in sizes:
-        if held + nbytes <= budget - window:
-            held += nbytes
-        else:
-            disk += nbytes
-    return disk
 
 
 def _stack_sizes() -> list[int]:

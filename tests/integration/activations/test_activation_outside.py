@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.activations_helpers import _assert_identical, _saved_bytes
 from support.distributed import run_ranks
 from support.models import (
     adamw_two_groups,
@@ -25,9 +26,8 @@ from support.models import (
     train_chunked,
     train_reference,
 )
+from support.plan_activations_helpers import _lm_plan, _lm_run
 from support.tier import slow_cases
-from test_activations import _assert_identical, _saved_bytes
-from test_plan_activations import _lm_plan, _lm_run
 
 from chunkmem import BudgetTooSmallError, NotSupportedError
 from chunkmem.placement import ActivationChoice, ActivationPlacement, BlockPlacement, StaticPlacementConfig

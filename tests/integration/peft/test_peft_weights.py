@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.distributed import run_ranks
 from support.models import batches, llama
-from test_param_disk import ON_DISK
-from test_peft import DTYPES, adamw, plain_peft, train
+from support.param_disk_helpers import ON_DISK
+from support.peft_helpers import DTYPES, adamw, plain_peft, train
 
 from chunkmem import Booster, ChunkPlugin, MaterializeError
 from chunkmem.usage.accounting import Location, MemoryKind

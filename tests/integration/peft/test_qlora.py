@@ -28,6 +28,7 @@ import torch
 from support.distributed import run_ranks
 from support.models import batches
 from support.paths import ROOT
+from support.peft_helpers import adapter_files
 from support.qlora_models import (
     adamw,
     analytic_quantized_bytes,
@@ -44,7 +45,6 @@ from support.qlora_models import (
     train,
     with_adapter,
 )
-from test_peft import adapter_files
 
 from chunkmem import Booster, ChunkPlugin, NotSupportedError, StepCounters, UnmanageableParameter, plan
 from chunkmem.placement import AutoPlacementConfig, StaticPlacementConfig
@@ -456,7 +456,7 @@ def test_a_double_quantized_base_from_pretrained_trains_like_plain_peft_and_copi
 
 def _killed_job(rank: int, world_size: int, out: str) -> None:
     """Step 0 with the base on disk, a sharded checkpoint, then step 1, killed in its backward."""
-    from test_killed_resume import _checkpoint_digest, _KillInBackward
+    from support.killed_resume_helpers import _checkpoint_digest, _KillInBackward
 
     chunked, optimizer, booster = _boost(quantized_llama(), "base-on-disk", Path(out) / "scratch")
     data = batches(STEPS)
@@ -477,7 +477,7 @@ def test_a_job_killed_mid_step_resumes_from_its_checkpoint_as_the_uninterrupted_
     value, the base's bytes included, comes from the checkpoint) loads the checkpoint saved before
     and trains on exactly as the uninterrupted run; the killed job's scratch goes at the next boost."""
     from support.distributed import RankFailure
-    from test_killed_resume import _checkpoint_digest, _scratch
+    from support.killed_resume_helpers import _checkpoint_digest, _scratch
 
     (tmp_path / "scratch").mkdir()
     with pytest.raises(RankFailure, match=r"exit code -9"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from support.distributed import run_ranks
 from support.models import batches
-from test_param_disk import CHUNK, IN_RAM, ON_DISK, boosted, train_counted
-from test_peft import STEPS, assert_same_adapter, assert_same_states, lora_model, plain_peft
+from support.param_disk_helpers import CHUNK, IN_RAM, ON_DISK, boosted, train_counted
+from support.peft_helpers import STEPS, assert_same_adapter, assert_same_states, lora_model, plain_peft
 
 from chunkmem import ChunkPlugin, plan
 from chunkmem.placement import StaticPlacementConfig

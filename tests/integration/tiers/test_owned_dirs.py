@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.disk_tier_helpers import ON_DISK, _boost, _scratch, _train
 from support.distributed import run_ranks
 from support.forked import Running, run_script, start_script
-from test_disk_tier import ON_DISK, _boost, _scratch, _train
 
 _SCRATCH = """
 import os, signal, sys, time

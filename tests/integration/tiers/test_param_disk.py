@@ -26,9 +26,10 @@ import torch
 from support.disk_faults import parameter_writes_fail
 from support.distributed import run_ranks
 from support.models import batches, gpt2
-from test_peft import STEPS, lora_model, plain_peft, steps_on, train
+from support.param_disk_helpers import CHUNK, IN_RAM, ON_DISK, assert_same_states, boosted, train_counted
+from support.peft_helpers import STEPS, lora_model, plain_peft, steps_on, train
 
-from chunkmem import Booster, ChunkPlugin, DiskTierError, HostBudgetTooSmallError, plan
+from chunkmem import ChunkPlugin, DiskTierError, HostBudgetTooSmallError, plan
 from chunkmem.chunks.param_on_disk import ParamOnDisk, ParamOnDiskState
 from chunkmem.placement import AutoPlacementConfig, ChunkSpec, StaticPlacementConfig, StaticPolicy
 from chunkmem.placement import HostBudgetTooSmallError as PlacementHostBudgetTooSmall
@@ -36,38 +37,11 @@ from chunkmem.tiers.transfers import HostTransfers
 from chunkmem.usage.accounting import Location, MemoryKind, MemoryLedger
 from chunkmem.usage.stats import Stats
 
-ON_DISK = StaticPlacementConfig(
-    offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0, offload_param_disk_frac=1.0, max_prefetch=1
-)
-IN_RAM = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, max_prefetch=1)
-CHUNK = 16_384  # GPT-2 2x64's largest parameter (the embedding): every chunk is as large
-
-
-def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-
-
-def boosted(model: torch.nn.Module, placement: Any, precision: str, disk_dir: Any) -> tuple[Any, Any, Booster]:
-    booster = Booster(ChunkPlugin(placement=placement, precision=precision, chunk_size=CHUNK, disk_dir=disk_dir))
-    chunked, optimizer, *_ = booster.boost(model, adamw(model))
-    return chunked, optimizer, booster
-
 
 def plain_full(precision: str, data: Sequence[torch.Tensor], world_size: int = 1) -> tuple[list[list[float]], Any]:
     """Plain PyTorch full fine-tune, chunkmem's recipe (``plain_peft`` with every parameter trained;
     the offloaded masters step on the host)."""
     return plain_peft(precision, data, torch.device("cpu"), world_size, build=gpt2)
-
-
-def train_counted(
-    chunked: Any, optimizer: Any, booster: Booster, data: Sequence[torch.Tensor], rank: int = 0, world: int = 1
-) -> tuple[list[float], list[Any]]:
-    """Each step's loss on this rank's share, and ``stats()`` before and after every step."""
-    stats, losses = [chunked.stats()], []
-    for ids in data:
-        losses += train(chunked, optimizer, booster, [ids], rank, world)
-        stats.append(chunked.stats())
-    return losses, stats
 
 
 def assert_analytic_traffic(chunked: Any, stats: list[Any]) -> None:
@@ -92,12 +66,6 @@ def assert_analytic_traffic(chunked: Any, stats: list[Any]) -> None:
     ledger = chunked.manager.ledger
     if chunks[0].compute_dtype != torch.float32:
         assert ledger.bytes(Location.DISK, MemoryKind.SHARD_COPY) == sum(c.shard_numel for c in chunks) * itemsize
-
-
-def assert_same_states(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(actual[name], value), name
 
 
 @pytest.mark.slow  # the fast tier's exactness case is LoRA's at two ranks (below)

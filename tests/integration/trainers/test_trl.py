@@ -8,17 +8,15 @@ onto a fresh base."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from support.distributed import run_ranks
+from support.hf_trainer_helpers import assert_same_training, dataset, logged, plugin, training_args
 from support.models import VOCAB, llama
-from test_hf_trainer import assert_same_training, dataset, logged, plugin, training_args
+from support.trl_helpers import torchrun_rank
 
 # SFTConfig turns on gradient checkpointing: recomputation needs more room than one op.
 BUDGET = 600_000
@@ -92,21 +90,6 @@ def test_sft_trainer_with_lora_same_losses(tmp_path: Path) -> None:
     result = train_both(tmp_path)
     assert result["world_size"] == 1
     assert_trained_like_plain_trl(result, tmp_path)
-
-
-@contextmanager
-def torchrun_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Inside a pooled rank of ``run_ranks``: the environment torchrun sets, so that the trainers
-    (through Accelerate) join the process group that exists; Accelerate's state is reset after."""
-    from accelerate.state import AcceleratorState
-
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": "2"}
-    )
-    try:
-        yield
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:

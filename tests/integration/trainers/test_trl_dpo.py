@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.hf_trainer_helpers import assert_same_training, logged, training_args
 from support.models import VOCAB, llama
-from test_hf_trainer import assert_same_training, logged, training_args
+from support.trl_dpo_helpers import word_tokenizer
 
 from chunkmem import ChunkedModel, ChunkPlugin
 from chunkmem.placement import StaticPlacementConfig
@@ -44,17 +45,6 @@ def dpo_parts(out: Path, name: str, **overrides: Any) -> dict[str, Any]:
     settings = {"max_steps": 2, **overrides}
     args = training_args(out / name, cls=DPOConfig, max_grad_norm=0.0, bf16=False, **settings)
     return {"args": args, "train_dataset": Dataset.from_list(rows), "processing_class": word_tokenizer()}
-
-
-def word_tokenizer() -> Any:
-    """A word-level tokenizer over the test vocabulary (token i is "t{i}"; t0 pads and ends), built
-    offline: TRL's trainers need one even for a model built from its config."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t0", unk_token="t1")
 
 
 def reference_model() -> torch.nn.Module:

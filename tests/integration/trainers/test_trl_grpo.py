@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 from support.distributed import run_ranks
+from support.hf_trainer_helpers import assert_same_training, logged, training_args
 from support.models import VOCAB, llama
-from test_hf_trainer import assert_same_training, logged, training_args
-from test_trl import torchrun_rank
-from test_trl_dpo import word_tokenizer
+from support.trl_dpo_helpers import word_tokenizer
+from support.trl_helpers import torchrun_rank
 
 from chunkmem import ChunkedModel, ChunkPlugin
 from chunkmem.errors import NotSupportedError

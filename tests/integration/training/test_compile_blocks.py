@@ -523,7 +523,7 @@ def test_chunk_trainer_with_compiled_blocks_equals_plain_trainer_with_the_blocks
     """``ChunkTrainer(plugin=ChunkPlugin(compile=...))`` under a budget that moves chunks, with
     accumulation and a schedule (no clipping: the same arithmetic), against ``Trainer`` on the same
     GPT-2 with its blocks compiled the same way: the same losses bit for bit, one compile."""
-    from test_hf_trainer import dataset, logged, training_args
+    from support.hf_trainer_helpers import dataset, logged, training_args
     from transformers import Trainer
 
     from chunkmem.integrations.hf import ChunkTrainer

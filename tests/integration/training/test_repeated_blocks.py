@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.activation_budget_helpers import Block, Stack, _data, _loss, _model_minimum
 from support.distributed import run_ranks
 from support.models import adamw_two_groups, boost, gpt2, llama
-from test_activation_budget import Block, Stack, _data, _loss, _model_minimum
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -140,7 +140,7 @@ def _different_models(rank: int, world_size: int) -> str:
 def test_ranks_whose_models_find_different_blocks_raise_on_every_rank() -> None:
     first, second = run_ranks(_different_models, 2)
     assert first == second
-    assert "rank 0: test_activation_budget.Block x4; rank 1: test_repeated_blocks.Other x4" in first
+    assert "rank 0: support.activation_budget_helpers.Block x4; rank 1: test_repeated_blocks.Other x4" in first
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.disk_tier_helpers import ON_DISK, WIDTH, _boost, _mlp
 from support.distributed import run_ranks
 from support.models import as_reference, assert_close_on_cpu, tolerance
-from test_disk_tier import ON_DISK, WIDTH, _boost, _mlp
 
 from chunkmem import DiskTierError
 

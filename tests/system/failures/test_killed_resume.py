@@ -11,11 +11,8 @@ once, saying to restart every rank from the last checkpoint."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 from support.distributed import RankFailure, run_ranks
+from support.killed_resume_helpers import _checkpoint_digest, _kill, _KillInBackward, _scratch
 from support.models import batches, gpt2
-from test_param_disk import IN_RAM, ON_DISK, assert_same_states, boosted
-from test_peft import assert_same_adapter, lora_model, train
+from support.param_disk_helpers import IN_RAM, ON_DISK, assert_same_states, boosted
+from support.peft_helpers import assert_same_adapter, lora_model, train
 
 from chunkmem.tiers.disk import DiskFile
 
@@ -37,32 +35,6 @@ BUILDS: dict[str, Callable[[int], torch.nn.Module]] = {
     "lora": lambda seed: lora_model(seed),
     "full": lambda seed: gpt2(seed=seed),
 }
-
-
-_KILLING = threading.Lock()
-
-
-def _kill(where: str, out: Path) -> None:
-    """Kill this process, leaving a file that says where (the test checks the kill came there). One
-    thread only: two disk I/O threads in the hook at once would truncate each other's file, the
-    process killed between one's truncation and its write (seen: an empty file)."""
-    _KILLING.acquire()  # never released: a second thread waits here until the process is gone
-    (out / "killed").write_text(where)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _KillInBackward(torch.autograd.Function):
-    """The identity; its backward kills this process."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out: Path) -> torch.Tensor:
-        ctx.out = out
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _kill("backward", ctx.out)
-        return grad, None
 
 
 @contextmanager
@@ -95,14 +67,6 @@ def _killed_writing_a_parameter_shard(out: Path) -> Iterator[None]:
         yield
     finally:
         DiskFile._transfer = real  # type: ignore[method-assign]
-
-
-def _checkpoint_digest(directory: Path) -> dict[str, str]:
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 def _boost(kind: str, seed: int, out: str, placement: Any = ON_DISK) -> tuple[Any, Any, Any]:
@@ -159,10 +123,6 @@ def _resumed_and_uninterrupted(rank: int, world_size: int, kind: str, out: str, 
         resumed.save_pretrained(Path(out) / "resumed")  # every rank calls; rank 0 writes
         chunked.save_pretrained(Path(out) / "uninterrupted")
     return {"losses": losses, "expected": [expected[KILLED_STEP:]] * 2, "dead_left": left}
-
-
-def _scratch(disk_dir: Path) -> list[Path]:
-    return sorted(disk_dir.glob(".chunkmem-scratch-*"))
 
 
 @pytest.mark.long

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from support.activation_budget_helpers import WIDTH, Stack
+from support.activation_ranks_helpers import PER_BLOCK, ROWS, _boost, _data, _loss, _model_minimum
 from support.distributed import run_ranks
 from support.models import adamw_two_groups, as_reference, boost, device_of
-from test_activation_budget import WIDTH, Stack
-from test_activation_ranks import PER_BLOCK, ROWS, _boost, _data, _loss, _model_minimum
 
 from chunkmem import BudgetTooSmallError, ChunkmemError, TraceDivergenceError
 from chunkmem.placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig

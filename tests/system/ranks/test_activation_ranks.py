@@ -8,29 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from support.activation_budget_helpers import BLOCKS, Stack
+from support.activation_ranks_helpers import PER_BLOCK, SEQ, STEPS, _boost, _data, _loss, _model_minimum
 from support.distributed import run_ranks
-from support.models import adamw_two_groups, as_reference, boost, device_of
-from test_activation_budget import BLOCKS, WIDTH, Stack
+from support.models import adamw_two_groups, as_reference, device_of
 
 from chunkmem import BudgetTooSmallError
-from chunkmem.placement import ActivationChoice, ActivationPlacement, StaticPlacementConfig
-
-STEPS = 4
-SEQ = (12, 16)  # each rank's sequence length (dynamic padding: one rank's batch is shorter)
-ROWS = 32
-FP32 = 4
-# What one call of the longer rank saves (fc1's input, GELU's input, the product's operand, fc2's input).
-PER_BLOCK = ROWS * max(SEQ) * FP32 * (WIDTH + 3 * 64)
-
-
-def _data(rank: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    steps = [[torch.randn(ROWS, seq, WIDTH, generator=g) for seq in SEQ] for _ in range(STEPS)]
-    return [step[rank] for step in steps]
-
-
-def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).square().mean()
+from chunkmem.placement import ActivationChoice
 
 
 def _reference(steps: range = range(STEPS)) -> dict[str, torch.Tensor]:
@@ -46,27 +30,11 @@ def _reference(steps: range = range(STEPS)) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def _model_minimum() -> int:
-    with pytest.raises(BudgetTooSmallError) as refused:
-        boost(Stack(), adamw_two_groups, chunk_size=8_000, placement=StaticPlacementConfig(device_budget=1))
-    return refused.value.minimum
-
-
 def _assert_matches_reference(state: dict[str, torch.Tensor], steps: range = range(STEPS)) -> None:
     expected = _reference(steps)
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(state[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
-
-
-def _boost(budget: int) -> tuple[Any, Any, Any]:
-    return boost(
-        Stack(),
-        adamw_two_groups,
-        chunk_size=8_000,
-        placement=StaticPlacementConfig(device_budget=budget),
-        activations=ActivationPlacement(auto=["Block"]),
-    )
 
 
 def _trained(budget: int, rank: int) -> Any:

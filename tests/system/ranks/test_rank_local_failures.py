@@ -141,9 +141,9 @@ def _boosted_from_a_bad_weights_file(
     its end), or ``"unreadable"`` (a read error where boost samples the pages of a piece it reads in
     place, a bad sector: injected)."""
     import torch
-    from test_param_disk import ON_DISK
-    from test_peft import adamw
-    from test_values_in_place import CHUNK, tiny, write_weights
+    from support.param_disk_helpers import ON_DISK
+    from support.peft_helpers import adamw
+    from support.values_in_place_helpers import CHUNK, tiny, write_weights
 
     from chunkmem import Booster, ChunkPlugin
     from chunkmem.chunks import values_in_place
