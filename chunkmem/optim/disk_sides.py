@@ -19,7 +19,7 @@ step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from ..device.moves import to_device
 from ..errors import DiskTierError
 from ..tiers.disk import SidesFile
 from ..usage.accounting import Location, MemoryKind, MemoryLedger
+from .optimizer_state import OptimizerState
 from .piece import is_elementwise
 from .runs import StepRuns
 
@@ -70,12 +71,12 @@ class DiskSides:
         chunks: Sequence[Chunk],
         reserved: Callable[[Chunk], int],
         runs: StepRuns,
-        table: Callable[[], MutableMapping[torch.Tensor, Any]],
+        state: OptimizerState,
         ledger: MemoryLedger,
     ) -> None:
         self._file = file
         self._runs = runs
-        self._table = table
+        self._state = state
         self._ledger = ledger
         self._slots: dict[int, _Slot] = {}
         self._at: dict[int, tuple[torch.Tensor, int]] = {}  # id(state tensor) -> it, and its offset
@@ -102,7 +103,7 @@ class DiskSides:
         the optimizer's ``load_state_dict`` would have installed: elementwise state in the run's
         dtype and device, the step count as it is), write them out and free them."""
         failures: list[BaseException] = []
-        table = self._table()
+        table = self._state.table
         for slot in self._slots.values():
             slot.placed, slot.resident, slot.nbytes = [], True, 0
         for chunk in self._chunks:
@@ -123,7 +124,7 @@ class DiskSides:
         out = []
         for run in self._runs.runs():
             if run.chunk is chunk:
-                out += [v for v in (self._table().get(run.tensor) or {}).values() if is_elementwise(v, run.tensor)]
+                out += [v for v in (self._state.table.get(run.tensor) or {}).values() if is_elementwise(v, run.tensor)]
         return out
 
     def fetch(self, chunk: Chunk) -> _Pending:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,9 @@ from .runs import Run, StepRuns, same_value
 
 if TYPE_CHECKING:
     from ..chunks.chunk import Chunk
+    from ..execution.runtime import ChunkRuntime
+    from .optimizer_state import OptimizerState
+    from .stepper import RunStepper
 
 __all__ = ["EarlySteps", "group_settings", "same_settings"]
 
@@ -88,28 +91,26 @@ class _Record:
 
 
 class EarlySteps:
-    """See the module docstring. ``step`` runs the user's optimizer over runs whose gradients are
-    set; ``unscale`` gives the fp16 loss scale's inverse (``None`` without loss scaling);
-    ``in_backward`` says whether the backward is still running (for ``Stats``)."""
+    """See the module docstring. ``state``: the user's optimizer's; ``stepper`` runs it over runs
+    whose gradients are set; ``runtime`` says whether the backward is still running (for
+    ``Stats``); ``unscale`` gives the fp16 loss scale's inverse (``None`` without loss scaling)."""
 
     def __init__(
         self,
         budget: int,
         runs: StepRuns,
-        table: Callable[[], MutableMapping[torch.Tensor, Any]],
-        groups: Callable[[], Sequence[dict[str, Any]]],
-        step: Callable[[Sequence[Run]], None],
+        state: OptimizerState,
+        stepper: RunStepper,
+        runtime: ChunkRuntime,
         unscale: Callable[[], float | None],
-        in_backward: Callable[[], bool],
         stats: Stats,
     ) -> None:
         self._budget = budget
         self._runs = runs
-        self._table = table
-        self._groups = groups
-        self._step = step
+        self._state = state
+        self._stepper = stepper
+        self._runtime = runtime
         self._unscale = unscale
-        self._in_backward = in_backward
         self._stats = stats
         self._worker: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
@@ -137,7 +138,7 @@ class EarlySteps:
         ``undo`` does."""
         if not self.pending:
             return frozenset()
-        now = group_settings(self._groups())
+        now = group_settings(self._state.groups)
         records = self._records
         same = all(same_settings(record.settings, now) for record in records.values()) and all(
             chunk.chunk_id not in records or records[chunk.chunk_id].flags == chunk.params_with_grad
@@ -164,7 +165,7 @@ class EarlySteps:
         self._held += nbytes
         # The hyperparameters the step uses are those now: nothing changes them while the backward
         # that queues it runs.
-        record = _Record(chunk, chunk.params_with_grad, nbytes, group_settings(self._groups()))
+        record = _Record(chunk, chunk.params_with_grad, nbytes, group_settings(self._state.groups))
         self._records[chunk.chunk_id] = record
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-step")
@@ -178,14 +179,14 @@ class EarlySteps:
         states = 0
         for run in self._runs.runs():
             if run.chunk is chunk:
-                state = self._table().get(run.tensor) or {}
+                state = self._state.table.get(run.tensor) or {}
                 states += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
         return master + max(states, 2 * master)
 
     def _run(self, record: _Record) -> None:
         """On the worker: wait for the gradient, save the restore point, step."""
         begin = time.perf_counter()
-        record.started_in_backward = self._in_backward()
+        record.started_in_backward = self._runtime.in_backward
         chunk = record.chunk
         shard = chunk.grad_shard  # waits for the copy that brings it to the host
         pieces = {
@@ -202,7 +203,7 @@ class EarlySteps:
         try:
             for run in runs:
                 run.tensor.grad = grads[run.start : run.stop]
-            self._step(runs)
+            self._stepper.step(runs)
         finally:
             for run in runs:
                 run.tensor.grad = None
@@ -213,7 +214,7 @@ class EarlySteps:
         self._stats.host_step_seconds += time.perf_counter() - begin
 
     def _save(self, run: Run) -> _Saved:
-        state = self._table().get(run.tensor)
+        state = self._state.table.get(run.tensor)
         saved_state = None
         if state:
             saved_state = {
@@ -264,7 +265,7 @@ class EarlySteps:
         """Put every restore point back: masters and optimizer states as before the early steps.
         Returns the first failure of a step (its restore point is put back like the others)."""
         failure = self._wait()
-        table = self._table()
+        table = self._state.table
         for record in self._records.values():
             for saved in record.saved:
                 saved.run.tensor.copy_(saved.master)

@@ -37,6 +37,7 @@ from ..ranks.comm import Communicator
 from .disk_sides import DiskSides
 from .early_steps import EarlySteps
 from .loss_scale import DynamicLossScaler
+from .optimizer_state import OptimizerState
 from .piece import Piece
 from .places import SidePlaces
 from .probe import StateSize, check_elementwise, optimizer_state_size
@@ -85,12 +86,11 @@ class ChunkOptimizer(torch.optim.Optimizer):
         self._pieces: list[Piece] = []
         # Each group's original parameters, in order: what a full (PyTorch-format) state dict indexes.
         self._group_infos: list[tuple[TensorInfo, ...]] = []
-        self._runs = StepRuns(lambda: self._optim.state)
+        self._state = OptimizerState(optimizer)
+        self._runs = StepRuns(self._state)
         self._stepper = RunStepper(optimizer, self._runs, manager.comm.layer, runtime.stats_counters)
         size = state_size if state_size is not None else optimizer_state_size(optimizer)
-        self._ledger = StateLedger(
-            manager, places, size, self._runs, lambda: self._optim.state, type(optimizer).__name__
-        )
+        self._ledger = StateLedger(manager, places, size, self._runs, self._state)
         existing = dict(optimizer.state)
         resharded: dict[torch.Tensor, dict[str, Any]] = {}
         for group in optimizer.param_groups:
@@ -109,7 +109,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
                 places.on_disk_of(manager.chunks),
                 lambda chunk: size.reserved(chunk.shard_numel, len(chunk.tensors)),
                 self._runs,
-                lambda: self._optim.state,
+                self._state,
                 manager.ledger,
             )
             self._runs.read_from_disk(self._disk.view_of)
@@ -124,11 +124,10 @@ class ChunkOptimizer(torch.optim.Optimizer):
             self._early = EarlySteps(
                 int(host_step.backup_budget),
                 self._runs,
-                lambda: self._optim.state,
-                lambda: self._optim.param_groups,
-                self._stepper.step,
-                lambda: self._scaling.inverse(),
-                lambda: runtime.in_backward,
+                self._state,
+                self._stepper,
+                runtime,
+                lambda: self._scaling.inverse(),  # built next, on the early steps
                 runtime.stats_counters,
             )
             self._runs.settle_early_steps_with(self._early.cancel)

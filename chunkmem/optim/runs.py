@@ -19,7 +19,7 @@ optimizer looks it up by the tensors it steps); a piece's state is a view of its
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from .piece import Piece, is_elementwise
 
 if TYPE_CHECKING:
     from ..chunks.chunk import Chunk
+    from .optimizer_state import OptimizerState
 
 __all__ = ["Run", "StepRuns", "same_value"]
 
@@ -108,11 +109,10 @@ def _consecutive(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
 
 class StepRuns:
     """The runs of every param group, and the optimizer state kept per run; see the module
-    docstring. ``table`` returns the inner optimizer's state table, keyed by the tensors it steps
-    (a function: the optimizer's ``load_state_dict`` replaces the table)."""
+    docstring. ``state``: the inner optimizer's, whose table is keyed by the tensors it steps."""
 
-    def __init__(self, table: Callable[[], MutableMapping[torch.Tensor, Any]]) -> None:
-        self._table = table
+    def __init__(self, state: OptimizerState) -> None:
+        self._state = state
         self._disk_view: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         self._before_access: Callable[[str], None] | None = None
         self._groups: list[list[Run]] = []
@@ -172,7 +172,7 @@ class StepRuns:
         elementwise state that is on disk now (``DiskSides``) is a view mapped from its file."""
         self.settle_early_steps("the optimizer state is read")
         run = self.run_of(piece)
-        state = self._table().get(run.tensor)
+        state = self._state.table.get(run.tensor)
         if not state:
             return {}
         begin = piece.shard_slice.start - run.start
@@ -194,7 +194,7 @@ class StepRuns:
         """Bytes of optimizer state tensors per location (``location`` of each run's chunk)."""
         out = dict.fromkeys(Location, 0)
         for run in self.runs():
-            for value in (self._table().get(run.tensor) or {}).values():
+            for value in (self._state.table.get(run.tensor) or {}).values():
                 if isinstance(value, torch.Tensor):
                     out[location(run.chunk)] += value.nbytes
         return out
@@ -228,12 +228,12 @@ class StepRuns:
         """Cut ``run`` into runs of ``parts``, each with its share of the state, copied (each run
         owns its state: the disk tier moves whole state tensors; the parts may differ from now
         on). The state must be in memory."""
-        state = self._table().pop(run.tensor, None)
+        state = self._state.table.pop(run.tensor, None)
         runs = [self._make(group, part) for part in parts]
         if state:
             for new in runs:
                 begin, end = new.start - run.start, new.stop - run.start
-                self._table()[new.tensor] = {
+                self._state.table[new.tensor] = {
                     key: value[begin:end].clone() if is_elementwise(value, run.tensor) else copy.deepcopy(value)
                     for key, value in state.items()
                 }
@@ -266,7 +266,7 @@ class StepRuns:
                     if state:
                         loaded[run.tensor] = state
             self._groups[group] = out
-        self._table().clear()
+        self._state.table.clear()
 
         def builder(entries: list[tuple[Run, list[Mapping[str, Any]]]]) -> Callable[[], dict[torch.Tensor, Any]]:
             def build() -> dict[torch.Tensor, dict[str, Any]]:

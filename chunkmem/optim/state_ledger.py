@@ -10,13 +10,12 @@ measured again only when state appeared.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
-
-import torch
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import NotSupportedError
 from ..usage.accounting import Location, MemoryKind
+from .optimizer_state import OptimizerState
 from .places import SidePlaces
 from .probe import StateSize
 from .runs import StepRuns
@@ -29,7 +28,7 @@ __all__ = ["StateLedger"]
 
 
 class StateLedger:
-    """See the module docstring. ``table`` returns the inner optimizer's state table."""
+    """See the module docstring. ``state``: the inner optimizer's."""
 
     def __init__(
         self,
@@ -37,15 +36,13 @@ class StateLedger:
         places: SidePlaces,
         size: StateSize,
         runs: StepRuns,
-        table: Callable[[], MutableMapping[torch.Tensor, Any]],
-        name: str,
+        state: OptimizerState,
     ) -> None:
         self._manager = manager
         self._places = places
         self._size = size
         self._runs = runs
-        self._table = table
-        self._name = name
+        self._state = state
         self._stateful: set[int] = set()  # ids of the TensorInfos whose optimizer state exists (on some rank)
         self._accounted: Counter[Location] = Counter()
         self._accounted_for: tuple[int, int, int] | None = None  # what ``account`` measured last
@@ -61,7 +58,7 @@ class StateLedger:
     def account(self) -> None:
         """Bring the ledger to what is reserved for the chunks with state; refuse an optimizer
         whose state outgrew what probing it predicted."""
-        table = self._table()
+        table = self._state.table
         key = (len(self._stateful), len(table), id(table))
         if key == self._accounted_for:
             return
@@ -74,8 +71,9 @@ class StateLedger:
         for location in Location:
             if actual[location] > reserved[location]:
                 raise NotSupportedError(
-                    f"rank {self._manager.comm.rank}: {self._name} holds {actual[location]} bytes of state on the "
-                    f"{location.value}, more than the {reserved[location]} that probing it predicted ({self._size}): "
+                    f"rank {self._manager.comm.rank}: {self._state.name} holds {actual[location]} bytes of state on "
+                    f"the {location.value}, more than the {reserved[location]} that probing it predicted "
+                    f"({self._size}): "
                     "its state does not grow like an elementwise optimizer's, so chunkmem cannot plan memory for it. "
                     "Use an elementwise optimizer such as AdamW."
                 )

@@ -310,9 +310,10 @@ def test_importing_chunkmem_does_not_load_dcp_or_trainer_libraries(
 # The optimizer side's layers, lowest first: a module of ``chunkmem.optim`` imports only modules of
 # lower layers (type-only imports included), so the package reads bottom-up without a circle.
 OPTIM_LAYERS = (
-    ("piece", "places", "probe", "loss_scale", "step_config", "host_kernels"),
+    ("piece", "places", "probe", "loss_scale", "step_config", "host_kernels", "optimizer_state"),
     ("runs",),
-    ("early_steps", "disk_sides", "stepper", "state_ledger", "state_dict"),
+    ("stepper",),
+    ("early_steps", "disk_sides", "state_ledger", "state_dict"),
     ("scaling",),
     ("optimizer",),
 )
