@@ -650,3 +650,16 @@ def test_dpo_trains_the_pair_as_plain_pytorch_under_each_budget_and_fits_a_large
     assert len(table["rows"]) == 4 and all(len(row) == len(table["headers"]) for row in table["rows"])
     _assert_aligned(_table_lines(out, 4))
     assert (tmp_path / "dpo.png").exists()
+
+
+def test_the_walks_of_an_op_and_a_gradient_stay_within_their_files(tmp_path: Path) -> None:
+    """``benchmarks/walks.py`` at two ranks: the stacks it recorded start where a user's call enters
+    chunkmem (the boosted model's forward, the booster's backward) and end at the collective (the
+    communicator) and the user's optimizer (the stepper), and stay within issue 47's files."""
+    _run("walks.py", "--out-dir", str(tmp_path), tiny=False)
+    walks = {w["walk"]: w for w in json.loads((tmp_path / "walks.json").read_text())["walks"]}
+    op, gradient = walks["op to its all-gather"], walks["gradient to the step"]
+    assert op["files"][0] == "boosted/model.py" and op["files"][-1] == "ranks/comm.py", op["files"]
+    assert gradient["files"][0] == "booster.py" and gradient["files"][-1] == "optim/stepper.py", gradient["files"]
+    assert len(op["files"]) <= 8 and len(gradient["files"]) <= 11, (op["files"], gradient["files"])
+    assert op["calls"] == len(op["stacks"][0]) and gradient["calls"] == sum(map(len, gradient["stacks"]))
