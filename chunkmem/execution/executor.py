@@ -24,7 +24,7 @@ import torch
 from chunkmem.placement import ChunkSpec, ComputeTrace, FetchPlan, Phase, PlacementPolicy
 from chunkmem.placement.actions import Action, Verb
 from chunkmem.placement.policy import format_bytes
-from chunkmem.placement.residency import DeviceResidency, Held, NoRoomError
+from chunkmem.placement.residency import DeviceResidency, NoRoomError
 
 from ..chunks.chunk import Chunk
 from ..chunks.manager import ChunkManager
@@ -118,7 +118,7 @@ class ResidencyExecutor:
                     prefetched = True
                 elif verb is Verb.CLAIM:
                     stats.prefetch_hits += 1
-                    if self._residency.held(action.chunk) is Held.FETCHING and not chunk.pending.is_completed():
+                    if action.in_flight and not chunk.pending.is_completed():
                         stats.prefetch_waits += 1  # rank-local: a statistic, never a decision
                 elif verb is Verb.WAIT:
                     chunk.wait()
@@ -131,12 +131,9 @@ class ResidencyExecutor:
                 elif verb is Verb.REFRESH:
                     chunk.refresh()
                 elif verb is Verb.ALLOCATE_GRAD:
-                    chunk.prepare_grad(
-                        from_host=self._residency.grads_on_host(action.chunk),
-                        onto_reduced=self._residency.grads_reduced(action.chunk),
-                    )
+                    chunk.prepare_grad(from_host=action.from_host, onto_reduced=action.onto_reduced)
                 elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
-                    chunk.start_reduce(onto_reduced=self._residency.grads_reduced(action.chunk))
+                    chunk.start_reduce(onto_reduced=action.onto_reduced)
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY
                     if self._on_start is not None:
                         self._on_start(chunk)

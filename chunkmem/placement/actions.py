@@ -1,5 +1,7 @@
-"""The moves a :class:`~placement.residency.DeviceResidency` yields: a verb and the chunk it applies
-to. The runtime's plan executor carries each out on a real chunk; a replay counts them."""
+"""The moves a :class:`~placement.residency.DeviceResidency` yields: a verb, the chunk it applies
+to, and what the residency knew of the chunk's gradients when it decided (so that whoever carries an
+action out never asks the residency back). The runtime's plan executor carries each out on a real
+chunk; a replay counts them."""
 
 from __future__ import annotations
 
@@ -53,3 +55,11 @@ class Action:
 
     verb: Verb
     chunk: int
+    from_host: bool = False
+    """``ALLOCATE_GRAD``: the new buffer starts from the chunk's gradients moved to the host
+    (``SPILL_GRAD``), and goes on adding to their sum."""
+    onto_reduced: bool = False
+    """``ALLOCATE_GRAD``, ``START_REDUCE``, ``REDUCE_EARLY``: the chunk's gradient shard holds reduced
+    gradients already (an earlier reduction since ``ZERO_GRAD``): this buffer's reduction adds to them."""
+    in_flight: bool = False
+    """``CLAIM``: the prefetch is still being gathered (a ``WAIT`` follows)."""

@@ -133,7 +133,9 @@ class GradientBuffers:
         if not self.can_reduce:
             self._carried.add(chunk_id)
         self.nbytes += self._bytes_of[chunk_id]
-        yield Action(Verb.ALLOCATE_GRAD, chunk_id)
+        yield Action(
+            Verb.ALLOCATE_GRAD, chunk_id, from_host=chunk_id in self._spilled, onto_reduced=chunk_id in self._reduced
+        )
 
     def start(self, chunk_id: int, verb: Verb) -> Iterator[Action]:
         self._require(
@@ -147,7 +149,7 @@ class GradientBuffers:
         self._reducing[chunk_id] = None
         self._spilled.discard(chunk_id)
         self._carried.discard(chunk_id)
-        yield Action(verb, chunk_id)
+        yield Action(verb, chunk_id, onto_reduced=chunk_id in self._reduced)
 
     def finish(self, chunk_id: int) -> Iterator[Action]:
         """Wait for the chunk's reduction and free its buffer."""
@@ -221,11 +223,6 @@ class GradientBuffers:
         """Every chunk with a buffer accepting or gradients on the host, in chunk order (the same
         on every rank)."""
         return sorted({*self._accepting, *self._spilled})
-
-    def on_host(self, chunk_id: int) -> bool:
-        """The chunk's gradients not reduced yet were moved to the host: a buffer allocated for it
-        now starts from them (and goes on adding to their sum)."""
-        return chunk_id in self._spilled
 
     def on_host_only(self, chunk_id: int) -> bool:
         """The chunk's gradients are on the host, with no buffer to reduce them from."""

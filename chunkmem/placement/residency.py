@@ -170,13 +170,6 @@ class DeviceResidency:
         return sorted(awaited) if awaited else ()
 
     # --- state ---------------------------------------------------------------------------------------
-    def held(self, chunk_id: int) -> Held:
-        return self._held[chunk_id]
-
-    def grads_on_host(self, chunk_id: int) -> bool:
-        """The chunk's unreduced gradients were moved to the host (a new buffer starts from them)."""
-        return self._grads.on_host(chunk_id)
-
     def grads_reduced(self, chunk_id: int) -> bool:
         """The chunk's gradient shard holds reduced gradients (since the last ``zero_grads``): a
         buffer's reduction adds to them, and the optimizer steps on them."""
@@ -279,7 +272,7 @@ class DeviceResidency:
         for c in chunk_ids:
             if c in self._prefetched:
                 self._prefetched.discard(c)
-                yield Action(Verb.CLAIM, c)
+                yield Action(Verb.CLAIM, c, in_flight=self._held[c] is Held.FETCHING)
             yield from self._land(c)
         backward, grads = phase is Phase.BACKWARD, self._grads
         needed = sum(
