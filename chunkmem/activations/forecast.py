@@ -55,6 +55,9 @@ class BlockForecast:
     copied: tuple[int, ...] = ()
     """The bytes of each storage an offload of the call copies, in the order saved (``offload_bytes``
     is their sum)."""
+    held: tuple[int, ...] = ()
+    """What host memory holds for each of those copies on the device planned for (on a GPU a pinned
+    block): what ``ActivationPlacement.host_budget`` counts."""
     small_bytes: int = 0
     """Of ``saved_bytes``, what an offload of the call leaves on the device (storages under
     ``min_offload_bytes``)."""
@@ -67,6 +70,7 @@ class _Call:
     module: torch.nn.Module
     count: SavedCount
     copied: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
 
 
 def forecast(
@@ -84,7 +88,9 @@ def forecast(
 
     def counted(call: _Call | None, tensor: torch.Tensor) -> torch.Tensor:
         if call is not None and call.count.add(tensor) is Saved.COPY:
-            call.copied.append(host_held_bytes(tensor.untyped_storage().nbytes()))
+            nbytes = tensor.untyped_storage().nbytes()
+            call.copied.append(nbytes)
+            call.held.append(host_held_bytes(nbytes))
         return unlinked(tensor)  # the forward's graph is dropped without a backward
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -139,7 +145,7 @@ def forecast(
     offloaded = [c for c in calls if c.how is not BlockPlacement.RECOMPUTE]
     disk = [0] * len(offloaded)
     if config.host_budget is not None:
-        disk = disk_bytes_per_call([c.copied for c in offloaded], int(config.host_budget))
+        disk = disk_bytes_per_call([c.copied for c in offloaded], int(config.host_budget), [c.held for c in offloaded])
     disk_of = {id(c): d for c, d in zip(offloaded, disk, strict=True)}
     return tuple(
         BlockForecast(
@@ -149,7 +155,8 @@ def forecast(
             c.count.copied_bytes,
             disk_of.get(id(c), 0),
             tuple(c.copied),
-            c.count.small_bytes,
+            small_bytes=c.count.small_bytes,
+            held=tuple(c.held),
         )
         for c in calls
     )

@@ -727,9 +727,9 @@ class Simulator:
             entry.reads[actor] = use
 
     def _refuse_views_of_freed(self, name: str, args: tuple[Any, ...]) -> None:
-        """A view of memory freed by ``resize_(0)`` is where a use after free starts, though a view
-        touches no memory: PyTorch refuses to make one (the storage has no bytes), and on a thread
-        whose future nobody reads that refusal would pass unseen."""
+        """A view PyTorch refused to make of memory freed by ``resize_(0)`` (one that needs the
+        storage's bytes: a slice, ``as_strided``; ``detach`` or ``view`` still work) is a use after
+        free: on a thread whose future nobody reads the refusal would otherwise pass unseen."""
         touched: list[tuple[torch.Tensor, bool]] = []
         for value in args:
             _tensors(value, False, touched)
@@ -759,8 +759,11 @@ class Simulator:
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = _op_info(func)
         if info.view:
-            self._refuse_views_of_freed(info.name, args)
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError:
+                self._refuse_views_of_freed(info.name, args)
+                raise
         if info.collective is not None:
             return self._collective(func, info.collective, args, kwargs)
         touched: list[tuple[torch.Tensor, bool]] = []

@@ -34,9 +34,12 @@ class SidePlaces:
     def __init__(self, layout: Layout, file: SidesFile | None) -> None:
         places = layout.placements
         # No file: the sides placed on disk have no bytes to put there (frozen chunks whose values
-        # gathers read in memory), so they stay in host memory.
+        # gathers read in memory), so they stay in host memory, and their shards where placed (one
+        # placed on disk in host memory too).
         self._placements = tuple(
-            p if file is not None or p.optim is not Location.DISK else ChunkPlacement(Location.HOST, Location.HOST)
+            p
+            if file is not None or p.optim is not Location.DISK
+            else ChunkPlacement(Location.HOST, Location.HOST if p.shard is Location.DISK else p.shard)
             for p in places
         )
         self._master = tuple(Location.DEVICE if p.optim is Location.DEVICE else Location.HOST for p in self._placements)

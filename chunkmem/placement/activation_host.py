@@ -59,9 +59,16 @@ class HostRoom:
         self.held -= nbytes
 
 
-def disk_bytes_per_call(storages: Sequence[Sequence[int]], budget: int) -> list[int]:
+def disk_bytes_per_call(
+    storages: Sequence[Sequence[int]], budget: int, held: Sequence[Sequence[int]] | None = None
+) -> list[int]:
     """The bytes each offloaded call of one forward writes to disk under a host ``budget``: its
     copied storages' sizes (``storages``, per call in forward order, each in the order saved), the
-    room empty when the forward begins."""
+    room empty when the forward begins. ``held``: what host memory holds for each copy, as
+    ``storages`` (on a GPU a pinned block; default: the sizes themselves), which the budget counts."""
     room = HostRoom(budget)
-    return [sum(n for n in call if not room.take(n)) for call in storages]
+    held = storages if held is None else held
+    return [
+        sum(n for n, h in zip(call, holds, strict=True) if not room.take(h))
+        for call, holds in zip(storages, held, strict=True)
+    ]

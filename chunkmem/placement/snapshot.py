@@ -133,12 +133,13 @@ class ChunkPlacement:
 
     def _pin_slack(self, spec: ChunkSpec) -> int:
         """What the pinned ones of its host buffers hold beyond their bytes: the master and the
-        gradient shard in host memory, and the 16-bit copy gathers read; a master bound for disk is
-        not pinned (gathers read its copy, or with its parameter shard on disk, the file)."""
+        gradient shard in host memory, and the 16-bit copy gathers read. A side on disk pins neither
+        its master (the shard store pins a master only where its side stays in memory) nor its
+        gradient shard (on disk)."""
         copy = 0 if spec.master_is_compute or self.shard is Location.DISK else spec.copy_pin_slack
         if self.optim is not Location.DISK:
             return spec.master_pin_slack + spec.grad_pin_slack + copy
-        return spec.master_pin_slack if self.master_place(spec.master_is_compute) is Location.HOST else copy
+        return copy
 
     def disk_bytes(self, spec: ChunkSpec) -> int:
         """Bytes this chunk keeps on disk."""

@@ -179,16 +179,18 @@ class Plan:
         by the runtime's rule (``placement.disk_bytes_per_call``, in the order saved)."""
         if self.activation_host_budget is None:
             return 0
-        offloaded, auto = [], 0
+        offloaded, held, auto = [], [], 0
         for call in self.activation_calls:
             if call.how is BlockPlacement.AUTO:
                 chosen = choice.choice(auto) if choice is not None else ActivationChoice.OFFLOAD
                 auto += 1
                 if chosen is ActivationChoice.OFFLOAD:
                     offloaded.append(call.copied)
+                    held.append(call.held or call.copied)
             elif call.how in (BlockPlacement.OFFLOAD, BlockPlacement.OUTSIDE):
                 offloaded.append(call.copied)
-        return sum(disk_bytes_per_call(offloaded, self.activation_host_budget))
+                held.append(call.held or call.copied)
+        return sum(disk_bytes_per_call(offloaded, self.activation_host_budget, held))
 
     @property
     def activation_disk_read_bytes_per_step(self) -> int:

@@ -11,6 +11,7 @@ import gc
 import importlib
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from support.distributed import run_ranks
 from support.models import adamw_two_groups, as_reference, batches, boost, gpt2, lm_loss, train_accumulating
 
 from chunkmem import ChunkPlugin, DiskTierError, plan
+from chunkmem.device.simulated import simulated_device
 from chunkmem.placement import ActivationPlacement
 
 
@@ -112,17 +114,22 @@ def test_activations_changed_on_disk_before_their_backward_are_refused_not_used(
 
 
 # --- the planner --------------------------------------------------------------------------------
-def test_the_plan_predicts_the_disk_bytes_a_run_counts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["plan-for-the-cpu", "plan-for-a-gpu"])
+def test_the_plan_predicts_the_disk_bytes_a_run_counts(tmp_path: Path, device: str) -> None:
+    """A plan for the CPU against a run on it; one for a GPU against a run on the simulated device
+    (where the host budget counts each copy's pinned block, while the disk gets its bytes)."""
     budget = 6000
     activations = ActivationPlacement(offload=[Block], host_budget=budget)
     with torch.device("meta"):
         model = Stack()
     plugin = ChunkPlugin(precision="fp32", chunk_size=4_000, activations=activations, disk_dir=tmp_path)
-    predicted = plan(model, plugin, {"x": torch.zeros_like(_data()[0])}, device="cpu", steps=2)
-    chunked, optimizer, booster = boost(
-        Stack(), adamw_two_groups, precision="fp32", chunk_size=4_000, activations=activations, disk_dir=tmp_path
-    )
-    booster.backward(_loss(chunked, _data()[0]), optimizer)
+    x = _data()[0]
+    predicted = plan(model, plugin, {"x": torch.zeros_like(x)}, device=device, steps=2)
+    with simulated_device() if device == "cuda" else nullcontext():
+        chunked, optimizer, booster = boost(
+            Stack(), adamw_two_groups, precision="fp32", chunk_size=4_000, activations=activations, disk_dir=tmp_path
+        )
+        booster.backward(_loss(chunked, x), optimizer)
     stats = chunked.stats()
     assert predicted.activation_disk_write_bytes_per_step == stats.activation_disk_write_bytes > 0
     assert predicted.activation_disk_read_bytes_per_step == stats.activation_disk_read_bytes

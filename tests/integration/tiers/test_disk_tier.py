@@ -346,3 +346,30 @@ def test_the_scratch_directories_go_with_a_collected_model_at_two_ranks(tmp_path
     for rank, (alive, after) in enumerate(run_ranks(_boost_train_and_drop, 2, args=(str(tmp_path),))):
         assert alive == 1, f"rank {rank}: {alive} scratch directories while the model lives"
         assert after == 0, f"rank {rank}: the scratch directory outlived the collected model and optimizer"
+
+
+def test_frozen_chunks_placed_on_disk_with_nothing_to_put_there_keep_their_shards_on_the_device(
+    tmp_path: Path,
+) -> None:
+    """fp32, most of the model frozen, a fifth of chunk memory's sides placed on disk: those
+    frozen chunks have no bytes for disk (their values are what gathers read, and they have no
+    gradient or state), so no disk file is opened; they keep their optimizer side in host memory
+    and their parameter shard on the device, as placed, and train as plain PyTorch does."""
+    from support.models import as_reference, batches, boost, gpt2, train_chunked, train_reference
+
+    def partly_frozen() -> torch.nn.Module:
+        model = gpt2()
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith(("transformer.h.1.", "transformer.ln_f.")))
+        return model
+
+    def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    placement = StaticPlacementConfig(offload_optim_frac=1.0, offload_disk_frac=0.2)
+    chunked, optimizer, booster = boost(
+        partly_frozen(), sgd, precision="fp32", chunk_size=6_000, placement=placement, disk_dir=str(tmp_path)
+    )
+    assert _scratch(tmp_path) == []  # nothing to put on disk: no file
+    losses = train_chunked(chunked, optimizer, booster, batches(2))
+    assert losses == train_reference(as_reference(partly_frozen()), sgd, batches(2))

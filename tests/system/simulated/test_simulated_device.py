@@ -41,7 +41,7 @@ from chunkmem.device.simulated import (
     UnorderedAccessError,
     simulated_device,
 )
-from chunkmem.placement import ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
+from chunkmem.placement import DISK_WINDOW, ActivationPlacement, AutoPlacementConfig, StaticPlacementConfig
 from chunkmem.ranks.comm import Communicator
 
 pytestmark = pytest.mark.simulated
@@ -448,6 +448,28 @@ def test_the_host_ledger_charges_the_blocks_the_pinned_allocator_holds(precision
             placement=StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, host_budget=blocks - 1),
         )
     assert refused.value.minimum == blocks
+
+
+def test_a_side_on_disk_pins_nothing_and_the_host_need_says_so(tmp_path: Path) -> None:
+    """fp32 and plain SGD, every side on disk, the parameter shards in host memory: each master
+    stays in host memory (gathers read it) unpinned, the gradient shards are on disk. The host need
+    the placement is checked by is then the masters' bytes, as the ledger holds them, plus the disk
+    tier's window (the largest ``DISK_WINDOW`` gradient shards, stepped in host memory): no pinned
+    block is counted for what is not pinned."""
+    with simulated_device():
+        chunked, *_ = boost(
+            gpt2(),
+            lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+            process_group=Communicator(None, torch.device("cpu")),
+            precision="fp32",
+            chunk_size=6_000,
+            placement=StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0),
+            disk_dir=str(tmp_path),
+        )
+        shards = [chunk.shard_numel for chunk in chunked.manager.chunks]
+        assert chunked.stats().host_bytes == sum(4 * n for n in shards)  # the masters, exactly
+        window = sum(sorted((4 * n for n in shards), reverse=True)[:DISK_WINDOW])
+        assert chunked.runtime.policy.host_need() == chunked.stats().host_bytes + window
 
 
 # --- events -----------------------------------------------------------------------------------
