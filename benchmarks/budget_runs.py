@@ -217,7 +217,7 @@ def row_steps(ctx: RankContext, key: str, start: int, count: int) -> list[tuple[
 
 def chunk_capacities(model: Any) -> list[int]:
     """Elements per chunk of a boosted model (padding included)."""
-    return [chunk.capacity for chunk in model.manager.chunks]
+    return [chunk.layout.capacity for chunk in model.manager.chunks]
 
 
 def finish_row(ctx: RankContext, key: str, steps_after_warmup: int) -> dict[str, Any]:

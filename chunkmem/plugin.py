@@ -572,14 +572,14 @@ class ChunkPlugin:
         return base.chunk_size, adapter.chunk_size
 
     def _spec(self, chunk: Chunk, world_size: int, state: StateSize, layer: DeviceLayer) -> ChunkSpec:
-        shard = chunk.shard_numel
+        shard = chunk.layout.shard_numel
         kind = chunk.layout.shard_kind
-        gathered = chunk.compute_dtype  # the compute dtype; a quantized chunk's own
+        gathered = chunk.layout.compute_dtype  # the compute dtype; a quantized chunk's own
         # The master: fp32, or a frozen chunk's values alone in the dtype gathers read (FROZEN_VALUES, QUANTIZED).
         master = shard * kind.values_dtype(gathered).itemsize
         master_is_compute = kind.values_dtype(gathered) == gathered
         trainable = kind.has_grad
-        states = state.reserved(shard, len(chunk.tensors)) if trainable else 0
+        states = state.reserved(shard, len(chunk.layout.tensors)) if trainable else 0
         grad = shard * MASTER_DTYPE.itemsize if trainable else 0
         optim_side = master + grad + states
         # What leaves host memory for disk: the states, the gradient shard, and a master gathers do
@@ -592,10 +592,10 @@ class ChunkPlugin:
 
         return ChunkSpec(
             chunk_id=chunk.chunk_id,
-            label=chunk.tensors[0].name,
-            trainable=chunk.trainable,
-            gathered_bytes=chunk.gathered_bytes,
-            grad_bytes=chunk.grad_bytes,
+            label=chunk.layout.tensors[0].name,
+            trainable=chunk.layout.trainable,
+            gathered_bytes=chunk.layout.gathered_bytes,
+            grad_bytes=chunk.layout.grad_bytes,
             optim_side_bytes=optim_side,
             shard_copy_bytes=copy,
             gathered_is_shard=world_size == 1,

@@ -141,7 +141,7 @@ def train_both(args: argparse.Namespace, texts: list[str], tokenizer: Any, root:
         theirs = [(line["loss"], line["reward"]) for line in plain.state.log_history if "loss" in line]
     if trainer.is_world_process_zero():
         models = [trainer.model, *trainer.model.frozen_models]
-        chunk_bytes = sum(chunk.gathered_bytes for m in models for chunk in m.chunks)
+        chunk_bytes = sum(chunk.layout.gathered_bytes for m in models for chunk in m.chunks)
         named = "policy, reference, reward model"
         print(f"{len(models)} models boosted together ({named}): {chunk_bytes:,} bytes of chunks")
         print("step  plain loss, reward      ChunkGRPOTrainer loss, reward")

@@ -94,7 +94,7 @@ def _check_values_in_place(pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]],
             by_chunk.setdefault(chunk.chunk_id, []).append((piece, values))
     differ = [chunks[i] for i, loaded in by_chunk.items() if not chunks[i].store.holds_in_place(loaded)]
     if differ:
-        names = [info.name for chunk in differ for info in chunk.tensors]
+        names = [info.name for chunk in differ for info in chunk.layout.tensors]
         raise StateDictMismatchError(
             f"{source} gives frozen parameters {names} other values than the weights files they are read in place "
             "from (weights=); chunkmem never writes those files. Boost with weights= pointing at the weights this "
@@ -383,13 +383,13 @@ class ChunkedModel(ModuleConversionHook, torch.nn.Module):
         runtime = self._runtime
         values: dict[int, torch.Tensor] = {}
         for chunk in self._chunks:
-            if only is not None and not any(id(info.param) in only for info in chunk.tensors):
+            if only is not None and not any(id(info.param) in only for info in chunk.layout.tensors):
                 continue
             with chunk.store.resident_master() as master:  # one at a time when masters are on disk
                 full = gather_full(runtime, self._manager.comm, chunk, master, destination, what)
                 if full is None:
                     continue
-                for info in chunk.tensors:  # copies: ``full`` may be the master itself
+                for info in chunk.layout.tensors:  # copies: ``full`` may be the master itself
                     values[id(info.param)] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
         runtime.agree_reads()
         return values
@@ -449,7 +449,7 @@ class ChunkedModel(ModuleConversionHook, torch.nn.Module):
                 continue
             info = manager.info(target)
             chunk = manager.chunk(info.chunk_id)
-            piece = chunk.piece(info)
+            piece = chunk.layout.piece(info)
             if piece is not None:
                 pieces.append((chunk, piece, state_dict[name].reshape(-1)[piece.param]))
         _check_values_in_place(pieces, source)

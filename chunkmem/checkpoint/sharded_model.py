@@ -50,8 +50,8 @@ def model_save_entries(model: ChunkedModel) -> dict[str, Entry]:
     first = manager.comm.rank == 0
     entries: dict[str, Entry] = {}
     for chunk in model.chunks:
-        for info in chunk.tensors:
-            piece = chunk.piece(info)
+        for info in chunk.layout.tensors:
+            piece = chunk.layout.piece(info)
             if piece is not None:
                 master = chunk.store.readable_master()  # mapped from the disk tier's file when there
                 entries[info.name] = FlatRange(master[piece.shard], tuple(info.shape), piece.param.start)
@@ -80,7 +80,7 @@ def plan_model_load(model: ChunkedModel, strict: bool, source: Path, metadata: M
     pieces: list[tuple[Chunk, ShardPiece, torch.Tensor]] = []
     for info in model.param_infos:
         chunk = manager.chunk(info.chunk_id)
-        piece = chunk.piece(info)
+        piece = chunk.layout.piece(info)
         if info.name in saved and piece is not None:
             staging = chunk.store.staging_for_master(piece.numel)
             targets[info.name] = FlatRange(staging, tuple(info.shape), piece.param.start)

@@ -31,7 +31,6 @@ accumulate straight into it and reducing moves nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,14 +55,12 @@ class ChunkGrads:
         comm: Communicator,
         ledger: MemoryLedger,
         stats: Stats,
-        owner: Callable[[], str],
         transfers: HostTransfers,
     ) -> None:
         self._layout = layout
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
-        self._owner = owner
         self._transfers = transfers
         self._host: torch.Tensor | None = None  # the host buffer, from the first move until the reduction
         self._store: ShardStore | None = None
@@ -83,19 +80,19 @@ class ChunkGrads:
 
     @property
     def _shard(self) -> ShardStore:
-        assert self._store is not None, f"{self._owner()}: gradients used before close()"
+        assert self._store is not None, f"{self._layout.where}: gradients used before close()"
         return self._store
 
     def _require_trainable(self, verb: str) -> None:
         if not self._layout.trainable:
-            raise RuntimeError(f"{self._owner()}: cannot {verb}; its parameters do not require grad")
+            raise RuntimeError(f"{self._layout.where}: cannot {verb}; its parameters do not require grad")
 
     def _require_buffer(self, verb: str) -> torch.Tensor:
         """The buffer a verb works on; the device residency allocates it first (``prepare``)."""
         buffer = self._buffer
         if buffer is None:
             raise RuntimeError(
-                f"{self._owner()}: cannot {verb} without a gradient buffer; the device residency allocates one "
+                f"{self._layout.where}: cannot {verb} without a gradient buffer; the device residency allocates one "
                 "first (placement.GradientBuffers.allocate, carried out as prepare_grad)"
             )
         return buffer
@@ -126,11 +123,13 @@ class ChunkGrads:
         self._require_trainable("allocate a gradient buffer")
         if self._buffer is not None:
             raise RuntimeError(
-                f"{self._owner()}: cannot allocate a gradient buffer, it has one; reduce it (start_reduce, "
+                f"{self._layout.where}: cannot allocate a gradient buffer, it has one; reduce it (start_reduce, "
                 "finish_reduce) or drop it (zero_grad) first"
             )
         if self.buffer_is_shard:
-            assert not from_host, f"{self._owner()}: a gradient shard that serves as the buffer never moves to the host"
+            assert not from_host, (
+                f"{self._layout.where}: a gradient shard that serves as the buffer never moves to the host"
+            )
             self._buffer = self._shard.grad if onto_reduced else self._shard.allocate_grad()
             self._filled = [onto_reduced and has for has in self._has_grad]
         else:
@@ -168,7 +167,7 @@ class ChunkGrads:
         free it."""
         self._require_trainable("move its gradients to the host")
         buffer = self._require_buffer("move its gradients to the host")
-        assert not self.buffer_is_shard, f"{self._owner()}: a gradient shard that serves as the buffer never moves"
+        assert not self.buffer_is_shard, f"{self._layout.where}: a gradient shard that serves as the buffer never moves"
         self._zero_unfilled(buffer)
         transfers = self._transfers
         host = self._host
@@ -185,7 +184,7 @@ class ChunkGrads:
     def _load_host(self, buffer: torch.Tensor) -> None:
         """Copy the host buffer's gradients into a fresh device buffer, which continues their sum."""
         host = self._host
-        assert host is not None, f"{self._owner()}: host gradients without a host buffer"
+        assert host is not None, f"{self._layout.where}: host gradients without a host buffer"
         self._transfers.before_host_read(host)  # the copy of the last move may still be writing it
         self._transfers.copy(buffer, host, Direction.TO_DEVICE)
 
@@ -270,5 +269,5 @@ class ChunkGrads:
     def set_params_with_grad(self, flags: tuple[bool, ...]) -> None:
         """Adopt the flags agreed over ranks (a parameter with a gradient on any rank has one)."""
         if len(flags) != len(self._has_grad):
-            raise ValueError(f"{self._owner()}: {len(flags)} flags for {len(self._has_grad)} parameters")
+            raise ValueError(f"{self._layout.where}: {len(flags)} flags for {len(self._has_grad)} parameters")
         self._has_grad = list(flags)

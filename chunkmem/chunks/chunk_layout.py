@@ -93,20 +93,26 @@ class ChunkLayout:
         return self.capacity * MASTER_DTYPE.itemsize if self.trainable else 0
 
     @property
+    def where(self) -> str:
+        """The chunk and the rank, as every error about this chunk names them."""
+        return f"chunk {self.chunk_id} (rank {self.rank})"
+
+    @property
     def closed(self) -> bool:
         """The parameters are final (the chunk has its shard)."""
         return self._closed
 
-    def require_open(self, verb: str, where: str) -> None:
-        """Raise unless parameters may still be added (``where`` names the chunk in errors)."""
+    def require_open(self, verb: str) -> None:
+        """Raise unless parameters may still be added."""
         if self._closed:
             raise RuntimeError(
-                f"{where}: cannot {verb}; the chunk is closed. Parameters are added before the chunk is closed, once"
+                f"{self.where}: cannot {verb}; the chunk is closed. "
+                "Parameters are added before the chunk is closed, once"
             )
 
-    def close(self, where: str) -> None:
+    def close(self) -> None:
         """The parameters are final."""
-        self.require_open("close", where)
+        self.require_open("close")
         self._closed = True
 
     @property
@@ -122,9 +128,10 @@ class ChunkLayout:
         """Whether a parameter of ``numel`` elements still fits."""
         return self._used + numel <= self.capacity
 
-    def append(self, info: TensorInfo, where: str) -> None:
-        """Add a parameter after the ones already in the chunk (``where`` names the chunk in errors)."""
-        self.require_open(f"append parameter '{info.name}'", where)
+    def append(self, info: TensorInfo) -> None:
+        """Add a parameter after the ones already in the chunk."""
+        where = self.where
+        self.require_open(f"append parameter '{info.name}'")
         if not self.fits(info.numel):
             raise ValueError(
                 f"{where}: parameter '{info.name}' ({info.numel} elements) does not fit in the "

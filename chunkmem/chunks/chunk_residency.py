@@ -17,7 +17,6 @@ size 1 a compute-dtype shard that stays on the device serves as the gathered chu
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -49,13 +48,11 @@ class ChunkResidency:
         comm: Communicator,
         ledger: MemoryLedger,
         stats: Stats,
-        owner: Callable[[], str],
     ) -> None:
         self._layout = layout
         self._comm = comm
         self._ledger = ledger
         self._stats = stats
-        self._owner = owner
         self._store: ShardStore | None = None
         # Shape (capacity,) for the chunk's life; only its storage is allocated and freed.
         self._buffer = torch.empty(layout.capacity, dtype=layout.compute_dtype, device=comm.device)
@@ -69,7 +66,7 @@ class ChunkResidency:
     @property
     def _shard(self) -> ShardStore:
         if self._store is None:
-            raise RuntimeError(f"{self._owner()}: has no shard yet; close() it first")
+            raise RuntimeError(f"{self._layout.where}: has no shard yet; close() it first")
         return self._store
 
     def close(self, store: ShardStore) -> None:
@@ -139,7 +136,7 @@ class ChunkResidency:
         """The handle of the gather in flight."""
         if self._pending is None:
             raise RuntimeError(
-                f"{self._owner()}: has no gather in flight; only a chunk whose gather was started asynchronously "
+                f"{self._layout.where}: has no gather in flight; only a chunk whose gather was started asynchronously "
                 "has one to wait for (the device residency knows which: DeviceResidency.held is FETCHING)"
             )
         return self._pending

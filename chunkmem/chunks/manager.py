@@ -70,7 +70,7 @@ class ChunkManager:
         """The CPU is about to write master shards (an optimizer step, a load): wait for
         asynchronous copies still reading host masters."""
         for chunk in self._chunks:
-            if chunk.closed:
+            if chunk.layout.closed:
                 chunk.store.prepare_host_write()
 
     @property
@@ -162,20 +162,20 @@ class ChunkManager:
                 chunk = self._new_chunk(-(-numel // world) * world, param.requires_grad, dtype, is_quantized)
             else:
                 chunk = open_chunks.get(key)
-                if chunk is None or not chunk.fits(numel):
+                if chunk is None or not chunk.layout.fits(numel):
                     chunk = self._new_chunk(capacity, param.requires_grad, dtype, is_quantized)
                     open_chunks[key] = chunk
             info = TensorInfo(
                 name=name,
                 param=param,
                 chunk_id=chunk.chunk_id,
-                index=len(chunk.tensors),
-                offset=chunk.used,
+                index=len(chunk.layout.tensors),
+                offset=chunk.layout.used,
                 numel=numel,
                 shape=param.shape,
                 trainable=param.requires_grad,
             )
-            chunk.append(info)
+            chunk.layout.append(info)
             self._infos[id(param)] = info
             self._ordered.append(info)
 

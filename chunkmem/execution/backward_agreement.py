@@ -25,8 +25,8 @@ def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk], fai
     ``TraceDivergenceError`` naming the odd ranks when the digests differ. Whether a read failed
     on a rank (its ``failures``) rides along: then every rank raises that ``DiskTierError``
     (``read_agreement``)."""
-    trainable = [c for c in chunks if c.trainable]
-    flags = [int(f) for c in trainable for f in c.params_with_grad]
+    trainable = [c for c in chunks if c.layout.trainable]
+    flags = [int(f) for c in trainable for f in c.grads.params_with_grad]
     values = [digest, -digest, read_failed(failures), *flags]
     payload = torch.tensor(values, dtype=torch.int64, device=comm.tensor_device)
     comm.all_reduce(payload, dist.ReduceOp.MAX)
@@ -46,6 +46,6 @@ def agree_backward(comm: Communicator, digest: int, chunks: Sequence[Chunk], fai
     agreed = [bool(v) for v in payload[3:].tolist()]
     start = 0
     for chunk in trainable:
-        n = len(chunk.tensors)
-        chunk.set_params_with_grad(tuple(agreed[start : start + n]))
+        n = len(chunk.layout.tensors)
+        chunk.grads.set_params_with_grad(tuple(agreed[start : start + n]))
         start += n

@@ -69,12 +69,13 @@ class ResidencyExecutor:
         self._on_start: Callable[[Chunk], None] | None = None
         self._records: list[list[Action]] = []
         for chunk in manager.chunks:
-            if chunk.gather_bytes != self._residency.gather_bytes(chunk.chunk_id) or (
-                chunk.grad_buffer_bytes != self._residency.grad_buffer_bytes(chunk.chunk_id)
+            if chunk.residency.gather_bytes != self._residency.gather_bytes(chunk.chunk_id) or (
+                chunk.grads.buffer_bytes != self._residency.grad_buffer_bytes(chunk.chunk_id)
             ):
                 raise RuntimeError(
-                    f"rank {self._rank}: chunk {chunk.chunk_id} allocates {chunk.gather_bytes} bytes when gathered and "
-                    f"{chunk.grad_buffer_bytes} for gradients, but its placement accounts "
+                    f"rank {self._rank}: chunk {chunk.chunk_id} allocates {chunk.residency.gather_bytes} bytes "
+                    "when gathered and "
+                    f"{chunk.grads.buffer_bytes} for gradients, but its placement accounts "
                     f"{self._residency.gather_bytes(chunk.chunk_id)} and "
                     f"{self._residency.grad_buffer_bytes(chunk.chunk_id)}; the layout was not realized as decided"
                 )
@@ -110,40 +111,40 @@ class ResidencyExecutor:
                 chunk = self._manager.chunk(action.chunk)
                 verb = action.verb
                 if verb is Verb.GATHER:
-                    chunk.gather(async_op=False)
+                    chunk.residency.gather(async_op=False)
                     stats.gathers += 1
                 elif verb is Verb.PREFETCH:
-                    chunk.gather(async_op=True)
+                    chunk.residency.gather(async_op=True)
                     stats.prefetches += 1
                     prefetched = True
                 elif verb is Verb.CLAIM:
                     stats.prefetch_hits += 1
-                    if action.in_flight and not chunk.pending.is_completed():
+                    if action.in_flight and not chunk.residency.pending.is_completed():
                         stats.prefetch_waits += 1  # rank-local: a statistic, never a decision
                 elif verb is Verb.WAIT:
-                    chunk.wait()
+                    chunk.residency.wait()
                 elif verb in (Verb.RELEASE, Verb.EVICT, Verb.DROP):
-                    chunk.release()
+                    chunk.residency.release()
                     stats.releases += verb is Verb.RELEASE
                     stats.evictions += verb is Verb.EVICT
                 elif verb is Verb.KEEP:
-                    chunk.gather(async_op=False)
+                    chunk.residency.gather(async_op=False)
                 elif verb is Verb.REFRESH:
-                    chunk.refresh()
+                    chunk.residency.refresh()
                 elif verb is Verb.ALLOCATE_GRAD:
-                    chunk.prepare_grad(from_host=action.from_host, onto_reduced=action.onto_reduced)
+                    chunk.grads.prepare(from_host=action.from_host, onto_reduced=action.onto_reduced)
                 elif verb in (Verb.START_REDUCE, Verb.REDUCE_EARLY):
                     chunk.start_reduce(onto_reduced=action.onto_reduced)
                     stats.grad_flushes += verb is Verb.REDUCE_EARLY
                     if self._on_start is not None:
                         self._on_start(chunk)
                 elif verb is Verb.SPILL_GRAD:
-                    chunk.spill_grad()
+                    chunk.grads.spill()
                     stats.grad_spills += 1
                 elif verb is Verb.FINISH_REDUCE:
-                    chunk.finish_reduce()
+                    chunk.grads.finish_reduce()
                 elif verb is Verb.ZERO_GRAD:
-                    chunk.zero_grad()
+                    chunk.grads.zero()
                 else:  # pragma: no cover - every verb is handled above
                     raise AssertionError(f"unhandled action {action}")
         except NoRoomError as refused:
@@ -263,7 +264,7 @@ class ResidencyExecutor:
         chunk is refreshed. A step leaves frozen chunks as they were: their copies stay current."""
         self.wait_all()
         for chunk in self._manager.chunks:
-            if chunk.trainable or not by_step:
+            if chunk.layout.trainable or not by_step:
                 chunk.store.mark_updated()
         self._carry(self._residency.after_step() if by_step else self._residency.refresh())
 

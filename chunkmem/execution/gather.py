@@ -63,7 +63,7 @@ def gather_full(
     step = numel if room is None else max(1, min(numel, room // per_element))
     if step == numel:
         with runtime.transient(numel * per_element, f"{what} (chunk {chunk.chunk_id})"):
-            whole = torch.empty(chunk.capacity, dtype=shard.dtype, device=comm.device)
+            whole = torch.empty(chunk.layout.capacity, dtype=shard.dtype, device=comm.device)
             comm.all_gather(whole, to_device(shard.detach(), comm.device), async_op=False)
             return to_host(whole) if receives else None
     out = torch.empty(comm.world_size, numel, dtype=shard.dtype) if receives else None

@@ -141,9 +141,9 @@ class EarlySteps:
         now = group_settings(self._state.groups)
         records = self._records
         same = all(same_settings(record.settings, now) for record in records.values()) and all(
-            chunk.chunk_id not in records or records[chunk.chunk_id].flags == chunk.params_with_grad
+            chunk.chunk_id not in records or records[chunk.chunk_id].flags == chunk.grads.params_with_grad
             for chunk in chunks
-            if chunk.trainable
+            if chunk.layout.trainable
         )
         if same:
             return self.commit()
@@ -165,7 +165,7 @@ class EarlySteps:
         self._held += nbytes
         # The hyperparameters the step uses are those now: nothing changes them while the backward
         # that queues it runs.
-        record = _Record(chunk, chunk.params_with_grad, nbytes, group_settings(self._state.groups))
+        record = _Record(chunk, chunk.grads.params_with_grad, nbytes, group_settings(self._state.groups))
         self._records[chunk.chunk_id] = record
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkmem-host-step")
@@ -175,7 +175,7 @@ class EarlySteps:
     def _restore_bytes(self, chunk: Chunk) -> int:
         """An upper bound of what ``chunk``'s restore point holds: its master shard and, per state
         tensor a run keeps now (or the state a first step creates, measured like the master)."""
-        master = chunk.shard_numel * chunk.store.master.element_size()
+        master = chunk.layout.shard_numel * chunk.store.master.element_size()
         states = 0
         for run in self._runs.runs():
             if run.chunk is chunk:
@@ -188,7 +188,7 @@ class EarlySteps:
         begin = time.perf_counter()
         record.started_in_backward = self._runtime.in_backward
         chunk = record.chunk
-        shard = chunk.grad_shard  # waits for the copy that brings it to the host
+        shard = chunk.grads.shard  # waits for the copy that brings it to the host
         pieces = {
             id(p.tensor): record.flags[p.info.index]
             for run in self._runs.runs()

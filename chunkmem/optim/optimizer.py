@@ -107,7 +107,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             self._disk = DiskSides(
                 places.file,
                 places.on_disk_of(manager.chunks),
-                lambda chunk: size.reserved(chunk.shard_numel, len(chunk.tensors)),
+                lambda chunk: size.reserved(chunk.layout.shard_numel, len(chunk.layout.tensors)),
                 self._runs,
                 self._state,
                 manager.ledger,
@@ -153,7 +153,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             if not info.trainable:
                 continue
             chunk = manager.chunk(info.chunk_id)
-            part = chunk.piece(info)
+            part = chunk.layout.piece(info)
             if part is not None:
                 pieces.append(Piece(chunk.store.master_slice(part.shard.start, part.shard.stop), chunk, info, part))
         return tuple(infos), pieces
@@ -275,9 +275,9 @@ class ChunkOptimizer(torch.optim.Optimizer):
         # Which chunks have gradients and for which parameters; each shard is read when its
         # runs are stepped (one on disk is only in memory then).
         reduced = {
-            chunk.chunk_id: (chunk, chunk.params_with_grad)
+            chunk.chunk_id: (chunk, chunk.grads.params_with_grad)
             for chunk in self._manager.chunks
-            if chunk.trainable and self._runtime.grads_reduced(chunk.chunk_id)
+            if chunk.layout.trainable and self._runtime.grads_reduced(chunk.chunk_id)
         }
         has_grad: dict[int, bool] = {}
         for piece in self._pieces:
@@ -289,7 +289,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         # Which parameters get state is agreed (a gradient on any rank), so every rank
         # accounts the same chunks.
         for chunk_id, (_, flags) in reduced.items():
-            tensors = self._manager.chunk(chunk_id).tensors
+            tensors = self._manager.chunk(chunk_id).layout.tensors
             self._ledger.note_stateful(info for info in tensors if flags[info.index])
         self._manager.prepare_master_writes()
         stepped = [
@@ -297,7 +297,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
             for run in self._runs.runs()
             if has_grad[id(run.pieces[0].tensor)] and run.chunk.chunk_id not in done and not on_disk(run.chunk)
         ]
-        self._stepper.step_with_grads(stepped, lambda chunk_id: reduced[chunk_id][0].grad_shard)
+        self._stepper.step_with_grads(stepped, lambda chunk_id: reduced[chunk_id][0].grads.shard)
         failure = self._step_from_disk(has_grad, reduced) if self._disk is not None else None
         self._ledger.account()
         self._runtime.check_budget(f"{type(self._optim).__name__}.step creating its state")
@@ -410,7 +410,7 @@ class ChunkOptimizer(torch.optim.Optimizer):
         """One chunk of the disk pipeline, its master and state in memory now."""
         self._runs.split_by_gradient(has_grad, only=lambda other: other is chunk)
         runs = [run for run in self._runs.runs() if run.chunk is chunk and has_grad[id(run.pieces[0].tensor)]]
-        self._stepper.step_with_grads(runs, lambda chunk_id: reduced[chunk_id][0].grad_shard)
+        self._stepper.step_with_grads(runs, lambda chunk_id: reduced[chunk_id][0].grads.shard)
 
     # --- where the sides live (``SidePlaces``) ----------------------------------------------
     def state_staging(self, chunk: Chunk, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -63,7 +63,7 @@ class SidePlaces:
     def on_disk(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s optimizer states live on disk between steps (the same on every rank):
         they are stepped in the disk pipeline, and reading them can fail."""
-        return chunk.trainable and chunk.chunk_id in self._disk
+        return chunk.layout.trainable and chunk.chunk_id in self._disk
 
     def on_disk_of(self, chunks: Iterable[Chunk]) -> list[Chunk]:
         """The chunks of ``chunks`` whose states live on disk, in order."""

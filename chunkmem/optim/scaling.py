@@ -101,9 +101,9 @@ class GradScaling:
         disk (which keeps what the checks need of it)."""
         out: list[torch.Tensor | GradOnDisk] = []
         for chunk in self._manager.chunks:
-            if chunk.trainable and self._runtime.grads_reduced(chunk.chunk_id):
+            if chunk.layout.trainable and self._runtime.grads_reduced(chunk.chunk_id):
                 grad = chunk.store.grad_on_disk
-                out.append(grad if grad is not None else chunk.grad_shard)
+                out.append(grad if grad is not None else chunk.grads.shard)
         return out
 
     def prepare(self) -> None:

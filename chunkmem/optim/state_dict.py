@@ -163,7 +163,7 @@ def full_optimizer_state(optimizer: OptimizerSide, destination: Destination) -> 
             full = gather_full(runtime, comm, chunk, shard, destination, f"gathering optimizer state '{key}'")
             if full is None:
                 continue
-            for info in chunk.tensors:
+            for info in chunk.layout.tensors:
                 entry = merged.get(_where(info))
                 if entry is not None and key in entry:
                     entry[key] = full[info.offset : info.offset + info.numel].view(info.shape).clone()
@@ -211,7 +211,7 @@ def _state_shards(
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of each elementwise state ``keys`` names (key -> dtype name) of ``chunk``,
     on the CPU (zero where this rank's pieces have none), read in one pass when on disk."""
-    shards = {key: torch.zeros(chunk.shard_numel, dtype=getattr(torch, name)) for key, name in keys.items()}
+    shards = {key: torch.zeros(chunk.layout.shard_numel, dtype=getattr(torch, name)) for key, name in keys.items()}
     with optimizer.resident_state(chunk):  # one chunk in memory at a time when on disk
         for piece in pieces:
             state = optimizer.piece_state(piece)

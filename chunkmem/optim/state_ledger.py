@@ -65,8 +65,9 @@ class StateLedger:
         self._accounted_for = key
         reserved: Counter[Location] = Counter()
         for chunk in self._manager.chunks:
-            if chunk.trainable and any(id(info) in self._stateful for info in chunk.tensors):
-                reserved[self._places.states(chunk)] += self._size.reserved(chunk.shard_numel, len(chunk.tensors))
+            if chunk.layout.trainable and any(id(info) in self._stateful for info in chunk.layout.tensors):
+                layout = chunk.layout
+                reserved[self._places.states(chunk)] += self._size.reserved(layout.shard_numel, len(layout.tensors))
         actual = self._runs.state_bytes(self._places.states)
         for location in Location:
             if actual[location] > reserved[location]:

@@ -554,7 +554,7 @@ def plan(
         gathers_per_step=last.gathers,
         prefetches_per_step=last.prefetches,
         chunks=len(manager.chunks),
-        chunk_size=max(c.capacity for c in manager.chunks),
+        chunk_size=max(c.layout.capacity for c in manager.chunks),
         parameters=sum(info.numel for info in manager.infos),
         grad_accum=grad_accum,
         bandwidth=bandwidth,

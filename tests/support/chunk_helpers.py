@@ -42,7 +42,7 @@ def build(
     offset = 0
     for index, p in enumerate(params):
         info = TensorInfo(f"p{index}", p, chunk_id, index, offset, p.numel(), p.shape, trainable)
-        chunk.append(info)
+        chunk.layout.append(info)
         infos.append(info)
         offset += p.numel()
     return chunk, infos, ledger, stats

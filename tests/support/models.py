@@ -332,7 +332,7 @@ _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def optimizer_step_side(chunked: ChunkedModel) -> Step:
     """The host when any trainable chunk keeps its fp32 master there (its optimizer step runs on
     the CPU), else the device. Masters stay where the plugin put them at boost."""
-    trainable = [chunk for chunk in chunked.manager.chunks if chunk.trainable]
+    trainable = [chunk for chunk in chunked.manager.chunks if chunk.layout.trainable]
     on_host = any(chunk.store.master_location is Location.HOST for chunk in trainable)
     return Step.HOST if on_host else Step.DEVICE
 
@@ -340,7 +340,7 @@ def optimizer_step_side(chunked: ChunkedModel) -> Step:
 def device_tolerance(chunked: ChunkedModel) -> Tolerance:
     """``DEVICE_TOLERANCE`` for this run's precision, optimizer side and compute device type."""
     chunks = chunked.manager.chunks
-    key = (_PRECISIONS[chunks[0].compute_dtype], optimizer_step_side(chunked), chunked.compute_device.type)
+    key = (_PRECISIONS[chunks[0].layout.compute_dtype], optimizer_step_side(chunked), chunked.compute_device.type)
     if key not in DEVICE_TOLERANCE:
         raise KeyError(
             f"no DEVICE_TOLERANCE entry for {key}: measure chunkmem against a plain-PyTorch reference on the "

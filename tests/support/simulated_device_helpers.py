@@ -28,7 +28,6 @@ CATCHES: dict[str, str] = {
         "activations/offload.py: ActivationOffload._fetch_now: self._transfers.before_host_read(copy.host) #1"
     ): "activation-offload",
     "boosted/model.py: ChunkedModel.apply_load: manager.prepare_master_writes() #1": "load-after-eval",
-    "chunks/chunk.py: Chunk.wait: self._residency.wait() #1": "auto-p3",
     "chunks/chunk_grads.py: ChunkGrads._load_host: self._transfers.before_host_read(host) #1": "w2-no-sync-spill",
     (
         "chunks/chunk_grads.py: ChunkGrads._drop_host: self._transfers.before_host_write(self._host) #1"
@@ -62,7 +61,7 @@ CATCHES: dict[str, str] = {
     "chunks/shard.py: ShardStore.resident_master: fetched.result() #1": "disk-bf16",
     "chunks/shard.py: ShardStore.resident_master: written.exception() #1": "param-disk-full",
     "chunks/values_in_place.py: InPlaceShard.values: self.read(disk, values).result() #1": "values-in-place",
-    "execution/executor.py: ResidencyExecutor._carry: chunk.wait() #1": "auto-p3",
+    "execution/executor.py: ResidencyExecutor._carry: chunk.residency.wait() #1": "auto-p3",
     "optim/disk_sides.py: DiskSides._settle: future.exception() #1": "w2-early-disk",
     "optim/early_steps.py: EarlySteps._wait: f.exception() #1": "w2-early-disk",
     "optim/optimizer.py: ChunkOptimizer._step_on: self._manager.prepare_master_writes() #1": "evaluate-before-step",

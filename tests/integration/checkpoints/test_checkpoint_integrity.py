@@ -347,7 +347,7 @@ def _failures_on_one_rank(rank: int, world_size: int, directory: str) -> dict[st
     out["optim_gathers"] = calls["all_gather"]
     comm.all_gather = original  # type: ignore[method-assign]
     out["chunks"] = len(chunked.manager.chunks)
-    out["trainable_chunks"] = sum(c.trainable for c in chunked.manager.chunks)
+    out["trainable_chunks"] = sum(c.layout.trainable for c in chunked.manager.chunks)
     out["kept_on_this_rank"] = (
         len(chunked.full_state_dict(Destination.FIRST_RANK)),
         len(full_optimizer_state(optimizer, Destination.FIRST_RANK)),

@@ -63,11 +63,11 @@ def adapter_report(chunked: Any, optimizer: Any) -> dict[str, Any]:
     """What chunkmem reports about where the fp32 training state lives, for the analytic count."""
     manager = chunked.manager
     ledger = manager.ledger
-    trainable = [c for c in manager.chunks if c.trainable]
+    trainable = [c for c in manager.chunks if c.layout.trainable]
     return {
-        "trainable_names": sorted(info.name for c in trainable for info in c.tensors),
-        "trainable_shard_numel": sum(c.shard_numel for c in trainable),
-        "frozen_chunks": sum(not c.trainable for c in manager.chunks),
+        "trainable_names": sorted(info.name for c in trainable for info in c.layout.tensors),
+        "trainable_shard_numel": sum(c.layout.shard_numel for c in trainable),
+        "frozen_chunks": sum(not c.layout.trainable for c in manager.chunks),
         "grad_shard_bytes": sum(ledger.bytes(where, MemoryKind.GRAD_SHARD) for where in Location),
         "optim_state_bytes": sum(ledger.bytes(where, MemoryKind.OPTIM_STATE) for where in Location),
         "optim_state_on_disk": ledger.bytes(Location.DISK, MemoryKind.OPTIM_STATE),
@@ -147,8 +147,9 @@ def test_an_adapter_gets_chunks_sized_for_it_not_for_the_base(tmp_path: Path) ->
     booster = Booster(ChunkPlugin(placement=placement, precision="fp32", disk_dir=tmp_path))  # chunk_size searched
     chunked, optimizer, *_ = booster.boost(model, adamw(model))
     chunks = chunked.manager.chunks
-    assert sum(c.capacity for c in chunks if c.trainable) == ADAPTER_NUMEL  # 2048: no padding
-    assert min(c.capacity for c in chunks if not c.trainable) > 10 * ADAPTER_NUMEL  # the base's size, searched
+    assert sum(c.layout.capacity for c in chunks if c.layout.trainable) == ADAPTER_NUMEL  # 2048: no padding
+    frozen = [c.layout.capacity for c in chunks if not c.layout.trainable]
+    assert min(frozen) > 10 * ADAPTER_NUMEL  # the base's size, searched
     plain = lora_model()
     plain_optimizer = adamw(plain)
     ids = batches(1)[0]

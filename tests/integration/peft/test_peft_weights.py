@@ -72,9 +72,9 @@ def _boosted(rank: int, world_size: int, directory: str, precision: str, steps: 
     return {
         "losses": losses,
         "state": chunked.state_dict(),
-        "frozen": sum(not c.trainable for c in chunks),
-        "in_place": sum(c.store.reads_in_place for c in chunks if not c.trainable),
-        "trainable_copy": 2 * sum(c.shard_numel for c in chunks if c.trainable),
+        "frozen": sum(not c.layout.trainable for c in chunks),
+        "in_place": sum(c.store.reads_in_place for c in chunks if not c.layout.trainable),
+        "trainable_copy": 2 * sum(c.layout.shard_numel for c in chunks if c.layout.trainable),
         "boost_writes": boost_writes,
         "disk_copies": chunked.manager.ledger.bytes(Location.DISK, MemoryKind.SHARD_COPY),
     }

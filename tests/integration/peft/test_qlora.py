@@ -80,14 +80,14 @@ def _quantized_report(chunked: Any) -> dict[str, Any]:
     """What the ledger and the chunks say of the quantized base on this rank."""
     manager = chunked.manager
     ledger = manager.ledger
-    chunks = [c for c in manager.chunks if c.quantized]
+    chunks = [c for c in manager.chunks if c.layout.quantized]
     return {
-        "stored": sum(info.numel * c.compute_dtype.itemsize for c in chunks for info in c.tensors),
-        "capacity": sum(c.capacity * c.compute_dtype.itemsize for c in chunks),
-        "shards": sum(c.shard_numel * c.compute_dtype.itemsize for c in chunks),
+        "stored": sum(info.numel * c.layout.compute_dtype.itemsize for c in chunks for info in c.layout.tensors),
+        "capacity": sum(c.layout.capacity * c.layout.compute_dtype.itemsize for c in chunks),
+        "shards": sum(c.layout.shard_numel * c.layout.compute_dtype.itemsize for c in chunks),
         "ledger": {where.value: ledger.bytes(where, MemoryKind.QUANTIZED) for where in Location},
-        "dtypes": sorted({str(c.compute_dtype) for c in chunks}),
-        "trainable_quantized": any(c.trainable for c in chunks),
+        "dtypes": sorted({str(c.layout.compute_dtype) for c in chunks}),
+        "trainable_quantized": any(c.layout.trainable for c in chunks),
         "peak_device": chunked.stats().peak_device_bytes,
         "evictions": chunked.stats().evictions,
         "quantized_bytes": chunked.stats().quantized_bytes,
@@ -424,7 +424,7 @@ def test_a_double_quantized_base_from_pretrained_trains_like_plain_peft_and_copi
     chunked, optimizer, booster = _boost(model, "auto-budget", None)
     report = _quantized_report(chunked)
     assert report["dtypes"] == ["torch.float32", "torch.uint8"] and report["peak_device"] <= BUDGET, report
-    names = {info.name for c in chunked.manager.chunks if c.quantized for info in c.tensors}
+    names = {info.name for c in chunked.manager.chunks if c.layout.quantized for info in c.layout.tensors}
     assert "base_model.model.model.layers.0.mlp.up_proj.weight.nested_absmax" in names
     losses = train(chunked, optimizer, booster, data)
     expected, _, masters = plain_qlora(lambda: pretrained_qlora(directory, double_quant=True), data)

@@ -54,7 +54,7 @@ def test_optimizer_sides_on_disk_train_like_the_all_in_ram_run_bit_for_bit(tmp_p
     # masters); states, gradient shards (and 16-bit models' masters) are on disk, in this
     # process's scratch directory.
     chunks = chunked.manager.chunks
-    shard = sum(c.shard_numel for c in chunks)
+    shard = sum(c.layout.shard_numel for c in chunks)
     assert len(_scratch(tmp_path)) == 1
     assert stats[-1].host_bytes == (2 * shard if precision == "bf16" else 4 * shard)
     assert stats[-1].peak_host_bytes < ram.stats().peak_host_bytes
@@ -70,8 +70,8 @@ def test_disk_traffic_per_step_is_twice_what_the_step_reads_and_nothing_more(tmp
     chunked, optimizer, booster = _boost(ON_DISK, precision, tmp_path)
     stats = _train(chunked, optimizer, booster, 4)
     chunks = chunked.manager.chunks
-    states = 8 * sum(c.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
-    grads = 4 * sum(c.shard_numel for c in chunks)  # written when reduced, read by the step
+    states = 8 * sum(c.layout.used for c in chunks)  # AdamW keeps two fp32 moments per parameter element
+    grads = 4 * sum(c.layout.shard_numel for c in chunks)  # written when reduced, read by the step
     masters = grads if precision == "bf16" else 0  # an fp32 master stays where gathers read it
     # No state before the first step: it reads gradients and masters, and writes all three.
     assert stats[1].disk_read_bytes - stats[0].disk_read_bytes == grads + masters

@@ -55,9 +55,9 @@ def _run(rank: int, world_size: int, placement: str, out: str) -> dict[str, Any]
     result = {
         "losses": losses,
         "state": chunked.state_dict(),
-        "frozen": sum(c.shard_numel for c in chunks if not c.trainable),
-        "trainable": sum(c.shard_numel for c in chunks if c.trainable),
-        "trainable_params": sum(len(c.tensors) for c in chunks if c.trainable),
+        "frozen": sum(c.layout.shard_numel for c in chunks if not c.layout.trainable),
+        "trainable": sum(c.layout.shard_numel for c in chunks if c.layout.trainable),
+        "trainable_params": sum(len(c.layout.tensors) for c in chunks if c.layout.trainable),
         "chunks": len(chunks),
         "bytes": {(w, k): ledger.bytes(w, k) for w in (Location.HOST, Location.DISK) for k in MemoryKind},
         "scratch": scratch_size(out, rank) if placement == "on-disk" else 0,
@@ -152,5 +152,6 @@ def test_a_step_does_not_copy_a_frozen_base_to_the_device_again(tmp_path: Path) 
     placement = StaticPlacementConfig(offload_optim_frac=1.0, max_prefetch=1)
     chunked, optimizer, booster = boosted(bf16_base(lora_model()), placement, "bf16", tmp_path)
     _, stats = train_counted(chunked, optimizer, booster, batches(3))
-    trainable = sum(c.shard_numel for c in chunked.manager.chunks if c.trainable) * torch.bfloat16.itemsize
+    trainable_numel = sum(c.layout.shard_numel for c in chunked.manager.chunks if c.layout.trainable)
+    trainable = trainable_numel * torch.bfloat16.itemsize
     assert [after.h2d_bytes - before.h2d_bytes for before, after in itertools.pairwise(stats[1:])] == [trainable] * 2

@@ -48,11 +48,11 @@ def assert_analytic_traffic(chunked: Any, stats: list[Any]) -> None:
     """Every gather reads one shard of what gathers read (on the CPU straight into the gathered
     buffer); every step writes each trainable chunk's shard once, a frozen chunk's never."""
     chunks = chunked.manager.chunks
-    itemsize = chunks[0].compute_dtype.itemsize
-    shards = {c.shard_numel for c in chunks}
+    itemsize = chunks[0].layout.compute_dtype.itemsize
+    shards = {c.layout.shard_numel for c in chunks}
     assert len(shards) == 1, shards  # equal chunks: a gather reads the same bytes whichever it is
     shard_bytes = shards.pop() * itemsize
-    trainable = sum(c.shard_numel for c in chunks if c.trainable) * itemsize
+    trainable = sum(c.layout.shard_numel for c in chunks if c.layout.trainable) * itemsize
     on_host = chunked.manager.transfers.layer.computes_on_host
     for before, after in itertools.pairwise(stats):
         gathers = after.gathers + after.prefetches - before.gathers - before.prefetches
@@ -64,8 +64,9 @@ def assert_analytic_traffic(chunked: Any, stats: list[Any]) -> None:
     # Between steps nothing of the model is in host memory: everything, what gathers read too, is on disk.
     assert stats[-1].host_bytes == 0
     ledger = chunked.manager.ledger
-    if chunks[0].compute_dtype != torch.float32:
-        assert ledger.bytes(Location.DISK, MemoryKind.SHARD_COPY) == sum(c.shard_numel for c in chunks) * itemsize
+    if chunks[0].layout.compute_dtype != torch.float32:
+        shards = sum(c.layout.shard_numel for c in chunks)
+        assert ledger.bytes(Location.DISK, MemoryKind.SHARD_COPY) == shards * itemsize
 
 
 @pytest.mark.slow  # the fast tier's exactness case is LoRA's at two ranks (below)
@@ -141,14 +142,14 @@ HOLDS_IT = ON_DISK.model_copy(update={"device_budget": 1 << 20})
 def _lora(rank: int, world_size: int, precision: str, out: str, placement: Any) -> dict[str, Any]:
     chunked, optimizer, booster = boosted(lora_model(), placement, precision, out)
     chunks = chunked.manager.chunks
-    assert sum(not c.trainable for c in chunks) > 0
+    assert sum(not c.layout.trainable for c in chunks) > 0
     losses, stats = train_counted(chunked, optimizer, booster, batches(STEPS), rank, world_size)
     assert_analytic_traffic(chunked, stats)  # the frozen base: read at every gather, never written
     if placement.device_budget is not None:
         # The step that records the trace gathers each chunk once (its 26 ops use the 14 chunks in
         # turn): every shard is read once in the forward, and the backward finds them all gathered.
         read = stats[1].disk_param_read_bytes - stats[0].disk_param_read_bytes
-        assert read == sum(c.shard_numel for c in chunks) * chunks[0].compute_dtype.itemsize
+        assert read == sum(c.layout.shard_numel for c in chunks) * chunks[0].layout.compute_dtype.itemsize
         assert stats[-1].peak_device_bytes <= placement.device_budget
     return {"losses": losses, "state": chunked.state_dict(), "steps_on": str(steps_on(chunked))}
 
@@ -255,11 +256,11 @@ def test_the_auto_policy_puts_parameter_shards_on_disk_when_the_sides_alone_do_n
     with pytest.raises(HostBudgetTooSmallError, match="host_budget") as refused:
         run(1, tmp_path)
     # Everything on disk, and room for half of the 16-bit copies sides on disk would leave in memory.
-    budget = refused.value.minimum + sum(c.shard_numel for c in ram.manager.chunks)
+    budget = refused.value.minimum + sum(c.layout.shard_numel for c in ram.manager.chunks)
     chunked, stats = run(budget, tmp_path)
     assert stats[-1].peak_host_bytes <= budget
     on_disk = [c.store.shard_location is Location.DISK for c in chunked.manager.chunks]
-    frozen = [not c.trainable for c in chunked.manager.chunks]
+    frozen = [not c.layout.trainable for c in chunked.manager.chunks]
     assert any(on_disk) and not all(on_disk)
     assert all(f for f, d in zip(frozen, on_disk, strict=True) if d), "frozen chunks go first"
     assert stats[-1].disk_param_read_bytes > 0

@@ -64,7 +64,7 @@ def _run(
     chunked, optimizer, *_ = booster.boost(model, adamw(model), weights=weights)
     chunks = chunked.manager.chunks
     if changer is not None:  # the file is rewritten (same size) while the ranks train on it
-        adapters = [c.store.readable_master().clone() for c in chunks if c.trainable]
+        adapters = [c.store.readable_master().clone() for c in chunks if c.layout.trainable]
         share = batches(1)[0].chunk(world_size)[rank]
         loss = chunked(input_ids=share, labels=share).loss if in_backward else None
         if rank == changer and keep_time:
@@ -81,7 +81,7 @@ def _run(
                 loss = chunked(input_ids=share, labels=share).loss
             booster.backward(loss, optimizer)
             optimizer.step()
-        after = [c.store.readable_master() for c in chunks if c.trainable]
+        after = [c.store.readable_master() for c in chunks if c.layout.trainable]
         with pytest.raises(DiskTierError, match=r"changed after boost|overwritten in place"):  # no checkpoint either
             chunked.state_dict()
         return {
@@ -98,8 +98,8 @@ def _run(
         "losses": losses,
         "state": chunked.state_dict(),
         "in_place": sum(c.store.reads_in_place for c in chunks),
-        "shard_bytes": {c.shard_numel * 2 for c in chunks},
-        "trainable": sum(c.shard_numel for c in chunks if c.trainable),
+        "shard_bytes": {c.layout.shard_numel * 2 for c in chunks},
+        "trainable": sum(c.layout.shard_numel for c in chunks if c.layout.trainable),
         "boost_writes": boost_writes,
         "scratch": scratch.stat().st_size,
         "disk_copies": ledger.bytes(Location.DISK, MemoryKind.SHARD_COPY),

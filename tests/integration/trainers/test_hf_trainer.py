@@ -159,7 +159,7 @@ def test_computes_where_training_arguments_say_not_on_the_machines_accelerator(
         plugin=default_precision,
     )
     assert chunked.model.compute_device == chunked.args.device == torch.device("cpu")
-    assert all(chunk.compute_dtype == torch.float32 for chunk in chunked.model.manager.chunks)
+    assert all(chunk.layout.compute_dtype == torch.float32 for chunk in chunked.model.manager.chunks)
     chunked.train()
     assert_same_training(logged(chunked), logged(plain), exact=True)
 
@@ -382,7 +382,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "reduce_scatter_bytes": stats.reduce_scatter_bytes,
             "optimizer_steps": stats.optimizer_steps,
             "peak_device_bytes": stats.peak_device_bytes,
-            "chunk_bytes": sum(chunk.capacity for chunk in full.model.manager.chunks) * 4,
+            "chunk_bytes": sum(chunk.layout.capacity for chunk in full.model.manager.chunks) * 4,
         }
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -83,7 +83,7 @@ def test_dpo_trainer_with_reference_model_same_losses_as_plain_trl(tmp_path: Pat
     assert [n for n, v in initial_reference.items() if not torch.equal(reference_state[n], v)] == [], "changed"
     stats = chunked.model.stats()
     assert stats.peak_device_bytes <= BUDGET, "the budget covers the policy and its reference"
-    both = sum(c.gathered_bytes for c in (*chunked.model.chunks, *reference.chunks))
+    both = sum(c.layout.gathered_bytes for c in (*chunked.model.chunks, *reference.chunks))
     assert both > BUDGET and stats.evictions > 0, "both models' chunks could not stay on the device"
 
 

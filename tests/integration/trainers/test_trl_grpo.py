@@ -171,7 +171,7 @@ def train_both_with_reference_and_reward_model(out: Path, **overrides: Any) -> d
         "reward_changed": [n for n, v in rewarder.state_dict().items() if not torch.equal(v, initial_reward[n])],
         "peak_device_bytes": stats.peak_device_bytes,
         "evictions": stats.evictions,
-        "chunk_bytes": sum(c.gathered_bytes for m in (chunked.model, reference, rewarder) for c in m.chunks),
+        "chunk_bytes": sum(c.layout.gathered_bytes for m in (chunked.model, reference, rewarder) for c in m.chunks),
     }
 
 

@@ -39,7 +39,7 @@ def test_static_fp32_accounting_matches_analytic_counts() -> None:
     numels = _param_numels(model)
     chunked, optimizer, booster = boost(model, adamw_two_groups, precision="fp32", chunk_size=CHUNK)
     ledger = chunked.manager.ledger
-    capacity = sum(c.capacity for c in chunked.manager.chunks)
+    capacity = sum(c.layout.capacity for c in chunked.manager.chunks)
     assert ledger.bytes(Location.DEVICE, MemoryKind.MASTER) == 4 * capacity
     assert ledger.bytes(Location.DEVICE, MemoryKind.GRAD_SHARD) == 4 * capacity
     assert ledger.host_bytes == 0
@@ -68,7 +68,7 @@ def test_offloaded_training_moves_exactly_the_gathered_bytes() -> None:
         model, adamw_two_groups, precision="bf16", chunk_size=16_384, placement=placement
     )
     chunks = chunked.manager.chunks
-    capacity = {c.chunk_id: c.capacity for c in chunks}
+    capacity = {c.chunk_id: c.layout.capacity for c in chunks}
     ledger = chunked.manager.ledger
     assert ledger.device_bytes == 0
     train_chunked(chunked, optimizer, booster, batches(1))

@@ -93,7 +93,7 @@ def _full_offload_counts() -> dict[str, Any]:
     config = StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0)
     booster = Booster(ChunkPlugin(placement=config, precision="fp32", chunk_size=CHUNK))
     chunked, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    capacities = [chunk.capacity for chunk in chunked.manager.chunks]
+    capacities = [chunk.layout.capacity for chunk in chunked.manager.chunks]
     steps = []
     for step, ids in enumerate(batches(4)):
         before = chunked.stats()

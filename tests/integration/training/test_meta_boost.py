@@ -65,7 +65,7 @@ def _partial_rows(model: ChunkedModel) -> int:
     count = 0
     manager = model.manager
     for info in manager.infos:
-        piece = manager.chunk(info.chunk_id).piece(info)
+        piece = manager.chunk(info.chunk_id).layout.piece(info)
         if piece is not None and len(info.shape) == 2:
             row = info.shape[1]
             count += piece.param.start % row != 0 or piece.param.stop % row != 0

@@ -230,7 +230,7 @@ def _named(actions: Any) -> list[tuple[str, int]]:
 
 
 def _chunk_params(chunked: ChunkedModel) -> list[list[str]]:
-    return [[info.name for info in chunk.tensors] for chunk in chunked.manager.chunks]
+    return [[info.name for info in chunk.layout.tensors] for chunk in chunked.manager.chunks]
 
 
 def _assert_replayed(result: dict[str, Any]) -> None:

@@ -82,7 +82,7 @@ def plain_run(ref_first: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def gathered_bytes(model: ChunkedModel) -> int:
-    return sum(chunk.gathered_bytes for chunk in model.chunks)
+    return sum(chunk.layout.gathered_bytes for chunk in model.chunks)
 
 
 def boosted_pair(
@@ -180,11 +180,11 @@ def test_one_trace_spans_both_models_and_frozen_chunks_hold_values_only() -> Non
     # At rest (host; nothing on the device between steps): the policy's fp32 masters, gradient
     # shards and AdamW's two states; the reference's values alone (fp32 here: the compute dtype).
     ledger = chunked.manager.ledger
-    policy_elems = sum(c.shard_numel for c in chunked.chunks)
-    reference_elems = sum(c.shard_numel for c in reference.chunks)
+    policy_elems = sum(c.layout.shard_numel for c in chunked.chunks)
+    reference_elems = sum(c.layout.shard_numel for c in reference.chunks)
     assert ledger.bytes(Location.HOST, MemoryKind.MASTER) == FP32 * (policy_elems + reference_elems)
     # AdamW: exp_avg and exp_avg_sq per element, and a 4-byte step per parameter.
-    policy_params = sum(len(c.tensors) for c in chunked.chunks)
+    policy_params = sum(len(c.layout.tensors) for c in chunked.chunks)
     assert ledger.bytes(Location.HOST, MemoryKind.OPTIM_STATE) == 2 * FP32 * policy_elems + FP32 * policy_params
     assert ledger.bytes(Location.HOST, MemoryKind.GRAD_SHARD) == FP32 * policy_elems
     assert ledger.device_bytes == 0

@@ -150,7 +150,7 @@ def test_frozen_parameters_lora_style() -> None:
     for name, value in frozen_before.items():
         assert torch.equal(state[name], value), name
     manager = chunked.manager
-    trainable = sum(c.shard_numel for c in manager.chunks if c.trainable)
+    trainable = sum(c.layout.shard_numel for c in manager.chunks if c.layout.trainable)
     assert manager.ledger.bytes(Location.DEVICE, MemoryKind.GRAD_SHARD) == 4 * trainable
     trainable_numel = sum(p.numel() for p in ref.parameters() if p.requires_grad)
     state_numel = sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k != "step")

@@ -48,7 +48,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     originals = [p.detach().clone() for p in params]
     reference = flat_padded(originals, capacity)
     chunk, infos, ledger, stats = build(comm, capacity, params)
-    assert chunk.shard_numel == shard and chunk.shard_range == (begin, end)
+    assert chunk.layout.shard_numel == shard and chunk.layout.shard_range == (begin, end)
     chunk.close(ChunkPlacement(DEV, DEV))
     assert_placeholders(params)
     torch.testing.assert_close(chunk.store.master, reference[begin:end], rtol=0, atol=0)
@@ -56,23 +56,23 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     assert ledger.bytes(DEV, MemoryKind.MASTER) == shard * 4
     assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == shard * 4  # reserved; allocated when reduced into
 
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     assert_values(params, originals)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 4
     assert stats.allgather_bytes == capacity * 4
-    chunk.release()
+    chunk.residency.release()
     assert_placeholders(params)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
-    pending = chunk.gather(async_op=True)
-    assert isinstance(pending, PendingGather) and chunk.pending is pending
+    pending = chunk.residency.gather(async_op=True)
+    assert isinstance(pending, PendingGather) and chunk.residency.pending is pending
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 4  # allocated when the gather starts
-    chunk.wait()
+    chunk.residency.wait()
     assert_values(params, originals)
 
     # Illegal verbs name the chunk and this rank.
     with pytest.raises(RuntimeError, match=rf"chunk 0 \(rank {rank}\): has no gather in flight"):
-        chunk.wait()
+        chunk.residency.wait()
     with pytest.raises(RuntimeError, match=rf"chunk 0 \(rank {rank}\): cannot reduce gradients"):
         chunk.reduce_grad()
     with pytest.raises(IllegalTransition, match=rf"'p1' \(chunk 0, rank {rank}\)"):
@@ -81,7 +81,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     # Gradients: each rank accumulates its own; the shard holds this rank's slice of the mean.
     g0, g1 = grads_for(0), grads_for(1)
     mine = (g0, g1)[rank]
-    chunk.prepare_grad()
+    chunk.grads.prepare()
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == capacity * 4
     for info, g in zip(infos, mine, strict=True):
         backward_grad(chunk, info, g)
@@ -89,19 +89,19 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == 0
     assert stats.reduce_scatter_bytes == capacity * 4
     mean = (flat_padded(g0, capacity) + flat_padded(g1, capacity)) / 2
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end])
-    out["grad_shard"] = chunk.grad_shard.tolist()
+    torch.testing.assert_close(chunk.grads.shard, mean[begin:end])
+    out["grad_shard"] = chunk.grads.shard.tolist()
     # A second backward before zero_grad: its reduced mean adds to the shard (the device residency
     # says it holds reduced gradients).
     h0, h1 = grads_for(10), grads_for(11)
-    chunk.prepare_grad(onto_reduced=True)
+    chunk.grads.prepare(onto_reduced=True)
     for info, g in zip(infos, (h0, h1)[rank], strict=True):
         backward_grad(chunk, info, g)
     chunk.reduce_grad(onto_reduced=True)
     mean2 = (flat_padded(h0, capacity) + flat_padded(h1, capacity)) / 2
-    torch.testing.assert_close(chunk.grad_shard, mean[begin:end] + mean2[begin:end])
-    chunk.zero_grad()
-    chunk.release()
+    torch.testing.assert_close(chunk.grads.shard, mean[begin:end] + mean2[begin:end])
+    chunk.grads.zero()
+    chunk.residency.release()
 
     # A host master (placed there at close): values survive a gather, and the gradient buffer is
     # reduced into the host shard.
@@ -111,19 +111,19 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     assert host_ledger.bytes(DEV, MemoryKind.MASTER) == 0
     assert host_ledger.bytes(HOST, MemoryKind.MASTER) == shard * 4
     assert host_ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    host.gather(async_op=False)
+    host.residency.gather(async_op=False)
     assert_values(host_params, originals)
-    host.release()
-    host.prepare_grad()
-    host.gather(async_op=False)
+    host.residency.release()
+    host.grads.prepare()
+    host.residency.gather(async_op=False)
     for info, g in zip(host_infos, mine, strict=True):
         backward_grad(host, info, g)
     host.reduce_grad()
     assert host_ledger.bytes(HOST, MemoryKind.GRAD_SHARD) == shard * 4
-    assert host.grad_shard.device.type == "cpu"
-    torch.testing.assert_close(host.grad_shard, mean[begin:end])
-    host.zero_grad()
-    host.release()
+    assert host.grads.shard.device.type == "cpu"
+    torch.testing.assert_close(host.grads.shard, mean[begin:end])
+    host.grads.zero()
+    host.residency.release()
 
     # bf16 compute: the gather casts the fp32 master.
     bf_params = make_params(seed=1)
@@ -131,10 +131,10 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     bf, _, bf_ledger, _ = build(comm, capacity, bf_params, dtype=torch.bfloat16)
     bf.close(ChunkPlacement(DEV, DEV))
     torch.testing.assert_close(bf.store.master, flat_padded(bf_originals, capacity)[begin:end], rtol=0, atol=0)
-    bf.gather(async_op=False)
+    bf.residency.gather(async_op=False)
     assert_values(bf_params, bf_originals, torch.bfloat16)
     assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
-    bf.release()
+    bf.residency.release()
     assert bf_ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
     # A host master with its 16-bit copy on the host, and one with that copy kept on the device.
@@ -143,11 +143,11 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
         placed, _, placed_ledger, _ = build(comm, capacity, placed_params, dtype=torch.bfloat16, chunk_id=chunk_id)
         placed.close(ChunkPlacement(HOST, shard_at))
         assert placed_ledger.bytes(DEV, MemoryKind.SHARD_COPY) == (shard * 2 if shard_at is DEV else 0)
-        placed.gather(async_op=True)
-        placed.wait()
+        placed.residency.gather(async_op=True)
+        placed.residency.wait()
         assert_values(placed_params, bf_originals, torch.bfloat16)
         assert placed_ledger.bytes(DEV, MemoryKind.GATHERED) == capacity * 2
-        placed.release()
+        placed.residency.release()
         assert placed_ledger.bytes(DEV) == (shard * 2 if shard_at is DEV else 0)
 
     # A frozen chunk refuses gradients, naming the chunk, parameter and rank.
@@ -155,10 +155,10 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, object]:
     frozen, frozen_infos, frozen_ledger, _ = build(comm, capacity, frozen_params, trainable=False, chunk_id=4)
     frozen.close(ChunkPlacement(DEV, DEV))
     assert frozen_ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
-    frozen.gather(async_op=False)
+    frozen.residency.gather(async_op=False)
     with pytest.raises(RuntimeError, match=rf"chunk 4 \(rank {rank}\): cannot accumulate 'p0'; .*do not require grad"):
         frozen.accumulate_grad(frozen_infos[0], torch.zeros(2, 3))
-    frozen.release()
+    frozen.residency.release()
     return out
 
 

@@ -54,7 +54,7 @@ def _accumulate(rank: int, world_size: int, kind: str, budget: int | None, micro
         gradient_accumulation=hint,
     )
     ledger = chunked.manager.ledger
-    grad_bytes = {chunk.chunk_id: chunk.grad_bytes for chunk in chunked.manager.chunks}
+    grad_bytes = {chunk.chunk_id: chunk.layout.grad_bytes for chunk in chunked.manager.chunks}
     spilled = moved = 0
     for ids in batches(STEPS, batch=4 * micro):
         lm_loss(ref, ids).backward()

@@ -433,7 +433,7 @@ def test_the_host_ledger_charges_the_blocks_the_pinned_allocator_holds(precision
         train_chunked(chunked, optimizer, booster, batches(2))
         pinned = simulator.pinned_memory()
     copy = 2 if precision == "bf16" else 0  # bytes an element of the 16-bit copy takes
-    shards = [chunk.shard_numel for chunk in chunked.manager.chunks]
+    shards = [chunk.layout.shard_numel for chunk in chunked.manager.chunks]
     blocks = sum(2 * pinned_block_size(4 * n) + pinned_block_size(copy * n) for n in shards)
     assert chunked.stats().host_bytes == pinned.allocated == blocks
     assert blocks > sum((8 + copy) * n for n in shards)
@@ -466,7 +466,7 @@ def test_a_side_on_disk_pins_nothing_and_the_host_need_says_so(tmp_path: Path) -
             placement=StaticPlacementConfig(offload_optim_frac=1.0, offload_param_frac=1.0, offload_disk_frac=1.0),
             disk_dir=str(tmp_path),
         )
-        shards = [chunk.shard_numel for chunk in chunked.manager.chunks]
+        shards = [chunk.layout.shard_numel for chunk in chunked.manager.chunks]
         assert chunked.stats().host_bytes == sum(4 * n for n in shards)  # the masters, exactly
         window = sum(sorted((4 * n for n in shards), reverse=True)[:DISK_WINDOW])
         assert chunked.runtime.policy.host_need() == chunked.stats().host_bytes + window

@@ -79,17 +79,17 @@ def test_append_rejects_bad_layouts() -> None:
     chunk = Chunk(4, 10, torch.float32, True, comm, MemoryLedger(), Stats())
     a, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(5))
     with pytest.raises(ValueError, match="another position"):
-        chunk.append(TensorInfo("a", a, 4, 0, 1, 6, a.shape, True))  # wrong offset
+        chunk.layout.append(TensorInfo("a", a, 4, 0, 1, 6, a.shape, True))  # wrong offset
     with pytest.raises(ValueError, match="another position"):
-        chunk.append(TensorInfo("a", a, 3, 0, 0, 6, a.shape, True))  # wrong chunk
-    chunk.append(TensorInfo("a", a, 4, 0, 0, 6, a.shape, True))
+        chunk.layout.append(TensorInfo("a", a, 3, 0, 0, 6, a.shape, True))  # wrong chunk
+    chunk.layout.append(TensorInfo("a", a, 4, 0, 0, 6, a.shape, True))
     with pytest.raises(ValueError, match=r"'b' \(5 elements\) does not fit in the 4 elements left"):
-        chunk.append(TensorInfo("b", b, 4, 1, 6, 5, b.shape, True))
-    assert chunk.used == 6 and len(chunk.tensors) == 1
+        chunk.layout.append(TensorInfo("b", b, 4, 1, 6, 5, b.shape, True))
+    assert chunk.layout.used == 6 and len(chunk.layout.tensors) == 1
     chunk.close(ChunkPlacement(DEV, DEV))
     c = torch.nn.Parameter(torch.zeros(1))
     with pytest.raises(RuntimeError, match=r"chunk 4 \(rank 0\): cannot append parameter 'c'; the chunk is closed"):
-        chunk.append(TensorInfo("c", c, 4, 1, 6, 1, c.shape, True))
+        chunk.layout.append(TensorInfo("c", c, 4, 1, 6, 1, c.shape, True))
 
 
 def test_store_before_close_raises() -> None:
@@ -97,7 +97,7 @@ def test_store_before_close_raises() -> None:
     with pytest.raises(RuntimeError, match=r"chunk 0 .*close\(\) it first"):
         _ = chunk.store
     with pytest.raises(RuntimeError, match=r"chunk 0 \(rank 0\): has no shard yet; close\(\) it first"):
-        chunk.gather(async_op=False)
+        chunk.residency.gather(async_op=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -107,9 +107,10 @@ def test_close_gather_release_w1(dtype: torch.dtype, placement: tuple[Location, 
     params = make_params()
     originals = [p.detach().clone() for p in params]
     chunk, _, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=dtype)
-    assert chunk.used == USED and chunk.shard_numel == capacity and chunk.shard_range == (0, capacity)
+    layout = chunk.layout
+    assert layout.used == USED and layout.shard_numel == capacity and layout.shard_range == (0, capacity)
     chunk.close(ChunkPlacement(*placement))
-    assert chunk.closed
+    assert chunk.layout.closed
     assert_placeholders(params)
     # The fp32 master holds the originals exactly (the compute dtype does not touch the master).
     torch.testing.assert_close(chunk.store.master, flat_padded(originals, capacity), rtol=0, atol=0)
@@ -121,20 +122,20 @@ def test_close_gather_release_w1(dtype: torch.dtype, placement: tuple[Location, 
     assert not chunk.store.grad_allocated
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     assert_values(params, originals, dtype)
     # At world size 1 a compute-dtype shard resident on the device is the chunk: nothing to allocate.
     resident = placement == (HOST, DEV) or (placement == (DEV, DEV) and dtype == torch.float32)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == (0 if resident else capacity * dtype.itemsize)
-    chunk.release()
+    chunk.residency.release()
     assert_placeholders(params)
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
-    pending = chunk.gather(async_op=True)
-    assert isinstance(pending, PendingGather) and chunk.pending is pending
-    chunk.wait()
+    pending = chunk.residency.gather(async_op=True)
+    assert isinstance(pending, PendingGather) and chunk.residency.pending is pending
+    chunk.residency.wait()
     assert_values(params, originals, dtype)
-    chunk.release()
+    chunk.residency.release()
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
 
 
@@ -143,12 +144,12 @@ def test_gathered_views_write_through_and_share_storage_w1() -> None:
     params = make_params()
     chunk, *_ = build(Communicator(None, CPU), 25, params, dtype=torch.bfloat16)
     chunk.close(ChunkPlacement(DEV, DEV))
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     base = params[0].data.data_ptr()
     offsets = [0, 6, 17]
     for p, offset in zip(params, offsets, strict=True):
         assert p.data.data_ptr() == base + offset * 2
-    chunk.release()
+    chunk.residency.release()
 
 
 def test_a_host_master_gathers_its_16_bit_copy_w1() -> None:
@@ -160,10 +161,10 @@ def test_a_host_master_gathers_its_16_bit_copy_w1() -> None:
     assert ledger.bytes(DEV) == 0
     # A pinned-style host cast of the master in compute dtype.
     assert ledger.bytes(HOST, MemoryKind.SHARD_COPY) == capacity * 2
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     assert_values(params, originals, torch.bfloat16)
     assert stats.h2d_bytes == capacity * 2  # the bf16 cast crossed, not the fp32 master
-    chunk.release()
+    chunk.residency.release()
 
 
 def test_placement_master_on_device_shard_on_host_is_rejected() -> None:
@@ -178,11 +179,11 @@ def test_gradients_accumulate_and_reduce_w1(master: Location) -> None:
     params = make_params()
     chunk, infos, ledger, _ = build(Communicator(None, CPU), capacity, params, dtype=torch.bfloat16)
     chunk.close(ChunkPlacement(master, master))
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     g1, g2 = grads_for(0), grads_for(1)
     buffer_bytes = 0 if master is DEV else capacity * 4  # device master: the shard is the buffer
 
-    chunk.prepare_grad()
+    chunk.grads.prepare()
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == buffer_bytes
     for info, g in zip(infos, g1, strict=True):
         backward_grad(chunk, info, g)
@@ -190,33 +191,33 @@ def test_gradients_accumulate_and_reduce_w1(master: Location) -> None:
     chunk.reduce_grad()
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == 0
     assert all(info.state is TensorState.HOLD for info in infos)
-    torch.testing.assert_close(chunk.grad_shard, flat_padded(g1, capacity))
+    torch.testing.assert_close(chunk.grads.shard, flat_padded(g1, capacity))
 
     # A second backward without zero_grad adds to the reduced shard (the device residency says it
     # holds reduced gradients).
-    chunk.prepare_grad(onto_reduced=True)
+    chunk.grads.prepare(onto_reduced=True)
     for info, g in zip(infos, g2, strict=True):
         backward_grad(chunk, info, g)
     chunk.reduce_grad(onto_reduced=True)
     expected = flat_padded(g1, capacity) + flat_padded(g2, capacity)
-    torch.testing.assert_close(chunk.grad_shard, expected)
-    assert chunk.params_with_grad == (True, True, True)
+    torch.testing.assert_close(chunk.grads.shard, expected)
+    assert chunk.grads.params_with_grad == (True, True, True)
 
-    chunk.zero_grad()
-    assert chunk.params_with_grad == (False, False, False)
+    chunk.grads.zero()
+    assert chunk.grads.params_with_grad == (False, False, False)
     assert not chunk.store.grad_allocated
     # After zero_grad a new accumulation starts from zero.
-    chunk.prepare_grad()
+    chunk.grads.prepare()
     backward_grad(chunk, infos[1], g2[1])
-    chunk.zero_grad()
+    chunk.grads.zero()
     assert ledger.bytes(DEV, MemoryKind.GRAD_BUFFER) == 0
     chunk.reset_states()
-    chunk.prepare_grad()
+    chunk.grads.prepare()
     for info, g in zip(infos, g2, strict=True):
         backward_grad(chunk, info, g)
     chunk.reduce_grad()
-    torch.testing.assert_close(chunk.grad_shard, flat_padded(g2, capacity))
-    chunk.release()
+    torch.testing.assert_close(chunk.grads.shard, flat_padded(g2, capacity))
+    chunk.residency.release()
 
 
 def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
@@ -226,27 +227,27 @@ def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
     # Whether it is gathered is the device residency's to check (test_residency.py); the chunk
     # refuses what its tensors cannot do.
     with pytest.raises(RuntimeError, match=r"chunk 3 \(rank 0\): has no gather in flight"):
-        chunk.wait()
-    chunk.gather(async_op=False)
+        chunk.residency.wait()
+    chunk.residency.gather(async_op=False)
     with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot reduce gradients without a gradient buffer"):
         chunk.reduce_grad()
     with pytest.raises(RuntimeError, match=r"chunk 3 \(rank 0\): its gradient shard is not allocated"):
-        _ = chunk.grad_shard
+        _ = chunk.grads.shard
     with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot accumulate 'p0' without a gradient buffer"):
         chunk.accumulate_grad(infos[0], torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match=r"'p1' \(chunk 3 .*leaving compute without having entered"):
         chunk.leave_compute(infos[1], TensorState.HOLD)
 
-    chunk.prepare_grad()
+    chunk.grads.prepare()
     with pytest.raises(RuntimeError, match=r"chunk 3 .*cannot allocate a gradient buffer, it has one"):
-        chunk.prepare_grad()
+        chunk.grads.prepare()
     # A second gradient for a parameter already ready, with no op in between (where ops are not
     # observed: two losses, retain_graph), adds to the first.
     chunk.accumulate_grad(infos[0], torch.ones(2, 3))
     chunk.accumulate_grad(infos[0], torch.ones(2, 3))
     assert infos[0].state is TensorState.READY_FOR_REDUCE
     chunk.reduce_grad()
-    first = chunk.grad_shard[infos[0].offset : infos[0].offset + infos[0].numel]
+    first = chunk.grads.shard[infos[0].offset : infos[0].offset + infos[0].numel]
     assert torch.equal(first, torch.full((6,), 2.0))
 
     chunk.enter_compute(infos[2])
@@ -257,10 +258,10 @@ def test_illegal_verbs_name_chunk_and_rank_w1() -> None:
     assert infos[2].state is TensorState.COMPUTE
     chunk.leave_compute(infos[2], TensorState.HOLD_AFTER_FWD)
     assert infos[2].state is TensorState.HOLD_AFTER_FWD
-    chunk.zero_grad()
+    chunk.grads.zero()
     chunk.reset_states()
     assert all(info.state is TensorState.HOLD for info in infos)
-    chunk.release()
+    chunk.residency.release()
 
 
 def test_frozen_chunk_has_no_gradients_w1() -> None:
@@ -268,16 +269,16 @@ def test_frozen_chunk_has_no_gradients_w1() -> None:
     chunk, infos, ledger, _ = build(Communicator(None, CPU), 25, params, trainable=False, chunk_id=5)
     chunk.close(ChunkPlacement(DEV, DEV))
     assert ledger.bytes(DEV, MemoryKind.GRAD_SHARD) == 0
-    assert chunk.grad_bytes == 0
-    chunk.gather(async_op=False)
+    assert chunk.layout.grad_bytes == 0
+    chunk.residency.gather(async_op=False)
     with pytest.raises(RuntimeError, match=r"chunk 5 \(rank 0\): cannot accumulate 'p0'; .*do not require grad"):
         chunk.accumulate_grad(infos[0], torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match=r"chunk 5 .*cannot allocate a gradient buffer; .*do not require grad"):
-        chunk.prepare_grad()
+        chunk.grads.prepare()
     with pytest.raises(RuntimeError, match="no gradient shard"):
         _ = chunk.store.grad
-    chunk.zero_grad()  # a no-op, not an error
-    chunk.release()
+    chunk.grads.zero()  # a no-op, not an error
+    chunk.residency.release()
 
 
 def test_scalar_parameter_w1() -> None:
@@ -286,6 +287,6 @@ def test_scalar_parameter_w1() -> None:
     chunk, *_ = build(Communicator(None, CPU), 5, [scalar, vector])
     chunk.close(ChunkPlacement(DEV, DEV))
     assert scalar.shape == torch.Size([]) and torch.isnan(scalar.data)
-    chunk.gather(async_op=False)
+    chunk.residency.gather(async_op=False)
     assert scalar.item() == 2.5
     assert torch.equal(vector.data, torch.arange(3.0))

@@ -98,9 +98,9 @@ def test_groups_by_dtype_and_requires_grad() -> None:
     distinct = {by_name[n].chunk_id for n in ("a", "frozen", "half", "bf")}
     assert len(distinct) == 4 == len(m.chunks)
     for chunk in m.chunks:
-        groups = {(info.param.dtype, info.param.requires_grad) for info in chunk.tensors}
+        groups = {(info.param.dtype, info.param.requires_grad) for info in chunk.layout.tensors}
         assert len(groups) == 1
-        assert chunk.trainable == next(iter(groups))[1]
+        assert chunk.layout.trainable == next(iter(groups))[1]
     for name, p in named:
         info = m.info(p)
         assert info.param is p and info.name == name and m.manages(p)
@@ -116,13 +116,13 @@ def test_parameter_larger_than_chunk_gets_its_own_chunk() -> None:
     m.register([("s1", small1), ("big", big), ("s2", small2)], chunk_size=10)
     # chunk_size 10 rounds up to 12 at world size 4; the 23-element parameter gets 24.
     info_big = m.info(big)
-    assert m.chunk(info_big.chunk_id).capacity == 24
-    assert [info.name for info in m.chunk(info_big.chunk_id).tensors] == ["big"]
+    assert m.chunk(info_big.chunk_id).layout.capacity == 24
+    assert [info.name for info in m.chunk(info_big.chunk_id).layout.tensors] == ["big"]
     # The open chunk of the group stays open across the big parameter.
     assert m.info(small1).chunk_id == m.info(small2).chunk_id
     assert m.info(small2).offset == 5
-    assert m.chunk(m.info(small1).chunk_id).capacity == 12
-    assert all(chunk.capacity % 4 == 0 for chunk in m.chunks)
+    assert m.chunk(m.info(small1).chunk_id).layout.capacity == 12
+    assert all(chunk.layout.capacity % 4 == 0 for chunk in m.chunks)
 
 
 def test_layout_is_deterministic() -> None:
@@ -182,7 +182,7 @@ def build_model(world: int, dtype: torch.dtype, chunk_size: int = 1000) -> tuple
     trainable = [False] * len(capacities)
     for (chunk_index, _), (_, t) in zip(placed, SIZES, strict=True):
         trainable[chunk_index] = t
-    assert [chunk.capacity for chunk in m.chunks] == capacities
+    assert [chunk.layout.capacity for chunk in m.chunks] == capacities
     return m, capacities, trainable
 
 
@@ -237,15 +237,15 @@ def test_bytes_through_gather_and_release_bf16() -> None:
     assert ledger.device_bytes == base
 
     first, second = m.chunks[0], m.chunks[2]
-    first.gather(async_op=False)
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == first.capacity * 2
-    pending = second.gather(async_op=True)
+    first.residency.gather(async_op=False)
+    assert ledger.bytes(DEV, MemoryKind.GATHERED) == first.layout.capacity * 2
+    pending = second.residency.gather(async_op=True)
     assert pending is not None
-    assert ledger.bytes(DEV, MemoryKind.GATHERED) == (first.capacity + second.capacity) * 2
-    assert ledger.peak_device_bytes == base + (first.capacity + second.capacity) * 2
-    second.wait()
-    second.release()
-    first.release()
+    assert ledger.bytes(DEV, MemoryKind.GATHERED) == (first.layout.capacity + second.layout.capacity) * 2
+    assert ledger.peak_device_bytes == base + (first.layout.capacity + second.layout.capacity) * 2
+    second.residency.wait()
+    second.residency.release()
+    first.residency.release()
     assert ledger.bytes(DEV, MemoryKind.GATHERED) == 0
     assert ledger.device_bytes == base
 
@@ -256,11 +256,11 @@ def test_fp32_gather_at_world_size_one_aliases_the_master() -> None:
     close_all(m)
     before = m.ledger.device_bytes
     for chunk in m.chunks:
-        chunk.gather(async_op=False)
+        chunk.residency.gather(async_op=False)
     assert m.ledger.bytes(DEV, MemoryKind.GATHERED) == 0
     assert m.ledger.device_bytes == before
     for chunk in m.chunks:
-        chunk.release()
+        chunk.residency.release()
 
 
 # --- packing properties --------------------------------------------------------------------------
@@ -278,26 +278,27 @@ def test_packing_properties(specs: list[tuple[int, bool]], chunk_size: int, worl
     position = {id(p): i for i, p in enumerate(params)}
     assert [position[id(info.param)] for info in m.infos] == list(range(len(params)))
     for chunk in m.chunks:
-        assert chunk.capacity % world == 0
-        assert chunk.capacity >= chunk_size or chunk.capacity >= max(info.numel for info in chunk.tensors)
-        assert chunk.used <= chunk.capacity
-        assert chunk.used == sum(info.numel for info in chunk.tensors)
+        assert chunk.layout.capacity % world == 0
+        capacity = chunk.layout.capacity
+        assert capacity >= chunk_size or capacity >= max(info.numel for info in chunk.layout.tensors)
+        assert chunk.layout.used <= chunk.layout.capacity
+        assert chunk.layout.used == sum(info.numel for info in chunk.layout.tensors)
         end = 0
         previous = -1
-        for index, info in enumerate(chunk.tensors):
+        for index, info in enumerate(chunk.layout.tensors):
             assert info.chunk_id == chunk.chunk_id and info.index == index
             assert info.offset >= end, "parameters overlap"
-            assert info.offset + info.numel <= chunk.capacity, "parameter outside its chunk"
+            assert info.offset + info.numel <= chunk.layout.capacity, "parameter outside its chunk"
             order = position[id(info.param)]
             assert order > previous, "parameters out of registration order"
             previous = order
             end = info.offset + info.numel
-            assert info.trainable == chunk.trainable
+            assert info.trainable == chunk.layout.trainable
     placed, capacities = reference_pack([(n, t) for n, t in specs], chunk_size, world)
     assert [(info.chunk_id, info.offset) for info in m.infos] == placed
-    assert [chunk.capacity for chunk in m.chunks] == capacities
+    assert [chunk.layout.capacity for chunk in m.chunks] == capacities
 
-    padding = sum(chunk.capacity - chunk.used for chunk in m.chunks)
+    padding = sum(chunk.layout.capacity - chunk.layout.used for chunk in m.chunks)
     assert padding == sum(capacities) - sum(n for n, _ in specs)
     search = search_chunk_size(params, chunk_size, chunk_size, 1, world)
     assert search.waste_elements == padding
