@@ -42,6 +42,7 @@ TITLES = {
     "compile_w2": "torch.compile per block at two ranks, against FSDP2",
     "qlora": "QLoRA: a 4-bit base on disk",
     "dpo": "DPO: a policy and its reference under one budget",
+    "before_after": "Two versions in one run: speed before and after a change",
 }
 
 NO_RESULTS = (

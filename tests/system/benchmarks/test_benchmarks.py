@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,31 @@ def test_overhead_benchmark_trains_the_same_model_on_every_side(tmp_path: Path) 
         assert payload["ratio_to_plain"][variant] == pytest.approx(ratio)
         assert len(payload["step_ms"][variant]) == 2
     assert len(payload["step_ms"]["plain"]) == 2
+
+
+def test_before_after_runs_each_version_from_its_own_checkout(tmp_path: Path) -> None:
+    """``benchmarks/before_after.py`` with a copy of this checkout's package and benchmarks as
+    "before": each version's runs import the chunkmem of its own tree (not the installed one), and
+    the summary's medians are those of the runs it recorded."""
+    before = tmp_path / "before"
+    shutil.copytree(ROOT / "chunkmem", before / "chunkmem", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "benchmarks", before / "benchmarks", ignore=shutil.ignore_patterns("__pycache__", "results"))
+    tiny = " ".join(TINY)
+    out = _run(
+        "before_after.py",
+        *("--before", str(before), "--after", str(ROOT), "--rounds", "2", "--benchmarks", "overhead"),
+        *("--overhead-args", f"--steps 2 {tiny}", "--out-dir", str(tmp_path / "out")),
+        tiny=False,
+    )
+    payload = json.loads((tmp_path / "out" / "before_after.json").read_text())
+    assert Path(payload["chunkmem"]["before"]).is_relative_to(before.resolve())
+    assert Path(payload["chunkmem"]["after"]).is_relative_to(ROOT.resolve())
+    runs = payload["runs"]["overhead"]
+    assert len(runs["before"]) == len(runs["after"]) == 2
+    for version in ("before", "after"):
+        ratios = sorted(r["ratio"] for r in runs[version])
+        assert payload["summary"]["overhead"][version]["ratio_median"] == pytest.approx(sum(ratios) / 2)
+    assert "after/before" in out and payload["summary_table"]["rows"]
 
 
 def test_disk_tier_fits_every_system_and_the_disk_traffic_is_the_optimizer_sides(tmp_path: Path) -> None:
