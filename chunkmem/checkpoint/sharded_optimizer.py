@@ -25,14 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import StateDictMismatchError
-from ..optim.state_dict import (
-    StagedOptimizerState,
-    accept,
-    check_settings,
-    check_state_shapes,
-    refusal,
-    saved_elementwise,
-)
+from ..optim.state_dict import StagedOptimizerState, check_saved_layout, refusal, stage_read_state
 from .dcp_layout import Blob, Entry, FlatRange, as_meta, read_whole, whole
 from .sharded import Reading
 
@@ -120,9 +113,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
         (layout.infos[name], f"parameter '{name}' (shape {tuple(layout.infos[name].shape)})", state)
         for name, state in layout.state.items()
     ]
-    problems, dropped = check_state_shapes(optimizer, saved)
-    if layout.problems or problems:
-        raise refusal(optimizer, str(source), layout.problems + problems)
+    checked = check_saved_layout(optimizer, str(source), saved, layout.problems)
 
     targets: dict[str, Entry] = {}
     for position, settings in layout.groups.items():
@@ -135,7 +126,7 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
         parameter = piece.info.name
         for key, value in layout.state.get(parameter, {}).items():
             name = f"state.{parameter}.{key}"
-            if saved_elementwise(value, piece.info):
+            if (parameter, key) in checked.elementwise:
                 staging = optimizer.state_staging(piece.chunk, piece.part.numel, value.dtype)
                 targets[name] = FlatRange(staging, tuple(piece.info.shape), piece.param_slice.start)
             else:
@@ -157,13 +148,9 @@ def plan_optimizer_load(optimizer: ChunkOptimizer, source: Path, metadata: Metad
                 )
             hyperparameters.append(settings)
         scaler_state = {key: targets[f"loss_scaler.{key}"].value for key in layout.scaler} or None
-        problems += check_settings(optimizer, hyperparameters, saved, scaler_state)
-        accept(optimizer, str(source), problems, dropped, scaler_state)
         states: dict[torch.Tensor, dict[str, Any]] = {}
         for piece, key, name in staged_keys:
             states.setdefault(piece.tensor, {})[key] = targets[name].value
-        # Which parameters have state is read from the checkpoint's layout, the same on every rank.
-        stateful = [layout.infos[parameter] for parameter in layout.state if parameter not in dropped]
-        return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
+        return stage_read_state(optimizer, str(source), checked, saved, states, hyperparameters, scaler_state, problems)
 
     return Reading(targets, finish)

@@ -14,11 +14,12 @@ cannot be read on one rank raises ``DiskTierError`` on every rank. Loading valid
 sizes, ids, state shapes, the state keys the optimizer class keeps, the loss scaler) on every rank
 and agrees across ranks before anything is installed: a refused load changes nothing.
 
-The checks of shapes (:func:`check_state_shapes`, before any value is read: a sharded checkpoint
-reads into buffers of those shapes) and of settings, state keys and the loss scale
-(:func:`check_settings`) are the same for this format and for a sharded checkpoint
+The checks are the same for this format and for a sharded checkpoint
 (``chunkmem.checkpoint.sharded_optimizer``), which describes its saved tensors by tensors on the
-meta device.
+meta device and comes here twice: :func:`check_saved_layout` before any value is read (shapes and
+dtypes: it reads into buffers of those shapes; which entries are elementwise), and
+:func:`stage_read_state` once the values are read (settings, state keys, the loss scale), which
+refuses them or stages them.
 """
 
 from __future__ import annotations
@@ -47,17 +48,16 @@ if TYPE_CHECKING:
     from .loss_scale import DynamicLossScaler
 
 __all__ = [
+    "CheckedLayout",
     "OptimizerSide",
     "SavedState",
     "StagedOptimizerState",
-    "accept",
-    "check_settings",
-    "check_state_shapes",
+    "check_saved_layout",
     "full_optimizer_state",
     "refusal",
-    "saved_elementwise",
     "slice_state",
     "stage_optimizer_state",
+    "stage_read_state",
 ]
 
 log = logging.getLogger("chunkmem")
@@ -284,7 +284,7 @@ SavedState = tuple[TensorInfo, str, Mapping[str, Any]]
 with their values, or on the meta device; other values as saved)."""
 
 
-def saved_elementwise(value: Any, info: TensorInfo) -> bool:
+def _saved_elementwise(value: Any, info: TensorInfo) -> bool:
     """Whether a saved state value is elementwise: a tensor of at least one dimension, unless it
     is a one-element tensor of another shape than the parameter's (a scalar)."""
     return (
@@ -294,7 +294,7 @@ def saved_elementwise(value: Any, info: TensorInfo) -> bool:
     )
 
 
-def check_state_shapes(optimizer: OptimizerSide, saved: Sequence[SavedState]) -> tuple[list[str], list[str]]:
+def _check_state_shapes(optimizer: OptimizerSide, saved: Sequence[SavedState]) -> tuple[list[str], list[str]]:
     """What is wrong with the shapes and dtypes of the saved elementwise state, and the names of
     the parameters whose state is not loaded (they do not require grad here)."""
     problems: list[str] = []
@@ -304,7 +304,7 @@ def check_state_shapes(optimizer: OptimizerSide, saved: Sequence[SavedState]) ->
             dropped.append(info.name)
             continue
         for key, value in entry.items():
-            if not saved_elementwise(value, info):
+            if not _saved_elementwise(value, info):
                 continue  # scalars (a step count) are kept whole
             if tuple(value.shape) != tuple(info.shape):
                 problems.append(
@@ -316,7 +316,7 @@ def check_state_shapes(optimizer: OptimizerSide, saved: Sequence[SavedState]) ->
     return problems, dropped
 
 
-def check_settings(
+def _check_settings(
     optimizer: OptimizerSide,
     settings: Sequence[Mapping[str, Any]],
     saved: Sequence[tuple[TensorInfo, str, Collection[str]]],
@@ -347,7 +347,7 @@ def check_settings(
     return problems
 
 
-def accept(optimizer: OptimizerSide, source: str, problems: list[str], dropped: list[str], scaler_state: Any) -> None:
+def _accept(optimizer: OptimizerSide, source: str, problems: list[str], dropped: list[str], scaler_state: Any) -> None:
     """Refuse a state with ``problems`` (listing them); say what a valid one leaves unused."""
     if problems:
         raise refusal(optimizer, source, problems)
@@ -361,6 +361,51 @@ def accept(optimizer: OptimizerSide, source: str, problems: list[str], dropped: 
         )
     if scaler_state is not None and optimizer.loss_scaler is None:
         log.info("chunkmem: %s holds an fp16 loss scale; this run is not fp16, so it is not used", source)
+
+
+@dataclass(frozen=True)
+class CheckedLayout:
+    """A sharded checkpoint's saved state, its structure checked before any value is read."""
+
+    elementwise: frozenset[tuple[str, str]]
+    """The (parameter name, state key) pairs saved elementwise: read into this rank's pieces."""
+    dropped: list[str]
+    """Parameters with saved state that do not require grad here (not loaded)."""
+
+
+def check_saved_layout(
+    optimizer: OptimizerSide, source: str, saved: Sequence[SavedState], problems: Sequence[str] = ()
+) -> CheckedLayout:
+    """Refuse a saved state (``saved``: its values as tensors on the meta device) whose shapes or
+    dtypes are wrong, or with the caller's ``problems``, listing every one; otherwise say which of
+    its entries are elementwise and which parameters' state is not loaded. Reads nothing."""
+    shape_problems, dropped = _check_state_shapes(optimizer, saved)
+    if problems or shape_problems:
+        raise refusal(optimizer, source, [*problems, *shape_problems])
+    elementwise = frozenset(
+        (info.name, key) for info, _, entry in saved for key, value in entry.items() if _saved_elementwise(value, info)
+    )
+    return CheckedLayout(elementwise, dropped)
+
+
+def stage_read_state(
+    optimizer: OptimizerSide,
+    source: str,
+    checked: CheckedLayout,
+    saved: Sequence[SavedState],
+    states: dict[torch.Tensor, dict[str, Any]],
+    hyperparameters: list[dict[str, Any]],
+    scaler_state: dict[str, Any] | None,
+    problems: Sequence[str] = (),
+) -> StagedOptimizerState:
+    """What a sharded load read (``states``: this rank's pieces' state; each group's
+    ``hyperparameters``; the loss scaler's state), refused with the caller's ``problems`` and
+    those of its settings, state keys and loss scale, listing every one, or staged."""
+    found = [*problems, *_check_settings(optimizer, hyperparameters, saved, scaler_state)]
+    _accept(optimizer, source, found, checked.dropped, scaler_state)
+    # Which parameters have state is read from the checkpoint's layout, the same on every rank.
+    stateful = [info for info, _, _ in saved if info.name not in checked.dropped]
+    return StagedOptimizerState(states, hyperparameters, scaler_state, stateful)
 
 
 def stage_optimizer_state(optimizer: OptimizerSide, state_dict: Any, source: str) -> StagedOptimizerState:
@@ -409,11 +454,11 @@ def stage_optimizer_state(optimizer: OptimizerSide, state_dict: Any, source: str
             problems.append(f"the state of {where} is a {type(entry).__name__}, not a mapping")
             continue
         entries.append((info, where, entry))
-    shape_problems, dropped = check_state_shapes(optimizer, entries)
+    shape_problems, dropped = _check_state_shapes(optimizer, entries)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_groups]
     scaler_state = state_dict.get("loss_scaler")
-    problems += shape_problems + check_settings(optimizer, hyper, entries, scaler_state)
-    accept(optimizer, source, problems, dropped, scaler_state)
+    problems += shape_problems + _check_settings(optimizer, hyper, entries, scaler_state)
+    _accept(optimizer, source, problems, dropped, scaler_state)
     states: dict[torch.Tensor, dict[str, Any]] = {}
     for piece in optimizer.pieces:
         pid = id_of[id(piece.info)]

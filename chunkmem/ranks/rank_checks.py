@@ -38,6 +38,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,6 +139,9 @@ class RankChecks:
         self._agreeing: str | None = None
         self._thread = threading.get_ident()
         self._channel = RankChannel(self._ranks, rank, timeout, self._receive)
+        # Once nothing can ask for a check (the boosted model and its optimizer are collected), the
+        # two groups and the listener go: a process that boosts again and again keeps none of them.
+        weakref.finalize(self, self._channel.close, (self._side,)).atexit = False  # a process's end frees them
 
     @property
     def side_group(self) -> Any:

@@ -37,7 +37,7 @@ TITLES = {
     "collectives": "Collectives alone",
     "chunk_search": "The chunk-size search",
     "wait_removal": "Every wait removed alone, on the simulated device",
-    "walks": "How far an op and a gradient travel through the code",
+    "walks": "How far an op, a gradient and a load travel through the code",
     "compile_w1": "torch.compile per block at one rank",
     "compile_w2": "torch.compile per block at two ranks, against FSDP2",
     "qlora": "QLoRA: a 4-bit base on disk",

@@ -222,6 +222,11 @@ NOT_ORDERING: dict[str, str] = {
         "on the cross-rank channel's listener thread, a thread of its own (not a pool's), which the simulation does "
         "not run: the header it waits for is read on that thread only"
     ),
+    "ranks/rank_channel.py: RankChannel._close: send.wait() #1": (
+        "on the thread that closes a channel whose owner was collected, a thread of its own that the simulation "
+        "does not run: the closing header it waits for is sent and read on that thread only, and the groups are "
+        "destroyed after it (tests/system/ranks/test_rank_channel.py counts what is left)"
+    ),
     "ranks/rank_checks.py: _done: work.wait() #2": (
         "a cross-rank check whose collective completed between the poll's timeout and the look (a timing window no "
         "run can be made to hit): the work is done, and the call raises its failure"

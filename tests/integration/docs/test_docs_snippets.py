@@ -57,11 +57,11 @@ def test_every_block_is_run_or_says_why_not() -> None:
 def test_the_readme_keeps_the_test_command_ci_runs() -> None:
     readme = next(p for p in PAGES if p.name == "README.md")
     commands = [b for b in readme.blocks if b.kind == "test-command"]
-    assert [b.text for b in commands] == ["python -m pytest -q"]
+    assert [b.text for b in commands] == ["python -m pytest -q -n 2"]
     # .ci/run reads the line two after the marker (the fence, then the command): keep them adjacent.
     lines = (ROOT / "README.md").read_text().splitlines()
     at = lines.index("<!-- test-command -->")
-    assert lines[at + 1] == "```bash" and lines[at + 2] == "python -m pytest -q"
+    assert lines[at + 1] == "```bash" and lines[at + 2] == "python -m pytest -q -n 2"
 
 
 def _imports(text: str) -> list[tuple[str, set[str]]]:

@@ -658,6 +658,7 @@ def test_two_ranks_equal_eager_chunkmem_bit_for_bit_and_plain_per_block_compile_
     assert_ranks_equal_eager_and_the_reference(run_ranks(_ranks, 2, args=(placements,)), placements)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_four_ranks_sharded_and_under_a_budget_equal_eager_chunkmem_and_plain_per_block_compile() -> None:

@@ -45,6 +45,7 @@ def where_a_rank_runs(rank: int, world_size: int) -> tuple[int, bool, float]:
     return os.getppid(), "transformers" in sys.modules and "chunkmem.checkpoint" in sys.modules, float(total[0])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ranks_start_from_a_fresh_interpreter_server_as_where_torch_sees_a_gpu() -> None:
     done = subprocess.run(
