@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         "chunkmem frames on the stack when the second step's first all-gather, gradient reduction and inner "
         "optimizer step are issued, two ranks (gloo), a GPT-2 of 2 layers sharded with the static placement; a "
         "gradient's files are those of its reduction's stack and its step's together. The load is every chunkmem "
-        "call of booster.load_optimizer of that optimizer's sharded directory on rank 0, traced with "
-        "sys.setprofile. A climb back up is a call into a file already further out on the stack (a callback); an "
-        "entry is a call into a file from another."
+        "call of booster.load_optimizer of that optimizer's sharded directory on rank 0, on the calling thread, "
+        "traced with sys.setprofile. A climb back up is a call into a file already further out on the stack (a "
+        "callback); an entry is a call into a file from another."
     )
     summary = {"headers": headers, "rows": rows, "note": note}
     write_json("walks", {"walks": entries, "summary_table": summary}, args.out_dir)

@@ -15,8 +15,11 @@ other to come back to receiving.
 The listener holds what it hands messages to weakly: a strong reference from it would keep the
 boosted model that owns the channel (its chunks, its disk tier's scratch files) alive after the user
 dropped it. Its owner ``close``s the channel when that model is collected, and the channel's gloo
-groups (each a few threads and sockets) are then destroyed, so a process that boosts model after
-model (a sweep, a test session's ranks) keeps none of them. A receive cannot be cancelled, so
+groups (each a few threads and sockets) are destroyed once every rank has let go of its model, so a
+process that boosts model after model on every rank (a sweep, a test session's ranks) does not
+pile them up. (A rank that keeps its model keeps the others' groups alive; after the user destroyed
+every group, as a script's last line may, nothing is left to tell and the listener stays blocked
+until the process ends.) A receive cannot be cancelled, so
 closing is a short handshake: each rank that closes its end says so to every other rank, and a
 listener stops once every other rank has closed theirs (nothing more can come) or the group failed
 (a rank's process ended). The groups are destroyed once both this rank has closed and its listener
@@ -46,6 +49,9 @@ _NUMBERS = 5
 _HEADER = 2 + _NUMBERS + 1  # kind, sender, numbers, length of the text
 _HEADER_TAG = 0
 _CLOSED = 0  # the kind of the header that says its sender closed its end (no text; ``send`` refuses it)
+# How long a closing message waits to be received: a live listener takes it at once; one that stopped
+# because another rank's process ended never will (a timed-out wait closes the connection, harmless here).
+_CLOSING_WAIT = datetime.timedelta(seconds=10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +91,9 @@ class _Ends:
         return self._state
 
     def closed_here(self, groups: Sequence[Any]) -> None:
-        """This rank's closing messages were received (``groups``: more groups to destroy with the
-        channel's). The end of the two, if the listener had already stopped: then it destroys the
-        groups, on this thread."""
+        """This rank's closing messages were received, or could not be (``groups``: more groups to
+        destroy with the channel's). The end of the two, if the listener had already stopped: then it
+        destroys the groups, on this thread."""
         with self._lock:
             if self._state not in (ChannelState.OPEN, ChannelState.PEERS_GONE):
                 raise RuntimeError(
@@ -198,7 +204,7 @@ class RankChannel:
                 continue
             try:  # received at once: the other rank's listener waits for it before it stops
                 for send in self._send(to, _CLOSED, (), ""):
-                    send.wait()
+                    send.wait(timeout=_CLOSING_WAIT)
             except Exception as error:  # its process ended, or the user destroyed every group: nothing to tell
                 log.debug("chunkmem: rank %d could not be told the channel closed: %s", to, error)
         self._ends.closed_here(with_groups)

@@ -35,6 +35,7 @@ import datetime
 import enum
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -112,6 +113,12 @@ def _done(work: Any) -> bool:
     return True
 
 
+def _close_in(creator: int, channel: RankChannel, side: Any) -> None:
+    """Close ``channel`` and ``side`` with it, in the process that made them."""
+    if os.getpid() == creator:
+        channel.close((side,))
+
+
 def fingerprint(text: str) -> int:
     """A 62-bit fingerprint of ``text``, the same in every process."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
@@ -141,7 +148,9 @@ class RankChecks:
         self._channel = RankChannel(self._ranks, rank, timeout, self._receive)
         # Once nothing can ask for a check (the boosted model and its optimizer are collected), the
         # two groups and the listener go: a process that boosts again and again keeps none of them.
-        weakref.finalize(self, self._channel.close, (self._side,)).atexit = False  # a process's end frees them
+        # Only in this process: a forked child (a data loader's worker) shares the sockets, not the ranks.
+        finalizer = weakref.finalize(self, _close_in, os.getpid(), self._channel, self._side)
+        finalizer.atexit = False  # a process's end frees them
 
     @property
     def side_group(self) -> Any:

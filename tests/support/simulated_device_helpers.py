@@ -222,7 +222,7 @@ NOT_ORDERING: dict[str, str] = {
         "on the cross-rank channel's listener thread, a thread of its own (not a pool's), which the simulation does "
         "not run: the header it waits for is read on that thread only"
     ),
-    "ranks/rank_channel.py: RankChannel._close: send.wait() #1": (
+    "ranks/rank_channel.py: RankChannel._close: send.wait(timeout=_CLOSING_WAIT) #1": (
         "on the thread that closes a channel whose owner was collected, a thread of its own that the simulation "
         "does not run: the closing header it waits for is sent and read on that thread only, and the groups are "
         "destroyed after it (tests/system/ranks/test_rank_channel.py counts what is left)"
