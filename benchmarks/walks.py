@@ -1,10 +1,10 @@
 """How far a forward op's gather and a gradient travel through chunkmem: the chunkmem files and
 calls on the stack when the op's all-gather is issued, and, for a gradient, when its reduction
 is issued (in the backward) and when the user's optimizer steps it (in ``optimizer.step``). And
-the trip of a sharded optimizer checkpoint's load (``booster.load_optimizer`` of a directory): every
-chunkmem call it makes, traced, counted as the rooms it visits (files), the times it climbs back
-up (a call into a file already further out on the stack: a callback), and the times it enters the
-optimizer state's checks (``optim/state_dict.py``).
+the trip of a sharded optimizer checkpoint's load (``booster.load_optimizer`` of a directory): the
+chunkmem calls the checkpoint code makes and those into it, traced, counted as the rooms they visit
+(files), the climbs back up (a call into a file already further out on the stack: a callback), and
+the ways into the optimizer state's checks (``optim/state_dict.py``: the functions called there).
 
 Two ranks (gloo) train a small GPT-2 sharded, with the default static placement; the second step's
 first all-gather, gradient reduction and inner optimizer step are recorded (the first step records
@@ -141,14 +141,13 @@ def _climbs(chain: list[str]) -> list[str]:
     return climbs
 
 
-def _entries(chain: list[str]) -> dict[str, int]:
-    """How many times a stack (outermost first) enters each file from another."""
-    entries: dict[str, int] = {}
-    for depth, frame in enumerate(chain):
-        path = frame.split(":")[0]
-        if depth == 0 or chain[depth - 1].split(":")[0] != path:
-            entries[path] = entries.get(path, 0) + 1
-    return entries
+def _ways_into(chain: list[str], path: str) -> set[str]:
+    """The functions of ``path`` that a stack (outermost first) enters from another file."""
+    return {
+        frame.split(":")[1]
+        for depth, frame in enumerate(chain)
+        if frame.split(":")[0] == path and (depth == 0 or chain[depth - 1].split(":")[0] != path)
+    }
 
 
 def _files(*chains: list[str]) -> list[str]:
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = sum(len(chain) for chain in chains)
         met = len(files) <= TARGETS[walk]
         climbs = [climb for chain in chains for climb in _climbs(chain)]
-        into_checks = sum(_entries(chain).get(_STATE_CHECKS, 0) for chain in chains)
+        into_checks = len(set().union(*(_ways_into(chain, _STATE_CHECKS) for chain in chains)))
         rows.append(
             [walk, calls, len(files), TARGETS[walk], "yes" if met else "no", len(climbs), into_checks, ", ".join(files)]
         )
@@ -209,17 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         "target",
         "met",
         "climbs back up",
-        f"entries into {_STATE_CHECKS}",
+        f"ways into {_STATE_CHECKS}",
         "the files, in the order first visited",
     ]
     print_table(headers, rows)
     note = (
         "chunkmem frames on the stack when the second step's first all-gather, gradient reduction and inner "
         "optimizer step are issued, two ranks (gloo), a GPT-2 of 2 layers sharded with the static placement; a "
-        "gradient's files are those of its reduction's stack and its step's together. The load is every chunkmem "
-        "call of booster.load_optimizer of that optimizer's sharded directory on rank 0, on the calling thread, "
-        "traced with sys.setprofile. A climb back up is a call into a file already further out on the stack (a "
-        "callback); an entry is a call into a file from another."
+        "gradient's files are those of its reduction's stack and its step's together. The load is the chunkmem "
+        "calls from and into the checkpoint code in booster.load_optimizer of that optimizer's sharded directory on "
+        "rank 0, on the calling thread, traced with sys.setprofile. A climb back up is a call into a file already "
+        "further out on the stack (a callback); a way in is a function called from another file."
     )
     summary = {"headers": headers, "rows": rows, "note": note}
     write_json("walks", {"walks": entries, "summary_table": summary}, args.out_dir)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ChannelState", "Message", "RankChannel"]
+__all__ = ["Message", "RankChannel"]
 
 log = logging.getLogger("chunkmem")
 
@@ -150,10 +150,6 @@ class RankChannel:
             daemon=True,
         )
         self._listener.start()
-
-    @property
-    def state(self) -> ChannelState:
-        return self._ends.state
 
     def send(self, to: int, kind: int, numbers: Sequence[int] = (), text: str = "") -> list[Any]:
         """Start sending a message to the rank with index ``to``; returns the sends, which the
